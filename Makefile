@@ -1,0 +1,34 @@
+# The README's two commands: `make run` trains the embedded default, `make test` runs the suite.
+# Each creates or updates the virtual environment first.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU wheel of torch 2.13.0 lies on this kind of machine; an unpinned torch pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.adaptive-batch-installed
+# torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+.PHONY: run test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/tune run recipes/full_finetune_single_device.py --config configs/tiny/full_single_device.yaml $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	$(BIN)/python benchmarks/bench_probe.py $(ARGS)
+
+clean:
+	rm -rf outputs .pytest_cache
