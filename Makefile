@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/tune run recipes/full_finetune_single_device.py --config configs/tiny/full_single_device.yaml $(ARGS)
+	$(BIN)/tune run recipes/full_finetune_single_device.py --config configs/tiny/full_single_device.yaml \
+		use_maximum_batch_size=True max_memory=512MiB $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,84 @@
+"""adaptive-batch: find the largest batch that fits before training, for torchtune recipes."""
+
+from adaptive_batch.checkpoint import write_random_init_checkpoint
+from adaptive_batch.config_checks import (
+    AdaptiveBatchOptions,
+    check_adaptive_batch_options,
+    check_known_keys,
+    check_stock_recipe_options,
+    ConfigError,
+)
+from adaptive_batch.data import pydoc_paragraphs, pydoc_text_dataset
+from adaptive_batch.estimator import LinearMemoryEstimate
+from adaptive_batch.memory import (
+    address_space_limit,
+    device_capacity,
+    DeviceCapacity,
+    format_bytes,
+    parse_memory,
+    return_freed_memory_to_os,
+)
+from adaptive_batch.oom import is_oom_error, release_memory
+from adaptive_batch.probe import (
+    describe_result,
+    memory_budget,
+    MemoryBudget,
+    PROBE_FILENAME,
+    PROBE_STATE_KEY,
+    probe_max_batch_size,
+    probe_report,
+    training_state_bytes,
+    worst_case_text_batch,
+    write_probe_report,
+)
+from adaptive_batch.search import (
+    BatchSizeTooLargeError,
+    round_batch_size,
+    search_max_batch_size,
+    SearchResult,
+    Trial,
+)
+from adaptive_batch.snapshot import TrainingStateSnapshot
+from adaptive_batch.tokenizer import byte_tokenizer, ByteTokenizer
+from adaptive_batch.tracker import LiveTensorCounter, live_tensor_bytes, measure_peak_bytes
+
+__all__ = [
+    "AdaptiveBatchOptions",
+    "BatchSizeTooLargeError",
+    "ByteTokenizer",
+    "ConfigError",
+    "DeviceCapacity",
+    "LinearMemoryEstimate",
+    "LiveTensorCounter",
+    "MemoryBudget",
+    "PROBE_FILENAME",
+    "PROBE_STATE_KEY",
+    "SearchResult",
+    "TrainingStateSnapshot",
+    "Trial",
+    "address_space_limit",
+    "byte_tokenizer",
+    "check_adaptive_batch_options",
+    "check_known_keys",
+    "check_stock_recipe_options",
+    "describe_result",
+    "device_capacity",
+    "format_bytes",
+    "is_oom_error",
+    "live_tensor_bytes",
+    "measure_peak_bytes",
+    "memory_budget",
+    "parse_memory",
+    "probe_max_batch_size",
+    "probe_report",
+    "pydoc_paragraphs",
+    "pydoc_text_dataset",
+    "release_memory",
+    "return_freed_memory_to_os",
+    "round_batch_size",
+    "search_max_batch_size",
+    "training_state_bytes",
+    "worst_case_text_batch",
+    "write_probe_report",
+    "write_random_init_checkpoint",
+]

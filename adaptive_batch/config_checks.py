@@ -1,0 +1,188 @@
+"""Checks of a recipe's settings that run before anything expensive is built.
+
+Every failure is a :class:`ConfigError` whose message names the key, the value and the fix.
+The functions take plain values, not a ``DictConfig``, so any loop can use them.
+"""
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from adaptive_batch.memory import MemorySpec, parse_memory
+from adaptive_batch.search import ROUNDING_MODES
+
+
+class ConfigError(ValueError):
+    """A setting the recipe cannot run with; the message says which and how to fix it."""
+
+
+def check_known_keys(keys: Iterable[str], known_keys: Iterable[str]) -> None:
+    """Rejects top-level keys the recipe does not read (``key=value`` typos add new keys).
+
+    Raises:
+        ConfigError: naming the first unknown key and the closest known one.
+    """
+    known = sorted(set(known_keys))
+    for key in sorted(keys):
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+        raise ConfigError(f"unknown config key {key!r}: this recipe does not read it; {hint}")
+
+
+def check_bool(key: str, value: Any) -> bool:
+    """Raises:
+    ConfigError: unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be true or false: set {key}=True or {key}=False.")
+    return value
+
+
+def check_positive_int(key: str, value: Any, *, allow_none: bool = False) -> Optional[int]:
+    """Raises:
+    ConfigError: unless ``value`` is an integer of at least 1 (or ``None`` when allowed)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        also = " or null" if allow_none else ""
+        raise ConfigError(f"{key}={value!r} must be a positive integer{also}: e.g. {key}=8.")
+    return value
+
+
+@dataclass(frozen=True)
+class AdaptiveBatchOptions:
+    """The checked adaptive-batch settings of a recipe.
+
+    Attributes:
+        use_maximum_batch_size: probe for the largest batch before training.
+        max_memory_bytes: the user's memory limit for a step's peak, or ``None`` for the device.
+        memory_safety_margin: fraction of the limit held back for fragmentation.
+        batch_size_rounding: ``"none"`` or ``"power_of_two"``.
+        max_batch_size: the largest batch the probe may choose, or ``None``.
+    """
+
+    use_maximum_batch_size: bool
+    max_memory_bytes: Optional[int]
+    memory_safety_margin: float
+    batch_size_rounding: str
+    max_batch_size: Optional[int]
+
+
+def check_adaptive_batch_options(
+    *,
+    batch_size: Any,
+    use_maximum_batch_size: Any,
+    max_memory: MemorySpec,
+    memory_safety_margin: Any,
+    batch_size_rounding: Any,
+    max_batch_size: Any,
+    batch_increase_function: Any,
+    device_capacity_bytes: Optional[int],
+) -> AdaptiveBatchOptions:
+    """Checks the adaptive-batch keys of a recipe config.
+
+    Args:
+        batch_size: the config's ``batch_size`` (used as is when probing is off).
+        use_maximum_batch_size: must be a boolean.
+        max_memory: bytes, a size string, a fraction of the device, or ``None``.
+        memory_safety_margin: a float in ``[0, 1)``.
+        batch_size_rounding: one of ``ROUNDING_MODES``.
+        max_batch_size: a positive integer or ``None``.
+        batch_increase_function: must be ``None`` (online growth is not in this recipe yet).
+        device_capacity_bytes: what the device can hold, to read fractions and reject a
+            ``max_memory`` larger than the device; ``None`` when unknown.
+
+    Returns:
+        The checked options.
+
+    Raises:
+        ConfigError: for the first bad value.
+    """
+    check_positive_int("batch_size", batch_size)
+    use_max = check_bool("use_maximum_batch_size", use_maximum_batch_size)
+    try:
+        max_memory_bytes = parse_memory(max_memory, capacity_bytes=device_capacity_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if (
+        isinstance(memory_safety_margin, bool)
+        or not isinstance(memory_safety_margin, (int, float))
+        or not 0 <= memory_safety_margin < 1
+    ):
+        raise ConfigError(
+            f"memory_safety_margin={memory_safety_margin!r} must be a number in [0, 1): "
+            "e.g. memory_safety_margin=0.05 keeps 5% of the budget back."
+        )
+    if batch_size_rounding not in ROUNDING_MODES:
+        raise ConfigError(
+            f"batch_size_rounding={batch_size_rounding!r} is not one of {list(ROUNDING_MODES)}: "
+            "use batch_size_rounding=none to keep the exact size."
+        )
+    cap = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
+    if batch_increase_function is not None:
+        raise ConfigError(
+            f"batch_increase_function={batch_increase_function!r}: online batch growth is not "
+            "available in this recipe yet; set batch_increase_function=null."
+        )
+    return AdaptiveBatchOptions(
+        use_maximum_batch_size=use_max,
+        max_memory_bytes=max_memory_bytes,
+        memory_safety_margin=float(memory_safety_margin),
+        batch_size_rounding=batch_size_rounding,
+        max_batch_size=cap,
+    )
+
+
+def check_stock_recipe_options(
+    *,
+    dtype: str,
+    device_type: str,
+    optimizer_in_bwd: bool,
+    gradient_accumulation_steps: Any,
+    clip_grad_norm: Any,
+    enable_activation_checkpointing: bool,
+    enable_activation_offloading: bool,
+    collate_fn: str,
+    compile_model: bool,
+    use_maximum_batch_size: bool,
+) -> None:
+    """The combinations torchtune's full-finetune recipe rejects, plus the probe's own.
+
+    Raises:
+        ConfigError: for the first bad combination.
+    """
+    if dtype == "fp16":
+        raise ConfigError("dtype='fp16': full fp16 training is not supported by this recipe; set dtype=bf16 or dtype=fp32.")
+    check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+    if optimizer_in_bwd and clip_grad_norm is not None:
+        raise ConfigError(
+            f"clip_grad_norm={clip_grad_norm!r} with optimizer_in_bwd=True: gradient clipping needs "
+            "the whole gradient; set clip_grad_norm=null or optimizer_in_bwd=False."
+        )
+    if optimizer_in_bwd and gradient_accumulation_steps > 1:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gradient_accumulation_steps} with optimizer_in_bwd=True: "
+            "set gradient_accumulation_steps=1 or optimizer_in_bwd=False."
+        )
+    if enable_activation_offloading and device_type != "cuda":
+        raise ConfigError(
+            f"enable_activation_offloading=True on device={device_type!r}: offloading moves "
+            "activations from CUDA to the CPU; set enable_activation_offloading=False."
+        )
+    if enable_activation_offloading and not enable_activation_checkpointing:
+        raise ConfigError(
+            "enable_activation_offloading=True needs enable_activation_checkpointing=True: "
+            "set both, or enable_activation_offloading=False."
+        )
+    if "left_pad_sequence" in collate_fn:
+        raise ConfigError(
+            f"collate_fn={collate_fn!r} is for inference only: use torchtune.data.padded_collate_sft."
+        )
+    if compile_model and device_type == "npu":
+        raise ConfigError("compile=True on device='npu': NPU cannot compile the model; set compile=False.")
+    if use_maximum_batch_size and optimizer_in_bwd:
+        raise ConfigError(
+            "use_maximum_batch_size=True with optimizer_in_bwd=True: the probe cannot yet save and "
+            "restore per-parameter optimizers; set optimizer_in_bwd=False."
+        )

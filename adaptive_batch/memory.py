@@ -1,0 +1,262 @@
+"""Memory budgets: parsing ``max_memory`` and reading what a device can hold.
+
+On CUDA the capacity is what the caching allocator can still get plus what it already holds.
+On CPU it is the tightest of the process address-space limit (``ulimit -v`` / ``prlimit --as``),
+the cgroup memory limit and the RAM the kernel reports available.
+"""
+
+import ctypes
+import os
+import re
+import resource
+from dataclasses import asdict, dataclass
+from typing import Optional, Union
+
+import torch
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "k": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+MemorySpec = Union[int, float, str, None]
+
+
+def format_bytes(num_bytes: Optional[int]) -> str:
+    """Human-readable size with binary units, e.g. ``1.50 GiB``."""
+    if num_bytes is None:
+        return "unknown"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def parse_memory(
+    value: MemorySpec, *, capacity_bytes: Optional[int] = None, key: str = "max_memory"
+) -> Optional[int]:
+    """Turns a memory spec into bytes.
+
+    Accepted: a positive byte count (``6000000000``), a size string (``"6GiB"``, ``"512MB"``),
+    a fraction of the device in ``(0, 1]`` (``0.8``) or a percentage (``"80%"``). ``None`` means
+    "the whole device" and is returned as ``None``.
+
+    Args:
+        value: the spec.
+        capacity_bytes: the device's capacity; needed for fractions and to reject a spec larger
+            than the device.
+        key: the config key the value came from, for error messages.
+
+    Returns:
+        The number of bytes, or ``None`` when ``value`` is ``None``.
+
+    Raises:
+        ValueError: if the value cannot be parsed, is zero or negative, is a fraction without a
+            known capacity, or is larger than ``capacity_bytes``.
+    """
+    if value is None:
+        return None
+    fix = f"set {key} to a positive byte count, a size such as '6GiB', a fraction such as 0.8, or null"
+    if isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} is a boolean, not a memory size: {fix}.")
+    fraction: Optional[float] = None
+    num_bytes: Optional[float] = None
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
+        if isinstance(value, float) and value <= 1:
+            fraction = value
+        elif isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{key}={value!r} is neither a fraction in (0, 1] nor whole bytes: {fix}.")
+        else:
+            num_bytes = value
+    elif isinstance(value, str):
+        percent = _PERCENT_RE.match(value)
+        size = _SIZE_RE.match(value)
+        if percent:
+            fraction = float(percent.group(1)) / 100
+            if not 0 < fraction <= 1:
+                raise ValueError(f"{key}={value!r} must be a percentage in (0, 100]: {fix}.")
+        elif size and size.group(2).lower() in _UNITS:
+            number = float(size.group(1))
+            if size.group(2) == "" and 0 < number <= 1 and "." in size.group(1):
+                fraction = number
+            else:
+                num_bytes = number * _UNITS[size.group(2).lower()]
+        else:
+            raise ValueError(f"{key}={value!r} cannot be parsed as a memory size: {fix}.")
+        if num_bytes is not None and num_bytes < 1:
+            raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
+    else:
+        raise ValueError(f"{key}={value!r} has type {type(value).__name__}: {fix}.")
+
+    if fraction is not None:
+        if capacity_bytes is None:
+            raise ValueError(
+                f"{key}={value!r} is a fraction of the device, but the device's capacity is "
+                f"unknown: give {key} in bytes or as a size such as '6GiB'."
+            )
+        return int(capacity_bytes * fraction)
+    assert num_bytes is not None
+    result = int(num_bytes)
+    if capacity_bytes is not None and result > capacity_bytes:
+        raise ValueError(
+            f"{key}={value!r} ({format_bytes(result)}) is larger than the device can hold "
+            f"({format_bytes(capacity_bytes)}): lower {key}, or set it to null to use the whole device."
+        )
+    return result
+
+
+@dataclass(frozen=True)
+class DeviceCapacity:
+    """What a device can still hold, and which limit decided it.
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda:N"``.
+        headroom_bytes: bytes that can still be allocated on top of what is live now.
+        source: the limit that decided ``headroom_bytes`` (e.g. ``"RLIMIT_AS"``).
+        hard_limit: whether crossing it fails allocations (an address-space limit or a card's
+            memory), as opposed to a soft figure such as available RAM.
+    """
+
+    device: str
+    headroom_bytes: int
+    source: str
+    hard_limit: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _proc_status_bytes(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def address_space_limit() -> Optional[int]:
+    """The soft ``RLIMIT_AS`` of this process in bytes, or ``None`` when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _cgroup_headroom() -> Optional[int]:
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            with open(limit_path) as f:
+                raw = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw == "max" or int(raw) >= 1 << 60:
+            return None
+        return max(0, int(raw) - usage)
+    return None
+
+
+def _mem_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def cpu_capacity() -> DeviceCapacity:
+    """Headroom of this process on the CPU: the tightest of its limits.
+
+    Raises:
+        RuntimeError: if no limit can be read at all.
+    """
+    candidates = []
+    limit = address_space_limit()
+    vm_size = _proc_status_bytes("VmSize")
+    if limit is not None and vm_size is not None:
+        candidates.append((max(0, limit - vm_size), "RLIMIT_AS", True))
+    cgroup = _cgroup_headroom()
+    if cgroup is not None:
+        candidates.append((cgroup, "cgroup memory.max", True))
+    available = _mem_available()
+    if available is not None:
+        candidates.append((available, "MemAvailable", False))
+    if not candidates:
+        raise RuntimeError("cannot read any memory limit of this process: set max_memory explicitly.")
+    headroom, source, hard = min(candidates, key=lambda c: c[0])
+    return DeviceCapacity(device="cpu", headroom_bytes=headroom, source=source, hard_limit=hard)
+
+
+def cuda_capacity(device: torch.device) -> DeviceCapacity:
+    """Headroom on a CUDA device: free memory plus what the caching allocator already holds."""
+    free, _total = torch.cuda.mem_get_info(device)
+    reserved_idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return DeviceCapacity(
+        device=str(device),
+        headroom_bytes=int(free + reserved_idle),
+        source="cudaMemGetInfo",
+        hard_limit=True,
+    )
+
+
+def device_capacity(device: torch.device) -> DeviceCapacity:
+    """Headroom on ``device``.
+
+    Raises:
+        ValueError: for a device type other than CPU or CUDA.
+    """
+    if device.type == "cpu":
+        return cpu_capacity()
+    if device.type == "cuda":
+        return cuda_capacity(device)
+    raise ValueError(
+        f"device={device.type!r} has no memory backend here: use device=cpu or device=cuda, "
+        "or set use_maximum_batch_size=False."
+    )
+
+
+_M_MMAP_THRESHOLD = -3
+
+
+def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:
+    """Makes glibc serve large blocks with ``mmap`` so freeing them returns address space.
+
+    Under an address-space limit glibc otherwise keeps freed heap blocks, and a batch that fits
+    in live tensors fails on address space that only the allocator's cache holds.
+
+    Returns:
+        ``True`` when glibc accepted the setting, ``False`` on another C library.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))

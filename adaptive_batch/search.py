@@ -1,0 +1,229 @@
+"""Finding the largest batch that fits: a linear estimate, then real trials around it.
+
+:func:`search_max_batch_size` knows nothing of models: it calls ``run_trial(batch_size)``, which
+runs one real step and returns its peak bytes or raises an out-of-memory error. A size fits when
+its step ran and its peak is within the budget. The result is always a size whose trial fitted,
+with the size above it tried and failed (or at the cap).
+"""
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional
+
+from adaptive_batch.estimator import LinearMemoryEstimate
+from adaptive_batch.memory import format_bytes
+from adaptive_batch.oom import is_oom_error, release_memory
+
+ROUNDING_MODES = ("none", "power_of_two")
+
+
+class BatchSizeTooLargeError(RuntimeError):
+    """Not even batch size 1 fits in the memory budget.
+
+    Attributes:
+        bytes_needed: measured peak of a batch-1 step, or ``None`` when it failed to allocate.
+        budget_bytes: the budget it was measured against.
+    """
+
+    def __init__(self, bytes_needed: Optional[int], budget_bytes: int) -> None:
+        self.bytes_needed = bytes_needed
+        self.budget_bytes = budget_bytes
+        needed = (
+            f"needs {format_bytes(bytes_needed)} ({bytes_needed} bytes)"
+            if bytes_needed is not None
+            else "ran out of memory before it finished"
+        )
+        super().__init__(
+            f"batch size 1 does not fit: one training step {needed}, and "
+            f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) is available. Raise max_memory, "
+            "shorten tokenizer.max_seq_len, or enable activation checkpointing."
+        )
+
+
+@dataclass
+class Trial:
+    """One real step of the search."""
+
+    batch_size: int
+    fits: bool
+    peak_bytes: Optional[int]
+    seconds: float
+    oom: bool
+    phase: str
+
+
+@dataclass
+class SearchResult:
+    """What the search found and every trial it ran."""
+
+    max_batch_size: int
+    budget_bytes: int
+    estimate: Optional[LinearMemoryEstimate]
+    predicted_max_batch_size: Optional[int]
+    trials: List[Trial] = field(default_factory=list)
+    total_seconds: float = 0.0
+
+    @property
+    def num_trials(self) -> int:
+        return len(self.trials)
+
+    def to_dict(self) -> dict:
+        estimate = self.estimate.to_dict() if self.estimate is not None else {}
+        estimate["predicted_max_batch_size"] = self.predicted_max_batch_size
+        return {
+            "max_batch_size": self.max_batch_size,
+            "budget_bytes": self.budget_bytes,
+            "estimate": estimate,
+            "trials": [asdict(t) for t in self.trials],
+            "total_seconds": self.total_seconds,
+        }
+
+
+def round_batch_size(batch_size: int, mode: str) -> int:
+    """Rounds a found batch size down (``"power_of_two"``) or keeps it (``"none"``).
+
+    Raises:
+        ValueError: for an unknown mode or a batch size below 1.
+    """
+    if mode not in ROUNDING_MODES:
+        raise ValueError(
+            f"batch_size_rounding={mode!r} is not one of {list(ROUNDING_MODES)}: pick one of them."
+        )
+    if batch_size < 1:
+        raise ValueError(f"cannot round batch size {batch_size}: it must be at least 1.")
+    if mode == "power_of_two":
+        return 1 << int(math.floor(math.log2(batch_size)))
+    return batch_size
+
+
+def search_max_batch_size(
+    run_trial: Callable[[int], int],
+    *,
+    budget_bytes: int,
+    max_batch_size: Optional[int] = None,
+    warmup: bool = True,
+    release: Callable[[], None] = release_memory,
+    log: Optional[Callable[[str], None]] = None,
+    max_trials: int = 64,
+) -> SearchResult:
+    """Finds the largest batch size whose step fits in ``budget_bytes``.
+
+    Steps at batch sizes 1 and 2 fit ``peak(b) = fixed + per_sample * b``; the predicted largest
+    size is tried, then its neighbour; if the prediction was off, the search gallops (steps 1,
+    2, 4, ...) away from it until the answer is bracketed, then bisects.
+
+    Args:
+        run_trial: runs one real step at a batch size and returns its peak bytes; raises an
+            out-of-memory error when the step cannot allocate.
+        budget_bytes: the most a step's peak may be.
+        max_batch_size: the largest size worth trying (e.g. the dataset size); ``None``: no cap.
+        warmup: run one step at batch 1 first and leave it out of the estimate, so one-time
+            allocations (optimizer state) are in place for the measured steps.
+        release: frees what a failed step left behind.
+        log: called with one line per trial.
+        max_trials: a guard against a step that never runs out of memory with no cap.
+
+    Returns:
+        The result, with every trial.
+
+    Raises:
+        BatchSizeTooLargeError: when batch size 1 does not fit.
+        ValueError: for a budget or cap below 1.
+        RuntimeError: when ``max_trials`` trials did not settle the answer.
+    """
+    if budget_bytes < 1:
+        raise ValueError(f"budget_bytes={budget_bytes} must be positive.")
+    if max_batch_size is not None and max_batch_size < 1:
+        raise ValueError(f"max_batch_size={max_batch_size} must be at least 1.")
+    start = time.perf_counter()
+    trials: List[Trial] = []
+    lo = 0  # largest size seen to fit
+    hi: Optional[int] = None  # smallest size seen to fail
+
+    def run(batch_size: int, phase: str) -> bool:
+        nonlocal lo, hi
+        if len(trials) >= max_trials:
+            raise RuntimeError(
+                f"the batch size search ran {max_trials} trials without settling "
+                f"(largest fit {lo}, smallest failure {hi}): set max_batch_size to cap it."
+            )
+        t0 = time.perf_counter()
+        peak: Optional[int] = None
+        oom = False
+        try:
+            peak = int(run_trial(batch_size))
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is an OOM
+            if not is_oom_error(exc):
+                raise
+            oom = True
+        if oom:
+            release()
+        fits = not oom and peak is not None and peak <= budget_bytes
+        trial = Trial(batch_size, fits, peak, time.perf_counter() - t0, oom, phase)
+        trials.append(trial)
+        if log is not None:
+            outcome = "fits" if fits else ("out of memory" if oom else "over budget")
+            log(
+                f"probe trial {len(trials)} ({phase}): batch_size={batch_size} {outcome}, "
+                f"peak {format_bytes(peak)}, {trial.seconds:.2f}s"
+            )
+        if fits:
+            lo = max(lo, batch_size)
+        else:
+            hi = batch_size if hi is None else min(hi, batch_size)
+        return fits
+
+    def result(estimate, predicted) -> SearchResult:
+        return SearchResult(
+            max_batch_size=lo,
+            budget_bytes=budget_bytes,
+            estimate=estimate,
+            predicted_max_batch_size=predicted,
+            trials=trials,
+            total_seconds=time.perf_counter() - start,
+        )
+
+    if warmup and not run(1, "warmup"):
+        raise BatchSizeTooLargeError(trials[-1].peak_bytes, budget_bytes)
+    if not run(1, "estimate"):
+        raise BatchSizeTooLargeError(trials[-1].peak_bytes, budget_bytes)
+    if max_batch_size == 1 or not run(2, "estimate"):
+        return result(None, None)
+
+    points = [(t.batch_size, t.peak_bytes) for t in trials if t.phase == "estimate"]
+    estimate = LinearMemoryEstimate.fit(points)
+    predicted = estimate.max_batch_size(budget_bytes)
+    if predicted is not None and max_batch_size is not None:
+        predicted = min(predicted, max_batch_size)
+
+    def upper() -> Optional[int]:
+        return hi - 1 if hi is not None else max_batch_size
+
+    def clamp(candidate: int) -> int:
+        top = upper()
+        candidate = max(candidate, lo + 1)
+        return min(candidate, top) if top is not None else candidate
+
+    # With no bound from the line (flat peaks), start by doubling.
+    candidate = clamp(predicted if predicted is not None else 2 * lo)
+    direction = 0
+    step = 1
+    bracketed = False
+    while upper() is None or lo < upper():
+        fits = run(candidate, "search")
+        moved = 1 if fits else -1
+        if direction and moved != direction:
+            bracketed = True
+        direction = direction or moved
+        if upper() is not None and lo >= upper():
+            break
+        if bracketed:
+            candidate = clamp((lo + upper() + 1) // 2)
+        elif fits:
+            candidate = clamp(lo + step)
+            step *= 2
+        else:
+            candidate = clamp(hi - step)
+            step *= 2
+    return result(estimate, predicted)

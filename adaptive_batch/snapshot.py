@@ -1,0 +1,118 @@
+"""Putting a training run back exactly as it was after probing it with real steps.
+
+The snapshot goes to a file, not to memory: a copy of the weights in memory would itself take
+the room the probe is measuring.
+"""
+
+import os
+import random
+import tempfile
+from types import TracebackType
+from typing import Any, Dict, Optional, Type
+
+import torch
+from torch import nn
+
+try:  # numpy is optional for the library; torchtune's data stack brings it.
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torchtune's dependencies
+    np = None
+
+
+def rng_state() -> Dict[str, Any]:
+    """Every random number generator a training step may draw from: Python, NumPy, torch, CUDA."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restores what :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if np is not None and "numpy" in state:
+        np.random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TrainingStateSnapshot:
+    """Saves model, optimizer, LR scheduler and RNG state on entry and restores it on exit.
+
+    Used as a context manager around probe steps; the state is restored whether the block ends
+    normally or with an error, and the snapshot file is removed.
+
+    Args:
+        model: the model whose parameters and buffers the steps change.
+        optimizer: the optimizer (its state, e.g. Adam moments, is created by the first step).
+        lr_scheduler: an LR scheduler, or ``None``.
+        directory: where the snapshot file goes (e.g. the run's output directory).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        lr_scheduler: Optional[Any] = None,
+        directory: Optional[str] = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.directory = directory
+        self._path: Optional[str] = None
+        self._rng: Optional[Dict[str, Any]] = None
+
+    def save(self) -> None:
+        """Writes the state to a temporary file and remembers the RNG state."""
+        if self.directory is not None:
+            os.makedirs(self.directory, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix=".probe_snapshot_", suffix=".pt", dir=self.directory)
+        os.close(fd)
+        state = {"model": self.model.state_dict()}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        torch.save(state, path)
+        self._path = path
+        self._rng = rng_state()
+
+    def restore(self) -> None:
+        """Loads the saved state back in place and removes the file.
+
+        Raises:
+            RuntimeError: if :meth:`save` was not called.
+        """
+        if self._path is None or self._rng is None:
+            raise RuntimeError("TrainingStateSnapshot.restore() called before save().")
+        # mmap keeps the load from holding a second full copy of the weights in memory.
+        state = torch.load(self._path, mmap=True, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        for p in self.model.parameters():
+            p.grad = None
+        if self.optimizer is not None:
+            # Drop the probe's optimizer state before loading: load_state_dict replaces it.
+            self.optimizer.state.clear()
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        del state
+        os.remove(self._path)
+        self._path = None
+        set_rng_state(self._rng)
+
+    def __enter__(self) -> "TrainingStateSnapshot":
+        self.save()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.restore()

@@ -1,0 +1,598 @@
+# torchtune's full_finetune_single_device recipe with adaptive batch size.
+#
+# Launch from the repository root (PYTHONPATH puts this `recipes` package before the one
+# torchtune's wheel installs):
+#   PYTHONPATH=. tune run recipes/full_finetune_single_device.py \
+#       --config configs/tiny/full_single_device.yaml use_maximum_batch_size=True
+
+import sys
+import time
+from functools import partial
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, ListConfig
+from torch import nn
+from torch.optim import Optimizer
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config, modules, training, utils
+from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset
+from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training import DummyProfiler, PROFILER_KEY
+from torchtune.training.lr_schedulers import get_lr
+from tqdm import tqdm
+
+import adaptive_batch as ab
+from adaptive_batch.tracker import peak_rss_bytes, reset_peak_rss
+
+log = utils.get_logger("DEBUG")
+
+# Every top-level key this recipe reads; anything else is a typo (`batch_sise=8`).
+KNOWN_KEYS = frozenset(
+    {
+        "output_dir", "model", "tokenizer", "dataset", "seed", "shuffle", "checkpointer",
+        "resume_from_checkpoint", "batch_size", "epochs", "optimizer", "loss", "lr_scheduler",
+        "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer_in_bwd",
+        "clip_grad_norm", "compile", "device", "enable_activation_checkpointing",
+        "enable_activation_offloading", "dtype", "metric_logger", "log_every_n_steps",
+        "log_peak_memory_stats", "profiler", "collate_fn", "cudnn_deterministic_mode",
+        # adaptive batch size
+        "use_maximum_batch_size", "max_memory", "memory_safety_margin",
+        "batch_size_rounding", "max_batch_size", "batch_increase_function",
+    }
+)
+
+
+class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
+    """Full finetuning on one device, with the batch size found before training.
+
+    torchtune's single-device full-finetune recipe (activation checkpointing, bf16/fp32,
+    gradient accumulation, optimizer in backward, checkpointing, metric logging), plus:
+
+        - ``use_maximum_batch_size``: before the first step, real training steps at trial batch
+          sizes (every sequence at ``tokenizer.max_seq_len``) find the largest batch whose peak
+          stays within ``max_memory`` (or the device) less ``memory_safety_margin``. Model,
+          optimizer and RNG state come out of probing untouched. The result is logged, written
+          to ``<output_dir>/batch_probe.json`` and kept in the recipe state, so a resumed run
+          does not probe again.
+        - ``max_batch_size`` caps the probe, ``batch_size_rounding`` can round its result down
+          to a power of two.
+        - Per-step ``batch_size`` and peak memory metrics, on CPU too (the process's peak RSS).
+
+    Args:
+        cfg (DictConfig): OmegaConf object parsed from yaml file
+
+    Raises:
+        ConfigError: for any bad setting, before the model is built.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        ab.check_known_keys(cfg.keys(), KNOWN_KEYS)
+        self._device = utils.get_device(device=cfg.device)
+        ab.check_stock_recipe_options(
+            dtype=cfg.dtype,
+            device_type=self._device.type,
+            optimizer_in_bwd=cfg.optimizer_in_bwd,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            clip_grad_norm=cfg.get("clip_grad_norm", None),
+            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            enable_activation_offloading=cfg.get("enable_activation_offloading", False),
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+            compile_model=cfg.compile,
+            use_maximum_batch_size=cfg.get("use_maximum_batch_size", False) is True,
+        )
+        self._adaptive = ab.check_adaptive_batch_options(
+            batch_size=cfg.batch_size,
+            use_maximum_batch_size=cfg.get("use_maximum_batch_size", False),
+            max_memory=cfg.get("max_memory", None),
+            memory_safety_margin=cfg.get("memory_safety_margin", 0.05),
+            batch_size_rounding=cfg.get("batch_size_rounding", "none"),
+            max_batch_size=cfg.get("max_batch_size", None),
+            batch_increase_function=cfg.get("batch_increase_function", None),
+            device_capacity_bytes=ab.device_capacity(self._device).headroom_bytes,
+        )
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+
+        # logging attributes
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
+        self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
+
+        # Training cfg
+        self._resume_from_checkpoint = cfg.resume_from_checkpoint
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._optimizer_in_bwd = cfg.optimizer_in_bwd
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
+        self._enable_activation_offloading = cfg.get("enable_activation_offloading", False)
+        self._batch_size = cfg.batch_size
+        self._probe_report: Optional[Dict[str, Any]] = None
+
+        # Under an address-space limit glibc's cache of freed blocks would count against it.
+        if self._device.type == "cpu" and ab.address_space_limit() is not None:
+            ab.return_freed_memory_to_os()
+
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
+        self.epochs_run = 0
+        self.total_epochs = cfg.epochs
+        self.max_steps_per_epoch = cfg.max_steps_per_epoch
+        self.global_step = 0
+
+    def load_checkpoint(self, cfg_checkpointer: DictConfig) -> Dict[str, Any]:
+        """
+        Extract the checkpoint state from file and validate. If resume_from_checkpoint
+        is True, this also includes the recipe state.
+        """
+        self._checkpointer = config.instantiate(
+            cfg_checkpointer,
+            should_load_recipe_state=self._resume_from_checkpoint,
+        )
+        checkpoint_dict = self._checkpointer.load_checkpoint()
+
+        if self._resume_from_checkpoint:
+            self._update_recipe_state(checkpoint_dict)
+        return checkpoint_dict
+
+    def _update_recipe_state(self, ckpt_dict: Dict[str, Any]) -> None:
+        """
+        Updates the recipe state from checkpoint.
+        """
+        try:
+            self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
+            if self.seed != ckpt_dict[training.SEED_KEY]:
+                log.warning(f"Config seed differs from the checkpoint's; using {ckpt_dict[training.SEED_KEY]}")
+                self.seed = ckpt_dict[training.SEED_KEY]
+            if self.max_steps_per_epoch != ckpt_dict[training.MAX_STEPS_KEY]:
+                log.warning("Config max_steps_per_epoch differs from the checkpoint's; using the checkpoint's")
+                self.max_steps_per_epoch = ckpt_dict[training.MAX_STEPS_KEY]
+        except KeyError as e:
+            raise KeyError(
+                "Checkpoint does not contain the required keys needed for updating recipe state. "
+                "Are you sure you passed in the right recipe checkpoint?"
+            ) from e
+        # A resumed run keeps the batch size its first run probed.
+        self._probe_report = ckpt_dict.get(ab.PROBE_STATE_KEY)
+
+    def setup(self, cfg: DictConfig) -> None:
+        """
+        Sets up the recipe state correctly. This includes setting recipe attributes based
+        on the ``resume_from_checkpoint`` flag.
+        """
+        self._metric_logger = config.instantiate(cfg.metric_logger)
+        self._metric_logger.log_config(cfg)
+
+        if cfg.checkpointer.get("checkpoint_files", None) is None:
+            # No weights given: a seeded random initialisation, loaded by the real checkpointer.
+            filename = ab.write_random_init_checkpoint(
+                lambda: config.instantiate(cfg.model), cfg.checkpointer.checkpoint_dir, self.seed
+            )
+            cfg.checkpointer.checkpoint_files = [filename]
+            log.info(f"No checkpoint_files given: initialised the model randomly with seed {self.seed}.")
+        ckpt_dict = self.load_checkpoint(cfg.checkpointer)
+
+        self._compile = cfg.compile
+        self._model = self._setup_model(
+            cfg_model=cfg.model,
+            enable_activation_checkpointing=self._enable_activation_checkpointing,
+            enable_activation_offloading=self._enable_activation_offloading,
+            compile_model=self._compile,
+            model_state_dict=ckpt_dict[training.MODEL_KEY],
+        )
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        log.info("Tokenizer is initialized from file.")
+
+        self._optimizer = self._setup_optimizer(
+            cfg_optimizer=cfg.optimizer,
+            optimizer_in_bwd=cfg.optimizer_in_bwd,
+            opt_state_dict=(
+                ckpt_dict[training.OPT_KEY] if self._resume_from_checkpoint else None
+            ),
+        )
+
+        self._loss_fn = config.instantiate(cfg.loss)
+        if self._compile:
+            training.compile_loss(self._loss_fn)
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        log.info("Loss is initialized.")
+
+        dataset, packed = self._setup_dataset(cfg.dataset)
+
+        # The batch size is settled before the dataloader is built with it.
+        if self._probe_report is not None:
+            self._batch_size = self._probe_report["batch_size"]
+            log.info(f"Resumed run: using the probed batch_size={self._batch_size} from the recipe state.")
+        elif self._adaptive.use_maximum_batch_size:
+            self._batch_size = self._probe_batch_size(dataset_size=len(dataset))
+
+        self._dataloader = self._setup_dataloader(
+            dataset,
+            packed=packed,
+            shuffle=cfg.shuffle,
+            batch_size=self._batch_size,
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+        )
+
+        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
+        if (
+            self.max_steps_per_epoch is not None
+            and self.max_steps_per_epoch < self._steps_per_epoch
+        ):
+            self._steps_per_epoch = self.max_steps_per_epoch
+        self.global_step = self.epochs_run * self._steps_per_epoch
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg_lr_scheduler=cfg.get("lr_scheduler", None),
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            last_epoch=self.global_step - 1,
+        )
+        self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
+
+    def _probe_batch_size(self, dataset_size: int) -> int:
+        """Finds the largest batch that fits with real steps, writes batch_probe.json, returns
+        the batch size to train with."""
+        seq_len = self._tokenizer.max_seq_len
+        if seq_len is None:
+            raise ab.ConfigError(
+                "use_maximum_batch_size=True needs tokenizer.max_seq_len: the probe runs every "
+                "sequence at that length, so no longer batch can run out of memory later."
+            )
+        live = ab.training_state_bytes(self._model, self._optimizer)
+        capacity = ab.device_capacity(self._device)
+        budget = ab.memory_budget(
+            max_memory_bytes=self._adaptive.max_memory_bytes,
+            capacity=capacity,
+            live_bytes=live,
+            safety_margin=self._adaptive.memory_safety_margin,
+        )
+        cap = dataset_size
+        if self._adaptive.max_batch_size is not None:
+            cap = min(cap, self._adaptive.max_batch_size)
+        vocab_size = self._model.tok_embeddings.num_embeddings
+        log.info(
+            f"use_maximum_batch_size: probing up to batch {cap} at seq_len={seq_len} with a "
+            f"budget of {ab.format_bytes(budget.budget_bytes)} ({budget.source})."
+        )
+        result = ab.probe_max_batch_size(
+            train_step=self._probe_step,
+            make_batch=partial(
+                ab.worst_case_text_batch, seq_len=seq_len, vocab_size=vocab_size, device=self._device
+            ),
+            model=self._model,
+            optimizer=self._optimizer,
+            device=self._device,
+            budget_bytes=budget.budget_bytes,
+            max_batch_size=cap,
+            snapshot_dir=self._output_dir,
+            log=log.info,
+        )
+        batch_size = ab.round_batch_size(result.max_batch_size, self._adaptive.batch_size_rounding)
+        self._probe_report = ab.probe_report(
+            result,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            device=self._device,
+            budget=budget,
+            extra={"capacity": capacity.to_dict(), "batch_size_cap": cap},
+        )
+        path = ab.write_probe_report(self._probe_report, self._output_dir)
+        log.info(ab.describe_result(result, budget))
+        log.info(f"use_maximum_batch_size: training with batch_size={batch_size}; details in {path}")
+        return batch_size
+
+    def _setup_profiler(
+        self, cfg_profiler: Optional[DictConfig] = None
+    ) -> Tuple[torch.profiler.profile, DummyProfiler]:
+        """
+        Parses the ``profiler`` section of top-level ``cfg`` and sets up profiler.
+        """
+        if cfg_profiler is None:
+            cfg_profiler = DictConfig({"enabled": False})
+        if cfg_profiler.get("_component_", None) is None:
+            cfg_profiler["_component_"] = "torchtune.training.setup_torch_profiler"
+        profiler, profiler_cfg = config.instantiate(cfg_profiler)
+        log.info(f" Profiler config after instantiation: {profiler_cfg}")
+        self.profiler_profile_memory = profiler_cfg.get("profile_memory", False)
+        if profiler_cfg["enabled"]:
+            self.profiler_wait_steps = profiler_cfg["wait_steps"]
+            self.profiler_warmup_steps = profiler_cfg["warmup_steps"]
+            self.profiler_active_steps = profiler_cfg["active_steps"]
+        return profiler
+
+    def _setup_model(
+        self,
+        cfg_model: DictConfig,
+        enable_activation_checkpointing: bool,
+        enable_activation_offloading: bool,
+        compile_model: bool,
+        model_state_dict: Dict[str, Any],
+    ) -> nn.Module:
+        """
+        Set up the model including enabling activation checkpointing.
+        """
+        with training.set_default_dtype(self._dtype), self._device:
+            model = config.instantiate(cfg_model)
+
+        if compile_model:
+            training.compile_model(model)
+
+        if enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+
+        model.load_state_dict(model_state_dict)
+        training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
+        self.activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, enable_activation_offloading
+        )
+        log.info(f"Model is initialized with precision {self._dtype}.")
+        if self._device.type != "cpu":
+            training.log_memory_stats(training.get_memory_stats(device=self._device))
+        return model
+
+    def _setup_optimizer(
+        self,
+        cfg_optimizer: DictConfig,
+        optimizer_in_bwd: bool = False,
+        opt_state_dict: Optional[Dict[str, Any]] = None,
+    ) -> Optional[Optimizer]:
+        """
+        Set up the optimizer. This method also handles loading the optimizer state_dict, if specified.
+        """
+        if optimizer_in_bwd:
+            optim_dict = {
+                p: config.instantiate(cfg_optimizer, [p]) for p in self._model.parameters()
+            }
+            training.register_optim_in_bwd_hooks(model=self._model, optim_dict=optim_dict)
+            self._optim_ckpt_wrapper = training.create_optim_in_bwd_wrapper(
+                model=self._model, optim_dict=optim_dict
+            )
+            if opt_state_dict is not None:
+                self._optim_ckpt_wrapper.load_state_dict(opt_state_dict)
+            log.info("In-backward optimizers are set up.")
+            return None
+        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
+        if opt_state_dict:
+            optimizer.load_state_dict(opt_state_dict)
+        log.info("Optimizer is initialized.")
+        return optimizer
+
+    def _setup_lr_scheduler(
+        self,
+        cfg_lr_scheduler: Optional[DictConfig],
+        num_training_steps: int,
+        last_epoch: int,
+    ) -> Optional[Optimizer]:
+        """
+        Set up the learning rate scheduler based on the provided configuration.
+        """
+        if cfg_lr_scheduler is None:
+            log.info("No learning rate scheduler configured. Using constant learning rate.")
+            return None
+        if self._optimizer_in_bwd:
+            optimizer = next(iter(self._optim_ckpt_wrapper.optim_map.values()))
+        else:
+            optimizer = self._optimizer
+        lr_scheduler = config.instantiate(
+            cfg_lr_scheduler,
+            optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+        if self._optimizer_in_bwd:
+            self._optim_ckpt_wrapper.set_lr_scheduler(lr_scheduler)
+        log.info("Learning rate scheduler is initialized.")
+        return lr_scheduler
+
+    def _setup_dataset(self, cfg_dataset: DictConfig) -> Tuple[Any, bool]:
+        """Instantiates the dataset (or several, concatenated) with the tokenizer."""
+        if isinstance(cfg_dataset, ListConfig):
+            ds = ConcatDataset(
+                datasets=[config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            )
+            return ds, getattr(ds, "packed", False)
+        return config.instantiate(cfg_dataset, self._tokenizer), cfg_dataset.get("packed", False)
+
+    def _setup_dataloader(
+        self, dataset: Any, packed: bool, shuffle: bool, batch_size: int, collate_fn: str
+    ) -> StatefulDataLoader:
+        """
+        Builds the sampler and dataloader over a map-style dataset.
+        """
+        collate = _get_component_from_path(collate_fn)
+        sampler = StatefulDistributedSampler(
+            dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=0
+        )
+        return StatefulDataLoader(
+            dataset=dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=(
+                partial(
+                    collate,
+                    padding_idx=self._tokenizer.pad_id,
+                    ignore_idx=self._loss_fn.ignore_index,
+                )
+                if not packed
+                else padded_collate_packed
+            ),
+            # dropping last avoids shape issues with compile + flex attention
+            drop_last=True,
+        )
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """
+        Save state dict to file. The recipe save_checkpoint method is responsible for
+        correctly creating the checkpoint dict and passing to the checkpointer.
+        """
+        ckpt_dict = {training.MODEL_KEY: self._model.state_dict()}
+        if epoch + 1 < self.total_epochs:
+            ckpt_dict.update(
+                {
+                    training.SEED_KEY: self.seed,
+                    training.EPOCHS_KEY: self.epochs_run,
+                    training.TOTAL_EPOCHS_KEY: self.total_epochs,
+                    training.MAX_STEPS_KEY: self.max_steps_per_epoch,
+                    training.DATALOADER_KEY: self._dataloader.state_dict(),
+                }
+            )
+            if self._probe_report is not None:
+                ckpt_dict[ab.PROBE_STATE_KEY] = self._probe_report
+            if not self._optimizer_in_bwd:
+                ckpt_dict[training.OPT_KEY] = self._optimizer.state_dict()
+            else:
+                ckpt_dict[training.OPT_KEY] = self._optim_ckpt_wrapper.state_dict()
+        self._checkpointer.save_checkpoint(
+            ckpt_dict,
+            epoch=epoch,
+            intermediate_checkpoint=(epoch + 1 < self.total_epochs),
+        )
+
+    def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        # Shape [b, s], needed for the loss not the model
+        labels = batch.pop("labels")
+        with self.activations_handling_ctx:
+            logits = self._model(**batch)
+        # Shift labels left by one; the last position predicts nothing.
+        labels = F.pad(labels[..., 1:], (0, 1), value=self._loss_fn.ignore_index)
+        if not isinstance(logits, list):
+            labels = labels.reshape(-1)
+            logits = logits.reshape(-1, logits.size(-1))
+        loss = self._loss_fn(logits, labels)
+        # free logits otherwise it peaks backward memory
+        del logits
+        return loss
+
+    def _forward_backward(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one micro-batch; returns its summed loss and token count."""
+        num_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
+        # Loss is normalized by default so we multiply by the number of tokens
+        # This way we can normalize by the total number of tokens if we're accumulating gradients
+        loss = self._loss_step(batch) * num_tokens
+        loss.backward()
+        return loss.detach(), num_tokens
+
+    def _optimizer_step(self, num_tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """Scales the accumulated gradients per token, clips, steps and zeroes them."""
+        grad_norm = None
+        if not self._optimizer_in_bwd:
+            training.scale_grads(self._model, 1 / num_tokens)
+            if self._clip_grad_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self._model.parameters(), max_norm=float(self._clip_grad_norm)
+                )
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _probe_step(self, batch: Dict[str, torch.Tensor]) -> None:
+        """One full training step, as the loop below runs it, for the batch size probe."""
+        _, num_tokens = self._forward_backward(batch)
+        self._optimizer_step(num_tokens)
+
+    def _memory_metrics(self) -> Dict[str, float]:
+        if self._device.type != "cpu":
+            return training.get_memory_stats(device=self._device)
+        peak = peak_rss_bytes()
+        return {} if peak is None else {"peak_memory_rss": peak / 2**30}
+
+    def train(self) -> None:
+        """
+        The core training loop. Supports training on subsets of the dataset using the
+        ``max_steps_per_epoch``.
+        """
+        if self._compile:
+            log.info(
+                "NOTE: torch.compile is enabled and model is compiled in first forward. Expect a relatively slow first iteration."
+            )
+        if not self._optimizer_in_bwd:
+            self._optimizer.zero_grad()
+
+        t0 = time.perf_counter()
+        running_loss = 0
+        num_tokens = 0
+        reset_peak_rss()
+
+        self._profiler.start()
+        for curr_epoch in range(self.epochs_run, self.total_epochs):
+            pbar = tqdm(total=self._steps_per_epoch)
+            self._dataloader.sampler.set_epoch(curr_epoch)
+            for idx, batch in enumerate(self._dataloader):
+                utils.batch_to_device(batch, self._device)
+                current_loss, current_num_tokens = self._forward_backward(batch)
+                running_loss += current_loss
+                num_tokens += current_num_tokens
+
+                if (idx + 1) % self._gradient_accumulation_steps == 0:
+                    grad_norm = self._optimizer_step(num_tokens)
+                    if self._lr_scheduler is not None:
+                        self._lr_scheduler.step()
+                    self.global_step += 1
+
+                    loss_to_log = running_loss.item() / num_tokens
+                    pbar.update(1)
+                    pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}")
+
+                    if self.global_step % self._log_every_n_steps == 0:
+                        time_per_step = time.perf_counter() - t0
+                        log_dict = {
+                            "loss": loss_to_log,
+                            "lr": get_lr(
+                                self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper
+                            ),
+                            "batch_size": self._batch_size * self._gradient_accumulation_steps,
+                            "tokens_per_second_per_gpu": num_tokens / time_per_step,
+                        }
+                        if self._log_peak_memory_stats:
+                            log_dict.update(self._memory_metrics())
+                        if grad_norm is not None:
+                            log_dict.update({"grad_norm": grad_norm})
+                        self._metric_logger.log_dict(log_dict, step=self.global_step)
+                        reset_peak_rss()
+
+                    running_loss = 0
+                    num_tokens = 0
+                    t0 = time.perf_counter()
+
+                self._profiler.step()
+                if ((idx + 1) // self._gradient_accumulation_steps) == self.max_steps_per_epoch:
+                    break
+
+            self.epochs_run += 1
+            self.save_checkpoint(epoch=curr_epoch)
+
+        self._profiler.stop()
+
+    def cleanup(self) -> None:
+        self._metric_logger.close()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """
+    Entry point for the recipe.
+
+    Configurable parameters are read in the following order:
+        - Parameters specified in config (see available configs through ``tune ls``)
+        - Overwritten by arguments from the command-line
+    """
+    config.log_config(recipe_name="FullFinetuneRecipeSingleDevice", cfg=cfg)
+    try:
+        recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
+        recipe.setup(cfg=cfg)
+    except (ab.ConfigError, ab.BatchSizeTooLargeError) as e:
+        # A setting to fix, not a bug: one clear line, no traceback.
+        raise SystemExit(f"error: {e}") from None
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
