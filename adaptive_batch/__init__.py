@@ -7,6 +7,7 @@ from adaptive_batch.config_checks import (
     check_known_keys,
     check_stock_recipe_options,
     ConfigError,
+    default_safety_margin,
 )
 from adaptive_batch.data import pydoc_paragraphs, pydoc_text_dataset
 from adaptive_batch.estimator import LinearMemoryEstimate
@@ -61,6 +62,7 @@ __all__ = [
     "check_adaptive_batch_options",
     "check_known_keys",
     "check_stock_recipe_options",
+    "default_safety_margin",
     "describe_result",
     "device_capacity",
     "format_bytes",

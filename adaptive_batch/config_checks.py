@@ -50,6 +50,16 @@ def check_positive_int(key: str, value: Any, *, allow_none: bool = False) -> Opt
     return value
 
 
+def default_safety_margin(device_type: str) -> float:
+    """The fraction of the budget held back when the config leaves it to the device.
+
+    CUDA's caching allocator reserves more than it hands out (fragmentation), so 5%. On the CPU
+    the probe counts live tensor bytes and glibc returns freed blocks at once, so 1% covers
+    what kernels allocate outside tensors.
+    """
+    return 0.05 if device_type == "cuda" else 0.01
+
+
 @dataclass(frozen=True)
 class AdaptiveBatchOptions:
     """The checked adaptive-batch settings of a recipe.
@@ -78,6 +88,7 @@ def check_adaptive_batch_options(
     batch_size_rounding: Any,
     max_batch_size: Any,
     batch_increase_function: Any,
+    device_type: str,
     device_capacity_bytes: Optional[int],
 ) -> AdaptiveBatchOptions:
     """Checks the adaptive-batch keys of a recipe config.
@@ -86,10 +97,12 @@ def check_adaptive_batch_options(
         batch_size: the config's ``batch_size`` (used as is when probing is off).
         use_maximum_batch_size: must be a boolean.
         max_memory: bytes, a size string, a fraction of the device, or ``None``.
-        memory_safety_margin: a float in ``[0, 1)``.
+        memory_safety_margin: a float in ``[0, 1)``, or ``None`` for the device's default
+            (:func:`default_safety_margin`).
         batch_size_rounding: one of ``ROUNDING_MODES``.
         max_batch_size: a positive integer or ``None``.
         batch_increase_function: must be ``None`` (online growth is not in this recipe yet).
+        device_type: ``"cpu"``, ``"cuda"``, ...; picks the default safety margin.
         device_capacity_bytes: what the device can hold, to read fractions and reject a
             ``max_memory`` larger than the device; ``None`` when unknown.
 
@@ -105,6 +118,8 @@ def check_adaptive_batch_options(
         max_memory_bytes = parse_memory(max_memory, capacity_bytes=device_capacity_bytes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if memory_safety_margin is None:
+        memory_safety_margin = default_safety_margin(device_type)
     if (
         isinstance(memory_safety_margin, bool)
         or not isinstance(memory_safety_margin, (int, float))

@@ -89,10 +89,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             batch_size=cfg.batch_size,
             use_maximum_batch_size=cfg.get("use_maximum_batch_size", False),
             max_memory=cfg.get("max_memory", None),
-            memory_safety_margin=cfg.get("memory_safety_margin", 0.05),
+            memory_safety_margin=cfg.get("memory_safety_margin", None),
             batch_size_rounding=cfg.get("batch_size_rounding", "none"),
             max_batch_size=cfg.get("max_batch_size", None),
             batch_increase_function=cfg.get("batch_increase_function", None),
+            device_type=self._device.type,
             device_capacity_bytes=ab.device_capacity(self._device).headroom_bytes,
         )
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)

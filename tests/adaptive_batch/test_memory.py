@@ -1,0 +1,84 @@
+import pytest
+
+from adaptive_batch import DeviceCapacity, device_capacity, format_bytes, parse_memory
+from adaptive_batch.memory import cpu_capacity
+
+GiB = 1024**3
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        (6 * GiB, 6 * GiB),
+        ("6GiB", 6 * GiB),
+        ("6 gib", 6 * GiB),
+        ("512MB", 512 * 1000**2),
+        ("512MiB", 512 * 1024**2),
+        ("1.5GiB", int(1.5 * GiB)),
+        ("1000", 1000),
+        (2e9, 2_000_000_000),
+        (0.5, 8 * GiB),
+        ("0.25", 4 * GiB),
+        ("50%", 8 * GiB),
+        (1.0, 16 * GiB),
+        (None, None),
+    ],
+)
+def test_parse_memory_accepts(spec, expected):
+    assert parse_memory(spec, capacity_bytes=16 * GiB) == expected
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("lots", "cannot be parsed"),
+        ("6 parsecs", "cannot be parsed"),
+        (0, "greater than zero"),
+        (-5, "greater than zero"),
+        ("0GiB", "greater than zero"),
+        (True, "boolean"),
+        ("150%", "percentage"),
+        (2.5, "neither a fraction"),
+        ([1], "has type list"),
+        ("32GiB", "larger than the device"),
+    ],
+)
+def test_parse_memory_rejects_with_key_value_and_fix(spec, message):
+    with pytest.raises(ValueError) as info:
+        parse_memory(spec, capacity_bytes=16 * GiB)
+    text = str(info.value)
+    assert message in text
+    assert f"max_memory={spec!r}" in text
+    assert "set it to null" in text or "set max_memory" in text
+
+
+def test_fraction_needs_a_known_capacity():
+    with pytest.raises(ValueError, match="capacity is unknown"):
+        parse_memory(0.5, capacity_bytes=None)
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * GiB // 2) == "1.50 GiB"
+    assert format_bytes(None) == "unknown"
+
+
+def test_cpu_capacity_without_limit_is_available_ram_or_cgroup():
+    cap = cpu_capacity()
+    assert cap.device == "cpu" and cap.headroom_bytes > 0
+    assert cap.source in ("MemAvailable", "cgroup memory.max", "RLIMIT_AS")
+
+
+def test_cpu_capacity_follows_an_address_space_limit(limited_address_space):
+    with limited_address_space(300 * 1024**2):
+        cap = device_capacity(__import__("torch").device("cpu"))
+    assert isinstance(cap, DeviceCapacity)
+    assert cap.source == "RLIMIT_AS" and cap.hard_limit
+    assert 250 * 1024**2 < cap.headroom_bytes <= 300 * 1024**2
+
+
+def test_unsupported_device_type_is_rejected():
+    import torch
+
+    with pytest.raises(ValueError, match="device='meta'"):
+        device_capacity(torch.device("meta"))

@@ -1,0 +1,176 @@
+import pytest
+
+from adaptive_batch import BatchSizeTooLargeError, round_batch_size, search_max_batch_size
+
+CPU_OOM = "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"
+
+
+class LinearStep:
+    """A fake step: peak = fixed + per_sample * b; real OOM above ``oom_above``."""
+
+    def __init__(self, fixed, per_sample, oom_above=None, first_call_extra=0):
+        self.fixed, self.per_sample, self.oom_above = fixed, per_sample, oom_above
+        self.first_call_extra = first_call_extra
+        self.calls = []
+
+    def __call__(self, b):
+        self.calls.append(b)
+        if self.oom_above is not None and b > self.oom_above:
+            raise RuntimeError(CPU_OOM)
+        extra = self.first_call_extra if len(self.calls) == 1 else 0
+        return self.fixed + self.per_sample * b - extra
+
+
+def no_release():
+    pass
+
+
+def check_bracket(result, cap=None):
+    """The answer fitted; the size above it was tried and failed, or it is the cap."""
+    fits = {t.batch_size for t in result.trials if t.fits}
+    fails = {t.batch_size for t in result.trials if not t.fits}
+    assert result.max_batch_size in fits
+    assert result.max_batch_size + 1 in fails or result.max_batch_size == cap
+
+
+def test_accurate_estimate_settles_in_five_trial_steps():
+    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=50)
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release)
+    assert result.max_batch_size == 37
+    assert result.predicted_max_batch_size == 37
+    assert step.calls == [1, 1, 2, 37, 38]
+    assert result.estimate.bytes_per_sample == 100
+    check_bracket(result)
+
+
+def test_warmup_step_is_left_out_of_the_estimate():
+    # The first step allocates less (no optimizer state yet): fitting it would skew the line.
+    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=400)
+    result = search_max_batch_size(step, budget_bytes=5_000, release=no_release)
+    assert result.estimate.fixed_bytes == 1_000
+    assert [t.phase for t in result.trials[:3]] == ["warmup", "estimate", "estimate"]
+
+
+def test_real_oom_below_the_budget_walks_down_then_bisects():
+    # The line says 90 fits, but allocations fail above 61 (memory the counter cannot see).
+    step = LinearStep(fixed=1_000, per_sample=100, oom_above=61)
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 90, release=no_release)
+    assert result.max_batch_size == 61
+    check_bracket(result)
+    assert any(t.oom for t in result.trials)
+    assert len(step.calls) == len(set(step.calls[1:])) + 1  # no size run twice after warm-up
+    assert len(result.trials) <= 14
+
+
+def test_pessimistic_estimate_gallops_up():
+    # Small batches pay a per-sample cost that large ones amortise: the line underestimates.
+    def step(b):
+        return 1_000 + (100 * b if b <= 2 else 200 + 20 * b)
+
+    result = search_max_batch_size(step, budget_bytes=1_000 + 200 + 20 * 300, release=no_release)
+    assert result.max_batch_size == 300
+    check_bracket(result)
+
+
+def test_nothing_fits_names_the_bytes_needed_and_available():
+    step = LinearStep(fixed=10_000, per_sample=100)
+    with pytest.raises(BatchSizeTooLargeError) as info:
+        search_max_batch_size(step, budget_bytes=5_000, release=no_release)
+    assert info.value.bytes_needed == 10_100
+    assert info.value.budget_bytes == 5_000
+    assert "10100 bytes" in str(info.value) and "5000 bytes" in str(info.value)
+
+
+def test_nothing_fits_because_batch_one_runs_out_of_memory():
+    step = LinearStep(fixed=1, per_sample=1, oom_above=0)
+    with pytest.raises(BatchSizeTooLargeError, match="ran out of memory"):
+        search_max_batch_size(step, budget_bytes=5_000, release=no_release)
+
+
+def test_everything_fits_up_to_the_cap():
+    step = LinearStep(fixed=1_000, per_sample=1)
+    result = search_max_batch_size(step, budget_bytes=10**9, max_batch_size=48, release=no_release)
+    assert result.max_batch_size == 48
+    assert max(step.calls) == 48  # never tries past the cap (e.g. the dataset size)
+    check_bracket(result, cap=48)
+
+
+def test_cap_of_one_runs_no_second_size():
+    step = LinearStep(fixed=1_000, per_sample=1)
+    result = search_max_batch_size(step, budget_bytes=10**9, max_batch_size=1, release=no_release)
+    assert result.max_batch_size == 1 and set(step.calls) == {1}
+
+
+def test_only_batch_one_fits():
+    step = LinearStep(fixed=1_000, per_sample=100)
+    result = search_max_batch_size(step, budget_bytes=1_150, release=no_release)
+    assert result.max_batch_size == 1
+    check_bracket(result)
+
+
+def test_flat_peaks_without_cap_double_until_oom():
+    step = LinearStep(fixed=1_000, per_sample=0, oom_above=100)
+    result = search_max_batch_size(step, budget_bytes=10**9, release=no_release)
+    assert result.max_batch_size == 100
+    assert result.predicted_max_batch_size is None
+    check_bracket(result)
+
+
+def test_step_that_never_fails_without_cap_hits_the_guard():
+    step = LinearStep(fixed=1_000, per_sample=0)
+    with pytest.raises(RuntimeError, match="max_batch_size"):
+        search_max_batch_size(step, budget_bytes=10**9, release=no_release, max_trials=20)
+
+
+def test_noisy_non_monotone_step_still_gives_a_bracketed_answer():
+    # Sizes 40 and 44 fail at random on top of a true limit of 50.
+    def step(b):
+        if b in (40, 44) or b > 50:
+            raise RuntimeError(CPU_OOM)
+        return 1_000 + 100 * b
+
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 60, release=no_release)
+    check_bracket(result)
+    assert result.max_batch_size <= 50
+    sizes = [t.batch_size for t in result.trials[1:]]
+    assert len(sizes) == len(set(sizes))
+
+
+def test_non_oom_errors_propagate():
+    def step(b):
+        raise RuntimeError("shape mismatch in the model")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        search_max_batch_size(step, budget_bytes=10**9, release=no_release)
+
+
+def test_release_is_called_after_each_oom():
+    released = []
+    step = LinearStep(fixed=1_000, per_sample=100, oom_above=10)
+    search_max_batch_size(step, budget_bytes=10**9, release=lambda: released.append(1))
+    assert len(released) == sum(1 for b in step.calls if b > 10)
+
+
+def test_result_serialises_with_every_trial():
+    step = LinearStep(fixed=1_000, per_sample=100)
+    d = search_max_batch_size(step, budget_bytes=3_000, release=no_release).to_dict()
+    assert d["max_batch_size"] == 20
+    assert d["estimate"] == {"fixed_bytes": 1_000, "bytes_per_sample": 100, "predicted_max_batch_size": 20}
+    assert {"batch_size", "fits", "peak_bytes", "seconds"} <= set(d["trials"][0])
+
+
+@pytest.mark.parametrize("b,mode,expected", [(37, "none", 37), (37, "power_of_two", 32), (64, "power_of_two", 64), (1, "power_of_two", 1)])
+def test_rounding(b, mode, expected):
+    assert round_batch_size(b, mode) == expected
+
+
+def test_rounding_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="batch_size_rounding='nearest'"):
+        round_batch_size(8, "nearest")
+
+
+def test_bad_budget_and_cap():
+    with pytest.raises(ValueError, match="budget_bytes"):
+        search_max_batch_size(LinearStep(1, 1), budget_bytes=0)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        search_max_batch_size(LinearStep(1, 1), budget_bytes=10, max_batch_size=0)

@@ -1,0 +1,33 @@
+"""Runs ``tune`` under a process address-space limit set relative to this process's size.
+
+Usage: python tests/recipes/limited_run.py HEADROOM_BYTES run recipes/x.py --config ...
+
+The heavy imports happen first, then ``RLIMIT_AS`` is set to the current virtual size plus
+``HEADROOM_BYTES`` (as ``prlimit --as`` would from outside), then torchtune's CLI runs in this
+process. Allocations past the limit fail with the CPU allocator's real out-of-memory error.
+"""
+
+import resource
+import sys
+
+import datasets  # noqa: F401  (imported by torchtune's datasets; its size counts before the limit)
+import torch  # noqa: F401
+import torchtune.training  # noqa: F401
+from torchtune._cli.tune import main
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+if __name__ == "__main__":
+    headroom = int(sys.argv[1])
+    limit = _vm_size() + headroom
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    print(f"limited_run: RLIMIT_AS={limit} bytes", flush=True)
+    sys.argv = ["tune"] + sys.argv[2:]
+    main()
