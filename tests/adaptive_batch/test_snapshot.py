@@ -1,0 +1,74 @@
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from adaptive_batch import TrainingStateSnapshot
+
+
+def train_steps(model, opt, sched, n=2):
+    for _ in range(n):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    random.random()
+    np.random.rand()
+
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_everything_comes_back_bitwise(tmp_path, warm):
+    model, opt, sched = make()
+    if warm:  # optimizer state exists before the snapshot (a resumed run)
+        train_steps(model, opt, sched)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    moments = {k: {n: t.clone() for n, t in s.items()} for k, s in opt_state["state"].items()}
+    sched_state = sched.state_dict()
+    rng = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
+
+    with TrainingStateSnapshot(model, opt, sched, directory=str(tmp_path)):
+        train_steps(model, opt, sched, n=3)
+        assert not torch.equal(model[0].weight, params["0.weight"])
+
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    restored = opt.state_dict()
+    assert restored["param_groups"] == opt_state["param_groups"]
+    assert set(restored["state"]) == set(moments)
+    for k, s in moments.items():
+        for n, t in s.items():
+            assert torch.equal(restored["state"][k][n], t)
+    assert sched.state_dict() == sched_state
+    assert random.getstate() == rng[0]
+    assert np.array_equal(np.random.get_state()[1], rng[1])
+    assert torch.equal(torch.get_rng_state(), rng[2])
+    assert os.listdir(tmp_path) == []  # the snapshot file is gone
+
+
+def test_restored_when_the_block_raises(tmp_path):
+    model, opt, sched = make()
+    before = model[0].weight.clone()
+    with pytest.raises(KeyError):
+        with TrainingStateSnapshot(model, opt, sched, directory=str(tmp_path)):
+            train_steps(model, opt, sched)
+            raise KeyError("boom")
+    assert torch.equal(model[0].weight, before)
+    assert opt.state_dict()["state"] == {}
+
+
+def test_restore_before_save_is_an_error():
+    model, opt, _ = make()
+    with pytest.raises(RuntimeError, match="before save"):
+        TrainingStateSnapshot(model, opt).restore()
