@@ -244,19 +244,25 @@ def device_capacity(device: torch.device) -> DeviceCapacity:
 
 
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:
-    """Makes glibc serve large blocks with ``mmap`` so freeing them returns address space.
+    """Makes glibc's address space follow live memory, for runs under an address-space limit.
 
-    Under an address-space limit glibc otherwise keeps freed heap blocks, and a batch that fits
-    in live tensors fails on address space that only the allocator's cache holds.
+    Two glibc settings: large blocks are served with ``mmap`` (freeing them returns the
+    address space; otherwise glibc keeps freed heap blocks, and a batch that fits in live
+    tensors fails on space only the allocator's cache holds), and threads share one malloc
+    arena (each new thread's arena otherwise reserves 64 MiB of address space, e.g. the first
+    time a progress bar starts its monitor thread, after the probe has measured the headroom).
 
     Returns:
-        ``True`` when glibc accepted the setting, ``False`` on another C library.
+        ``True`` when glibc accepted both settings, ``False`` on another C library.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
+    mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes))
+    arena_ok = libc.mallopt(_M_ARENA_MAX, 1)
+    return bool(mmap_ok and arena_ok)

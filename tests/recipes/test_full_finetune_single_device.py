@@ -1,0 +1,130 @@
+"""The recipe through the real `tune run` on the tiny config, on CPU."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from tests.recipes.conftest import CONFIG, read_metric_log, RECIPE, run_tune
+
+
+def tune_in_process(monkeypatch, output_dir, *overrides):
+    """torchtune's CLI in this process (the same path as `tune run`, without the start-up)."""
+    from torchtune._cli.tune import main
+
+    monkeypatch.setattr(sys, "argv", ["tune", "run", RECIPE, "--config", CONFIG, f"output_dir={output_dir}", *overrides])
+    with pytest.raises(SystemExit) as info:
+        main()
+    return info.value
+
+
+BAD_INPUTS = [
+    (["use_maximum_batch_size=maybe"], "use_maximum_batch_size='maybe' must be true or false"),
+    (["use_maximum_batch_size=1"], "use_maximum_batch_size=1 must be true or false"),
+    (["max_memory=lots"], "max_memory='lots' cannot be parsed"),
+    (["max_memory=0"], "max_memory=0 must be greater than zero"),
+    (["max_memory=-2"], "max_memory=-2 must be greater than zero"),
+    (["max_memory=100TiB"], "larger than the device"),
+    (["batch_size=0"], "batch_size=0 must be a positive integer"),
+    (["batch_size=two"], "batch_size='two' must be a positive integer"),
+    (["batch_sise=8"], "unknown config key 'batch_sise'"),
+    (["memory_safety_margin=2"], "memory_safety_margin=2 must be a number in [0, 1)"),
+    (["batch_size_rounding=up"], "batch_size_rounding='up' is not one of"),
+    (["dtype=fp16"], "dtype='fp16'"),
+    (["optimizer_in_bwd=True", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=2 with optimizer_in_bwd=True"),
+    (["enable_activation_offloading=True"], "enable_activation_offloading=True on device='cpu'"),
+    (["batch_increase_function=my.fn"], "batch_increase_function='my.fn'"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_INPUTS, ids=[o[0] for o, _ in BAD_INPUTS])
+def test_bad_input_fails_before_the_model_is_built(monkeypatch, tmp_path, overrides, message):
+    out = tmp_path / "out"
+    exc = tune_in_process(monkeypatch, out, *overrides)
+    assert exc.code and message in str(exc.code)
+    assert str(exc.code).startswith("error: ")
+    # nothing was built or written: no initial checkpoint, no logs
+    assert not (out / "init").exists() and not (out / "logs").exists()
+
+
+def test_typo_names_the_closest_key(monkeypatch, tmp_path):
+    exc = tune_in_process(monkeypatch, tmp_path, "use_maximum_batchsize=True")
+    assert "did you mean 'use_maximum_batch_size'" in str(exc.code)
+
+
+def test_bad_input_through_the_real_cli_exits_nonzero_with_one_line(tmp_path):
+    proc = run_tune(tmp_path, "max_memory=lots")
+    assert proc.returncode != 0
+    assert "error: max_memory='lots' cannot be parsed" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def probed_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probed")
+    proc = run_tune(out, "use_maximum_batch_size=True", "max_memory=512MiB", "max_steps_per_epoch=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_probe_result_is_logged_written_and_used(probed_run):
+    out, proc = probed_run
+    report = json.loads((out / "batch_probe.json").read_text())
+    found = report["max_batch_size"]
+    assert found >= 2 and report["batch_size"] == found
+    assert report["seq_len"] == 256 and report["device"] == "cpu"
+    assert report["budget"]["limit_bytes"] == 512 * 1024**2
+    assert report["budget_bytes"] == int(512 * 1024**2 * (1 - 0.01))
+    trials = {t["batch_size"]: t for t in report["trials"] if t["phase"] != "warmup"}
+    assert trials[found]["fits"] and trials[found]["peak_bytes"] <= report["budget_bytes"]
+    assert not trials[found + 1]["fits"] and trials[found + 1]["peak_bytes"] > report["budget_bytes"]
+    assert set(report["estimate"]) == {"fixed_bytes", "bytes_per_sample", "predicted_max_batch_size"}
+    assert f"training with batch_size={found}" in proc.stderr + proc.stdout
+    rows = read_metric_log(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["batch_size"] == found
+        assert {"loss", "lr", "tokens_per_second_per_gpu", "peak_memory_rss"} <= set(r)
+        assert math.isfinite(r["loss"])
+    assert not [f for f in os.listdir(out) if f.startswith(".probe_snapshot")]
+
+
+def test_probing_leaves_training_identical(probed_run, tmp_path):
+    out, _ = probed_run
+    found = json.loads((out / "batch_probe.json").read_text())["batch_size"]
+    proc = run_tune(tmp_path, f"batch_size={found}", "max_steps_per_epoch=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    probed = [r["loss"] for r in read_metric_log(out)]
+    plain = [r["loss"] for r in read_metric_log(tmp_path)]
+    assert probed == plain  # bitwise: same weights, optimizer, RNG and data order
+
+
+def test_batch_one_too_large_says_needed_and_available(tmp_path):
+    proc = run_tune(tmp_path, "use_maximum_batch_size=True", "max_memory=20MB")
+    assert proc.returncode != 0
+    assert "error: batch size 1 does not fit" in proc.stderr
+    assert "bytes) is available" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "batch_probe.json").exists()
+
+
+@pytest.mark.slow
+def test_found_batch_trains_under_a_real_limit_and_ten_percent_more_crashes(tmp_path):
+    headroom = 1024**3
+    probe_out = tmp_path / "probe"
+    proc = run_tune(
+        probe_out, "use_maximum_batch_size=True", "max_steps_per_epoch=6", headroom_bytes=headroom
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((probe_out / "batch_probe.json").read_text())
+    found = report["batch_size"]
+    assert report["budget"]["source"] == "RLIMIT_AS"
+    assert len(read_metric_log(probe_out)) == 6  # trained to the end under the limit
+
+    larger = math.ceil(found * 1.1)
+    if larger == found:
+        larger += 1
+    proc = run_tune(tmp_path / "larger", f"batch_size={larger}", "max_steps_per_epoch=6", headroom_bytes=headroom)
+    assert proc.returncode != 0
+    assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
