@@ -1,0 +1,287 @@
+"""Largest-batch finders side by side, under one real process memory limit.
+
+Each method runs in a fresh process that imports everything (torch, torchtune, Lightning,
+Accelerate), builds the tiny config's model and optimizer, then sets RLIMIT_AS to its size plus
+the same headroom. Allocations past it fail with the CPU allocator's real out-of-memory error,
+which every method catches. Ground truth: the largest batch whose full-length training steps
+really run under the limit, each size checked in a fresh process.
+
+    make bench                      # or: python benchmarks/bench_probe.py --headroom 1.5GiB
+
+Peers (optional extras, `pip install -e .[bench]`): Lightning's ``Tuner.scale_batch_size``
+(``power`` and ``binsearch``, its default 3 steps per trial) and Accelerate's
+``find_executable_batch_size`` (one step per try, starting at 128, -10% per OOM).
+"""
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs/tiny/full_single_device.yaml"
+MARK_START, MARK_END = "<!-- bench_probe:start -->", "<!-- bench_probe:end -->"
+METHODS = ["ours", "ours_margin0", "lightning_power", "lightning_binsearch", "accelerate"]
+
+
+# ----------------------------------------------------------------------------- worker side
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize")
+
+
+def _setup(seed: int = 0):
+    import accelerate  # noqa: F401  (imported by every worker, so all start the same size)
+    import lightning  # noqa: F401
+    import torch
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+    from torchtune import config
+
+    import adaptive_batch as ab
+
+    cfg = OmegaConf.load(CONFIG)
+    torch.manual_seed(seed)
+    model = config.instantiate(cfg.model)
+    loss_fn = config.instantiate(cfg.loss)
+    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)
+    seq_len, vocab = cfg.tokenizer.max_seq_len, cfg.model.vocab_size
+
+    def loss_of(batch):
+        logits = model(batch["tokens"])
+        labels = F.pad(batch["labels"][..., 1:], (0, 1), value=loss_fn.ignore_index)
+        return loss_fn(logits, labels)
+
+    def train_step(batch):
+        loss_of(batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def make_batch(b):
+        return ab.worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab, device=torch.device("cpu"))
+
+    return model, opt, loss_of, train_step, make_batch, seq_len, vocab
+
+
+def _limit(headroom: int) -> None:
+    import adaptive_batch as ab
+
+    ab.return_freed_memory_to_os()  # the same allocator settings for every method
+    resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + headroom, resource.RLIM_INFINITY))
+
+
+def _run_ours(headroom: int, margin: float) -> dict:
+    import torch
+
+    import adaptive_batch as ab
+
+    model, opt, _, train_step, make_batch, _, _ = _setup()
+    _limit(headroom)
+    budget = ab.memory_budget(
+        max_memory_bytes=None,
+        capacity=ab.device_capacity(torch.device("cpu")),
+        live_bytes=ab.training_state_bytes(model, opt),
+        safety_margin=margin,
+    )
+    with tempfile.TemporaryDirectory() as d:
+        result = ab.probe_max_batch_size(
+            train_step=train_step, make_batch=make_batch, model=model, optimizer=opt,
+            device=torch.device("cpu"), budget_bytes=budget.budget_bytes, snapshot_dir=d,
+        )
+    return {"found": result.max_batch_size, "trial_steps": result.num_trials}
+
+
+def _run_lightning(headroom: int, mode: str) -> dict:
+    import lightning as L
+    import torch
+    from lightning.pytorch.tuner import Tuner
+
+    model, opt, loss_of, _, make_batch, seq_len, vocab = _setup()
+    steps = {"n": 0}
+
+    class WorstCase(torch.utils.data.Dataset):
+        def __len__(self):
+            return 1_000_000
+
+        def __getitem__(self, i):
+            t = torch.randint(0, vocab, (seq_len,), generator=torch.Generator().manual_seed(i))
+            return {"tokens": t, "labels": t.clone()}
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.batch_size = 2
+
+        def training_step(self, batch, _idx):
+            steps["n"] += 1
+            return loss_of(batch)
+
+        def configure_optimizers(self):
+            return opt
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(WorstCase(), batch_size=self.batch_size)
+
+    with tempfile.TemporaryDirectory() as d:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=d,
+        )
+        _limit(headroom)
+        found = Tuner(trainer).scale_batch_size(Module(), mode=mode, init_val=2, max_trials=25)
+    return {"found": int(found), "trial_steps": steps["n"]}
+
+
+def _run_accelerate(headroom: int) -> dict:
+    from accelerate.utils import find_executable_batch_size
+
+    _, _, _, train_step, make_batch, _, _ = _setup()
+    steps = {"n": 0}
+    _limit(headroom)
+
+    @find_executable_batch_size(starting_batch_size=128)
+    def find(batch_size):
+        steps["n"] += 1
+        train_step(make_batch(batch_size))
+        return batch_size
+
+    return {"found": find(), "trial_steps": steps["n"]}
+
+
+def _run_truth(headroom: int, batch_size: int, steps: int) -> dict:
+    _, _, _, train_step, make_batch, _, _ = _setup()
+    _limit(headroom)
+    try:
+        for _ in range(steps):
+            train_step(make_batch(batch_size))
+    except RuntimeError as e:
+        if "can't allocate memory" not in str(e):
+            raise
+        return {"trains": False}
+    return {"trains": True}
+
+
+def worker(args) -> None:
+    t0 = time.perf_counter()
+    if args.worker == "ours":
+        out = _run_ours(args.headroom, margin=0.01)
+    elif args.worker == "ours_margin0":
+        out = _run_ours(args.headroom, margin=0.0)
+    elif args.worker.startswith("lightning_"):
+        out = _run_lightning(args.headroom, args.worker.split("_", 1)[1])
+    elif args.worker == "accelerate":
+        out = _run_accelerate(args.headroom)
+    else:
+        out = _run_truth(args.headroom, args.batch_size, args.truth_steps)
+    out["seconds"] = time.perf_counter() - t0
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver side
+def _parse_size(text: str) -> int:
+    from adaptive_batch import parse_memory
+
+    return parse_memory(text, key="--headroom")
+
+
+def _spawn(args, worker_name, batch_size=0) -> dict:
+    cmd = [
+        sys.executable, __file__, "--worker", worker_name, "--headroom", str(args.headroom),
+        "--batch-size", str(batch_size), "--truth-steps", str(args.truth_steps),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    m = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
+    if not m:
+        raise RuntimeError(f"{worker_name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(m.group(1))
+
+
+def ground_truth(args, start: int) -> int:
+    """Largest batch that trains ``truth_steps`` full-length steps, walking from ``start``."""
+    if _spawn(args, "truth", start)["trains"]:
+        b = start
+        while _spawn(args, "truth", b + 1)["trains"]:
+            b += 1
+        return b
+    b = start - 1
+    while b > 0 and not _spawn(args, "truth", b)["trains"]:
+        b -= 1
+    return b
+
+
+def render(rows, truth, args) -> str:
+    from adaptive_batch import format_bytes
+
+    lightning_bin = next((r for r in rows if r["method"] == "lightning_binsearch"), None)
+    lines = [
+        f"Headroom {format_bytes(args.headroom)} of address space over each process's size "
+        f"(RLIMIT_AS), tiny config (Llama-3.2 architecture, 4 layers, dim 256), seq_len 256, "
+        f"AdamW, fp32, CPU. True max: **{truth}** (largest batch that trains "
+        f"{args.truth_steps} full-length steps in a fresh process under the limit).",
+        "",
+        "| method | found batch | found/true | trial steps | steps vs Lightning binsearch | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        vs = f"{r['trial_steps'] / lightning_bin['trial_steps']:.2f}" if lightning_bin else "-"
+        lines.append(
+            f"| {r['method']} | {r['found']} | {r['found'] / truth:.2f} | {r['trial_steps']} "
+            f"| {vs} | {r['seconds']:.1f} |"
+        )
+    lines += ["", f"Made by `python benchmarks/bench_probe.py --headroom {args.headroom_text}` "
+              f"on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores."]
+    return "\n".join(lines)
+
+
+def write_readme(table: str) -> None:
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    if MARK_START in text and MARK_END in text:
+        head, rest = text.split(MARK_START, 1)
+        _, tail = rest.split(MARK_END, 1)
+        readme.write_text(f"{head}{MARK_START}\n{table}\n{MARK_END}{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--headroom", default="1.5GiB")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--truth-steps", type=int, default=3)
+    parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.headroom = int(args.headroom)
+        worker(args)
+        return
+    args.headroom_text = args.headroom
+    args.headroom = _parse_size(args.headroom)
+    rows = []
+    for method in args.methods.split(","):
+        out = _spawn(args, method)
+        out["method"] = method
+        rows.append(out)
+        print(f"{method}: {out}", flush=True)
+    ours = next((r["found"] for r in rows if r["method"] == "ours"), rows[0]["found"])
+    truth = ground_truth(args, ours)
+    table = render(rows, truth, args)
+    print(table)
+    if not args.no_readme:
+        write_readme(table)
+
+
+if __name__ == "__main__":
+    main()
