@@ -128,3 +128,23 @@ def test_found_batch_trains_under_a_real_limit_and_ten_percent_more_crashes(tmp_
     proc = run_tune(tmp_path / "larger", f"batch_size={larger}", "max_steps_per_epoch=6", headroom_bytes=headroom)
     assert proc.returncode != 0
     assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
+
+
+def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
+    first = run_tune(
+        tmp_path, "use_maximum_batch_size=True", "max_memory=512MiB", "epochs=2", "max_steps_per_epoch=1"
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    found = json.loads((tmp_path / "batch_probe.json").read_text())["batch_size"]
+    (tmp_path / "batch_probe.json").unlink()
+    # A smaller budget on resume would find a smaller batch: the recipe state wins, no probing.
+    resumed = run_tune(
+        tmp_path, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2",
+        "max_steps_per_epoch=1", "resume_from_checkpoint=True",
+        # torchtune 0.6.1 resumes from files named relative to output_dir
+        "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"using the probed batch_size={found} from the recipe state" in resumed.stderr
+    assert "probe trial" not in resumed.stderr
+    assert not (tmp_path / "batch_probe.json").exists()
