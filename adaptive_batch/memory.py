@@ -143,7 +143,8 @@ class DeviceCapacity:
         return asdict(self)
 
 
-def _proc_status_bytes(field: str) -> Optional[int]:
+def proc_status_bytes(field: str) -> Optional[int]:
+    """A size field of ``/proc/self/status`` in bytes (``"VmSize"``, ``"VmHWM"``), or ``None``."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -200,7 +201,7 @@ def cpu_capacity() -> DeviceCapacity:
     """
     candidates = []
     limit = address_space_limit()
-    vm_size = _proc_status_bytes("VmSize")
+    vm_size = proc_status_bytes("VmSize")
     if limit is not None and vm_size is not None:
         candidates.append((max(0, limit - vm_size), "RLIMIT_AS", True))
     cgroup = _cgroup_headroom()

@@ -14,6 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from adaptive_batch.memory import proc_status_bytes
+
 
 def live_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and shared storages once)."""
@@ -115,11 +117,4 @@ def reset_peak_rss() -> bool:
 
 def peak_rss_bytes() -> Optional[int]:
     """This process's resident-set high-water mark since the last :func:`reset_peak_rss`."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return proc_status_bytes("VmHWM")

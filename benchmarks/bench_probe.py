@@ -31,14 +31,6 @@ METHODS = ["ours", "ours_margin0", "lightning_power", "lightning_binsearch", "ac
 
 
 # ----------------------------------------------------------------------------- worker side
-def _vm_size() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize")
-
-
 def _setup(seed: int = 0):
     import accelerate  # noqa: F401  (imported by every worker, so all start the same size)
     import lightning  # noqa: F401
@@ -75,9 +67,11 @@ def _setup(seed: int = 0):
 
 def _limit(headroom: int) -> None:
     import adaptive_batch as ab
+    from adaptive_batch.memory import proc_status_bytes
 
     ab.return_freed_memory_to_os()  # the same allocator settings for every method
-    resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + headroom, resource.RLIM_INFINITY))
+    vm_size = proc_status_bytes("VmSize")
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size + headroom, resource.RLIM_INFINITY))
 
 
 def _run_ours(headroom: int, margin: float) -> dict:
@@ -237,7 +231,7 @@ def render(rows, truth, args) -> str:
     for r in rows:
         vs = f"{r['trial_steps'] / lightning_bin['trial_steps']:.2f}" if lightning_bin else "-"
         lines.append(
-            f"| {r['method']} | {r['found']} | {r['found'] / truth:.2f} | {r['trial_steps']} "
+            f"| {r['method']} | {r['found']} | {r['found'] / truth:.3f} | {r['trial_steps']} "
             f"| {vs} | {r['seconds']:.1f} |"
         )
     lines += ["", f"Made by `python benchmarks/bench_probe.py --headroom {args.headroom_text}` "

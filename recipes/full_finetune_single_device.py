@@ -94,8 +94,24 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             max_batch_size=cfg.get("max_batch_size", None),
             batch_increase_function=cfg.get("batch_increase_function", None),
             device_type=self._device.type,
-            device_capacity_bytes=ab.device_capacity(self._device).headroom_bytes,
+            device_capacity_bytes=(
+                ab.device_capacity(self._device).headroom_bytes
+                if self._device.type in ("cpu", "cuda")
+                else None
+            ),
         )
+        if self._adaptive.use_maximum_batch_size:
+            if self._device.type not in ("cpu", "cuda"):
+                raise ab.ConfigError(
+                    f"use_maximum_batch_size=True on device={self._device.type!r}: the probe "
+                    "measures memory on cpu and cuda only; set use_maximum_batch_size=False."
+                )
+            if cfg.tokenizer.get("max_seq_len", None) is None:
+                raise ab.ConfigError(
+                    "use_maximum_batch_size=True with tokenizer.max_seq_len=null: the probe runs "
+                    "every sequence at that length so no longer batch can run out of memory "
+                    "later; set tokenizer.max_seq_len, e.g. tokenizer.max_seq_len=2048."
+                )
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
 
         # logging attributes
@@ -239,11 +255,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """Finds the largest batch that fits with real steps, writes batch_probe.json, returns
         the batch size to train with."""
         seq_len = self._tokenizer.max_seq_len
-        if seq_len is None:
-            raise ab.ConfigError(
-                "use_maximum_batch_size=True needs tokenizer.max_seq_len: the probe runs every "
-                "sequence at that length, so no longer batch can run out of memory later."
-            )
         live = ab.training_state_bytes(self._model, self._optimizer)
         capacity = ab.device_capacity(self._device)
         budget = ab.memory_budget(

@@ -3,13 +3,11 @@ import resource
 
 import pytest
 
+from adaptive_batch.memory import proc_status_bytes
+
 
 def vm_size() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize")
+    return proc_status_bytes("VmSize")
 
 
 @contextlib.contextmanager

@@ -15,18 +15,12 @@ import torch  # noqa: F401
 import torchtune.training  # noqa: F401
 from torchtune._cli.tune import main
 
-
-def _vm_size() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
+from adaptive_batch.memory import proc_status_bytes
 
 
 if __name__ == "__main__":
     headroom = int(sys.argv[1])
-    limit = _vm_size() + headroom
+    limit = proc_status_bytes("VmSize") + headroom
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
     print(f"limited_run: RLIMIT_AS={limit} bytes", flush=True)
     sys.argv = ["tune"] + sys.argv[2:]

@@ -36,6 +36,7 @@ BAD_INPUTS = [
     (["optimizer_in_bwd=True", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=2 with optimizer_in_bwd=True"),
     (["enable_activation_offloading=True"], "enable_activation_offloading=True on device='cpu'"),
     (["batch_increase_function=my.fn"], "batch_increase_function='my.fn'"),
+    (["use_maximum_batch_size=True", "tokenizer.max_seq_len=null"], "tokenizer.max_seq_len=null"),
 ]
 
 
