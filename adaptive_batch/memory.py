@@ -6,7 +6,6 @@ the cgroup memory limit and the RAM the kernel reports available.
 """
 
 import ctypes
-import os
 import re
 import resource
 from dataclasses import asdict, dataclass

@@ -15,7 +15,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 from torch import nn
@@ -100,7 +100,7 @@ def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer])
         if p.grad is not None:
             yield p.grad
     if optimizer is not None:
-        for leaf in tree_leaves(optimizer.state_dict()["state"]):
+        for leaf in tree_leaves(list(optimizer.state.values())):
             if isinstance(leaf, torch.Tensor):
                 yield leaf
 
@@ -157,7 +157,7 @@ def probe_max_batch_size(
         try:
             return measure_peak_bytes(lambda: train_step(batch), device, baseline)
         finally:
-            del batch, baseline
+            # A step that failed half-way leaves gradients behind.
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
 

@@ -8,7 +8,7 @@
 import sys
 import time
 from functools import partial
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -300,7 +300,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _setup_profiler(
         self, cfg_profiler: Optional[DictConfig] = None
-    ) -> Tuple[torch.profiler.profile, DummyProfiler]:
+    ) -> Union[torch.profiler.profile, DummyProfiler]:
         """
         Parses the ``profiler`` section of top-level ``cfg`` and sets up profiler.
         """
