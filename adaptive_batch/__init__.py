@@ -6,11 +6,15 @@ from adaptive_batch.config_checks import (
     check_adaptive_batch_options,
     check_known_keys,
     check_stock_recipe_options,
+    check_token_batch_options,
     ConfigError,
     default_safety_margin,
+    TokenBatchOptions,
 )
 from adaptive_batch.data import pydoc_paragraphs, pydoc_text_dataset
 from adaptive_batch.estimator import LinearMemoryEstimate
+from adaptive_batch.lengths import sample_lengths
+from adaptive_batch.lr_scaling import BatchLRScaler, lr_scale_factor
 from adaptive_batch.memory import (
     address_space_limit,
     device_capacity,
@@ -40,10 +44,25 @@ from adaptive_batch.search import (
     Trial,
 )
 from adaptive_batch.snapshot import TrainingStateSnapshot
+from adaptive_batch.token_batching import (
+    check_token_budget,
+    pack_by_tokens,
+    TokenBudgetBatchSampler,
+    truncating_collate,
+)
 from adaptive_batch.tokenizer import byte_tokenizer, ByteTokenizer
 from adaptive_batch.tracker import LiveTensorCounter, live_tensor_bytes, measure_peak_bytes
 
 __all__ = [
+    "BatchLRScaler",
+    "TokenBatchOptions",
+    "TokenBudgetBatchSampler",
+    "check_token_batch_options",
+    "check_token_budget",
+    "lr_scale_factor",
+    "pack_by_tokens",
+    "sample_lengths",
+    "truncating_collate",
     "AdaptiveBatchOptions",
     "BatchSizeTooLargeError",
     "ByteTokenizer",

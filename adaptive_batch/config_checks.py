@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from adaptive_batch.memory import MemorySpec, parse_memory
+from adaptive_batch.lr_scaling import LR_SCALING_RULES, LR_SCALING_UNITS
 from adaptive_batch.search import ROUNDING_MODES
+from adaptive_batch.token_batching import LONG_SAMPLE_POLICIES, PICKING_ORDERS
 
 
 class ConfigError(ValueError):
@@ -201,3 +203,111 @@ def check_stock_recipe_options(
             "use_maximum_batch_size=True with optimizer_in_bwd=True: the probe cannot yet save and "
             "restore per-parameter optimizers; set optimizer_in_bwd=False."
         )
+
+
+@dataclass(frozen=True)
+class TokenBatchOptions:
+    """The checked token-budget and LR-scaling settings of a recipe.
+
+    Attributes:
+        max_tokens: the padded-token budget of a batch, or ``None`` for fixed-size batches.
+        sequence_picking_order: ``"dataloader"``, ``"seqlen"`` or ``"random"``.
+        min_batch_size: the fewest samples in a full token batch.
+        long_sample_policy: ``"truncate"`` or ``"error"`` for samples over ``max_tokens``.
+        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``.
+        lr_scaling_unit: ``"samples"`` or ``"tokens"``.
+        lr_scaling_reference: the batch the configured LR was set for, in that unit.
+    """
+
+    max_tokens: Optional[int]
+    sequence_picking_order: str
+    min_batch_size: int
+    long_sample_policy: str
+    lr_scaling: str
+    lr_scaling_unit: str
+    lr_scaling_reference: Optional[float]
+
+
+def check_token_batch_options(
+    *,
+    max_tokens: Any,
+    sequence_picking_order: Any,
+    min_batch_size: Any,
+    max_batch_size: Any,
+    long_sample_policy: Any,
+    lr_scaling: Any,
+    lr_scaling_unit: Any,
+    lr_scaling_reference: Any,
+    batch_size: int,
+    packed: bool,
+) -> TokenBatchOptions:
+    """Checks the token-budget and LR-scaling keys of a recipe config.
+
+    Args:
+        max_tokens: positive integer, or ``None`` for fixed-size batches.
+        sequence_picking_order: one of ``PICKING_ORDERS``.
+        min_batch_size: positive integer, at most ``max_batch_size``.
+        max_batch_size: positive integer or ``None``.
+        long_sample_policy: one of ``LONG_SAMPLE_POLICIES``.
+        lr_scaling: one of ``LR_SCALING_RULES``.
+        lr_scaling_unit: one of ``LR_SCALING_UNITS``.
+        lr_scaling_reference: positive number, or ``None`` for ``batch_size`` samples.
+        batch_size: the config's batch size (the default reference).
+        packed: whether the dataset is packed (cannot combine with ``max_tokens``).
+
+    Returns:
+        The checked options.
+
+    Raises:
+        ConfigError: for the first bad value or combination.
+    """
+    check_positive_int("max_tokens", max_tokens, allow_none=True)
+    if sequence_picking_order not in PICKING_ORDERS:
+        raise ConfigError(
+            f"sequence_picking_order={sequence_picking_order!r} is not one of {list(PICKING_ORDERS)}: "
+            "use dataloader, seqlen or random."
+        )
+    check_positive_int("min_batch_size", min_batch_size)
+    if max_batch_size is not None and isinstance(max_batch_size, int) and min_batch_size > max_batch_size:
+        raise ConfigError(
+            f"min_batch_size={min_batch_size} is larger than max_batch_size={max_batch_size}: "
+            "lower min_batch_size or raise max_batch_size."
+        )
+    if long_sample_policy not in LONG_SAMPLE_POLICIES:
+        raise ConfigError(
+            f"long_sample_policy={long_sample_policy!r} is not one of {list(LONG_SAMPLE_POLICIES)}: "
+            "truncate cuts samples longer than max_tokens, error stops the run."
+        )
+    if max_tokens is not None and packed:
+        raise ConfigError(
+            f"max_tokens={max_tokens} with dataset.packed=True: packed samples are already "
+            "max_seq_len tokens each; set dataset.packed=False or max_tokens=null."
+        )
+    if lr_scaling not in LR_SCALING_RULES:
+        raise ConfigError(f"lr_scaling={lr_scaling!r} is not one of {list(LR_SCALING_RULES)}: use none, linear or sqrt.")
+    if lr_scaling_unit not in LR_SCALING_UNITS:
+        raise ConfigError(f"lr_scaling_unit={lr_scaling_unit!r} is not one of {list(LR_SCALING_UNITS)}.")
+    if lr_scaling_reference is not None and (
+        isinstance(lr_scaling_reference, bool)
+        or not isinstance(lr_scaling_reference, (int, float))
+        or lr_scaling_reference <= 0
+    ):
+        raise ConfigError(
+            f"lr_scaling_reference={lr_scaling_reference!r} must be a positive number of "
+            f"{lr_scaling_unit}, or null for batch_size samples."
+        )
+    if lr_scaling != "none" and lr_scaling_unit == "tokens" and lr_scaling_reference is None:
+        raise ConfigError(
+            "lr_scaling_unit=tokens needs lr_scaling_reference: the number of real tokens per "
+            "step the configured LR was tuned for, e.g. lr_scaling_reference=4096."
+        )
+    reference = lr_scaling_reference if lr_scaling_reference is not None else batch_size
+    return TokenBatchOptions(
+        max_tokens=max_tokens,
+        sequence_picking_order=sequence_picking_order,
+        min_batch_size=min_batch_size,
+        long_sample_policy=long_sample_policy,
+        lr_scaling=lr_scaling,
+        lr_scaling_unit=lr_scaling_unit,
+        lr_scaling_reference=float(reference),
+    )

@@ -8,11 +8,11 @@
 import sys
 import time
 from functools import partial
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -43,6 +43,9 @@ KNOWN_KEYS = frozenset(
         # adaptive batch size
         "use_maximum_batch_size", "max_memory", "memory_safety_margin",
         "batch_size_rounding", "max_batch_size", "batch_increase_function",
+        # token-budget batches and LR scaling
+        "max_tokens", "sequence_picking_order", "min_batch_size", "long_sample_policy",
+        "lr_scaling", "lr_scaling_unit", "lr_scaling_reference",
     }
 )
 
@@ -100,6 +103,19 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 else None
             ),
         )
+        dataset_cfg = cfg.dataset if not isinstance(cfg.dataset, ListConfig) else cfg.dataset[0]
+        self._tokens = ab.check_token_batch_options(
+            max_tokens=cfg.get("max_tokens", None),
+            sequence_picking_order=cfg.get("sequence_picking_order", "dataloader"),
+            min_batch_size=cfg.get("min_batch_size", 1),
+            max_batch_size=cfg.get("max_batch_size", None),
+            long_sample_policy=cfg.get("long_sample_policy", "truncate"),
+            lr_scaling=cfg.get("lr_scaling", "none"),
+            lr_scaling_unit=cfg.get("lr_scaling_unit", "samples"),
+            lr_scaling_reference=cfg.get("lr_scaling_reference", None),
+            batch_size=cfg.batch_size,
+            packed=bool(dataset_cfg.get("packed", False)),
+        )
         if self._adaptive.use_maximum_batch_size:
             if self._device.type not in ("cpu", "cuda"):
                 raise ab.ConfigError(
@@ -127,6 +143,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
         self._enable_activation_offloading = cfg.get("enable_activation_offloading", False)
         self._batch_size = cfg.batch_size
+        self._max_tokens = self._tokens.max_tokens
         self._probe_report: Optional[Dict[str, Any]] = None
 
         # Under an address-space limit glibc's cache of freed blocks would count against it.
@@ -221,12 +238,44 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
         dataset, packed = self._setup_dataset(cfg.dataset)
 
-        # The batch size is settled before the dataloader is built with it.
+        lengths = None
+        if self._max_tokens is not None:
+            lengths = ab.sample_lengths(
+                dataset,
+                cache_dir=f"{self._output_dir}/seqlen_cache",
+                key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
+                log=log.info,
+            )
+
+        # The batch size (or token budget) is settled before the dataloader is built with it.
         if self._probe_report is not None:
             self._batch_size = self._probe_report["batch_size"]
+            self._max_tokens = self._probe_report.get("max_tokens", self._max_tokens)
             log.info(f"Resumed run: using the probed batch_size={self._batch_size} from the recipe state.")
         elif self._adaptive.use_maximum_batch_size:
             self._batch_size = self._probe_batch_size(dataset_size=len(dataset))
+            if self._max_tokens is not None:
+                # The probe's rows are full-length: any batch with as many padded tokens fits.
+                self._max_tokens = self._batch_size * self._tokenizer.max_seq_len
+                self._probe_report["max_tokens"] = self._max_tokens
+                ab.write_probe_report(self._probe_report, self._output_dir)
+                log.info(f"use_maximum_batch_size: training with max_tokens={self._max_tokens}")
+
+        if lengths is not None:
+            try:
+                too_long = ab.check_token_budget(
+                    lengths,
+                    max_tokens=self._max_tokens,
+                    min_batch_size=self._tokens.min_batch_size,
+                    max_batch_size=self._adaptive.max_batch_size,
+                    long_sample_policy=self._tokens.long_sample_policy,
+                )
+            except ValueError as e:
+                raise ab.ConfigError(str(e)) from None
+            log.info(
+                f"Token-budget batches: max_tokens={self._max_tokens}, "
+                f"{too_long} of {len(lengths)} samples longer than that (truncated)."
+            )
 
         self._dataloader = self._setup_dataloader(
             dataset,
@@ -234,6 +283,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             shuffle=cfg.shuffle,
             batch_size=self._batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+            lengths=lengths,
         )
 
         self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
@@ -249,6 +299,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             num_training_steps=self.total_epochs * self._steps_per_epoch,
             last_epoch=self.global_step - 1,
         )
+        self._lr_scaler = None
+        if self._tokens.lr_scaling != "none":
+            self._lr_scaler = ab.BatchLRScaler(
+                self._optimizer,
+                rule=self._tokens.lr_scaling,
+                reference=self._tokens.lr_scaling_reference,
+                unit=self._tokens.lr_scaling_unit,
+                lr_scheduler=self._lr_scheduler,
+            )
         self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
 
     def _probe_batch_size(self, dataset_size: int) -> int:
@@ -413,12 +472,41 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         return config.instantiate(cfg_dataset, self._tokenizer), cfg_dataset.get("packed", False)
 
     def _setup_dataloader(
-        self, dataset: Any, packed: bool, shuffle: bool, batch_size: int, collate_fn: str
+        self,
+        dataset: Any,
+        packed: bool,
+        shuffle: bool,
+        batch_size: int,
+        collate_fn: str,
+        lengths: Optional[List[int]] = None,
     ) -> StatefulDataLoader:
         """
-        Builds the sampler and dataloader over a map-style dataset.
+        Builds the sampler and dataloader over a map-style dataset: fixed-size batches, or
+        batches packed to ``max_tokens`` when sample ``lengths`` are given.
         """
-        collate = _get_component_from_path(collate_fn)
+        collate = (
+            partial(
+                _get_component_from_path(collate_fn),
+                padding_idx=self._tokenizer.pad_id,
+                ignore_idx=self._loss_fn.ignore_index,
+            )
+            if not packed
+            else padded_collate_packed
+        )
+        if lengths is not None:
+            batch_sampler = ab.TokenBudgetBatchSampler(
+                lengths,
+                max_tokens=self._max_tokens,
+                picking_order=self._tokens.sequence_picking_order,
+                shuffle=shuffle,
+                seed=0,
+                max_batch_size=self._adaptive.max_batch_size,
+            )
+            return StatefulDataLoader(
+                dataset=dataset,
+                batch_sampler=batch_sampler,
+                collate_fn=ab.truncating_collate(collate, self._max_tokens),
+            )
         sampler = StatefulDistributedSampler(
             dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=0
         )
@@ -426,15 +514,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             dataset=dataset,
             batch_size=batch_size,
             sampler=sampler,
-            collate_fn=(
-                partial(
-                    collate,
-                    padding_idx=self._tokenizer.pad_id,
-                    ignore_idx=self._loss_fn.ignore_index,
-                )
-                if not packed
-                else padded_collate_packed
-            ),
+            collate_fn=collate,
             # dropping last avoids shape issues with compile + flex attention
             drop_last=True,
         )
@@ -530,20 +610,30 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         t0 = time.perf_counter()
         running_loss = 0
         num_tokens = 0
+        num_samples = 0
+        padded_tokens = 0
         reset_peak_rss()
 
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
             pbar = tqdm(total=self._steps_per_epoch)
-            self._dataloader.sampler.set_epoch(curr_epoch)
+            sampler = self._dataloader.batch_sampler if self._max_tokens is not None else self._dataloader.sampler
+            sampler.set_epoch(curr_epoch)
             for idx, batch in enumerate(self._dataloader):
                 utils.batch_to_device(batch, self._device)
+                num_samples += batch["tokens"].shape[0]
+                padded_tokens += batch["tokens"].numel()
                 current_loss, current_num_tokens = self._forward_backward(batch)
                 running_loss += current_loss
                 num_tokens += current_num_tokens
 
                 if (idx + 1) % self._gradient_accumulation_steps == 0:
+                    step_lr = None
+                    if self._lr_scaler is not None:
+                        step_lr = self._lr_scaler.apply(samples=num_samples, tokens=int(num_tokens))
                     grad_norm = self._optimizer_step(num_tokens)
+                    if self._lr_scaler is not None:
+                        self._lr_scaler.restore()
                     if self._lr_scheduler is not None:
                         self._lr_scheduler.step()
                     self.global_step += 1
@@ -556,11 +646,14 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         time_per_step = time.perf_counter() - t0
                         log_dict = {
                             "loss": loss_to_log,
-                            "lr": get_lr(
+                            "lr": step_lr if step_lr is not None else get_lr(
                                 self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper
                             ),
-                            "batch_size": self._batch_size * self._gradient_accumulation_steps,
+                            "batch_size": num_samples,
                             "tokens_per_second_per_gpu": num_tokens / time_per_step,
+                            "real_tokens": int(num_tokens),
+                            "padded_tokens": padded_tokens,
+                            "padding_fraction": 1 - int(num_tokens) / padded_tokens,
                         }
                         if self._log_peak_memory_stats:
                             log_dict.update(self._memory_metrics())
@@ -571,6 +664,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
                     running_loss = 0
                     num_tokens = 0
+                    num_samples = 0
+                    padded_tokens = 0
                     t0 = time.perf_counter()
 
                 self._profiler.step()
