@@ -97,3 +97,48 @@ def test_stock_incompatibilities(changes, message):
 
 def test_stock_good():
     check_stock_recipe_options(**STOCK)
+
+
+TOKENS = dict(
+    max_tokens=2048,
+    sequence_picking_order="dataloader",
+    min_batch_size=1,
+    max_batch_size=None,
+    long_sample_policy="truncate",
+    lr_scaling="none",
+    lr_scaling_unit="samples",
+    lr_scaling_reference=None,
+    batch_size=4,
+    packed=False,
+)
+
+
+def test_good_token_options_default_reference_is_batch_size():
+    from adaptive_batch import check_token_batch_options
+
+    opts = check_token_batch_options(**{**TOKENS, "lr_scaling": "sqrt"})
+    assert opts.lr_scaling_reference == 4.0 and opts.max_tokens == 2048
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(max_tokens=0), "max_tokens=0 must be a positive integer or null"),
+        (dict(max_tokens="lots"), "max_tokens='lots'"),
+        (dict(sequence_picking_order="longest"), "sequence_picking_order='longest' is not one of"),
+        (dict(min_batch_size=0), "min_batch_size=0 must be a positive integer"),
+        (dict(min_batch_size=8, max_batch_size=4), "min_batch_size=8 is larger than max_batch_size=4"),
+        (dict(long_sample_policy="drop"), "long_sample_policy='drop'"),
+        (dict(packed=True), "max_tokens=2048 with dataset.packed=True"),
+        (dict(lr_scaling="cubic"), "lr_scaling='cubic'"),
+        (dict(lr_scaling_unit="bytes"), "lr_scaling_unit='bytes'"),
+        (dict(lr_scaling_reference=-1), "lr_scaling_reference=-1"),
+        (dict(lr_scaling="linear", lr_scaling_unit="tokens"), "lr_scaling_unit=tokens needs lr_scaling_reference"),
+    ],
+)
+def test_bad_token_options(changes, message):
+    from adaptive_batch import check_token_batch_options
+
+    with pytest.raises(ConfigError) as info:
+        check_token_batch_options(**{**TOKENS, **changes})
+    assert message in str(info.value)

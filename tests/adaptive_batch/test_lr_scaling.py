@@ -1,0 +1,47 @@
+import math
+
+import pytest
+import torch
+
+from adaptive_batch import BatchLRScaler, lr_scale_factor
+
+
+def test_rules():
+    assert lr_scale_factor(32, 8, "linear") == 4
+    assert lr_scale_factor(32, 8, "sqrt") == 2
+    assert lr_scale_factor(32, 8, "none") == 1
+    with pytest.raises(ValueError, match="lr_scaling='cubic'"):
+        lr_scale_factor(2, 1, "cubic")
+
+
+def opt():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+
+def test_scaler_without_scheduler_scales_the_configured_lr_every_step():
+    o = opt()
+    s = BatchLRScaler(o, rule="linear", reference=4, unit="samples")
+    assert s.apply(samples=8, tokens=100) == pytest.approx(0.2)
+    s.restore()
+    assert o.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert s.apply(samples=2, tokens=100) == pytest.approx(0.05)  # no compounding
+
+
+def test_scaler_composes_with_a_scheduler_in_tokens():
+    o = opt()
+    sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)  # chainable: multiplies lr
+    s = BatchLRScaler(o, rule="sqrt", reference=1000, unit="tokens", lr_scheduler=sched)
+    lrs = []
+    for _ in range(3):
+        lrs.append(s.apply(samples=1, tokens=4000))
+        o.step()
+        s.restore()
+        sched.step()
+    assert lrs == pytest.approx([0.2, 0.1, 0.05])
+
+
+def test_bad_reference_and_unit():
+    with pytest.raises(ValueError, match="lr_scaling_reference=0"):
+        BatchLRScaler(opt(), rule="linear", reference=0)
+    with pytest.raises(ValueError, match="lr_scaling_unit='bytes'"):
+        BatchLRScaler(opt(), rule="linear", reference=1, unit="bytes")
