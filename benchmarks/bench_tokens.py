@@ -26,7 +26,7 @@ SEQ_LEN = 256  # the tiny config's tokenizer.max_seq_len
 
 
 def run(name, overrides, steps, out_root):
-    out = Path(out_root) / name
+    out = Path(out_root) / "".join(c if c.isalnum() else "_" for c in name)
     cmd = [
         str(Path(sys.executable).with_name("tune")), "run", "recipes/full_finetune_single_device.py",
         "--config", "configs/tiny/full_single_device.yaml", f"output_dir={out}",
