@@ -1,9 +1,20 @@
-"""adaptive-batch: find the largest batch that fits before training, for torchtune recipes."""
+"""adaptive-batch: find the largest batch that fits before training, grow it while training,
+for torchtune recipes."""
 
+from adaptive_batch.accumulation import (
+    accumulate_gradients,
+    AccumulatedStep,
+    batch_rows,
+    micro_batch_sizes,
+    MicroBatchOutOfMemoryError,
+    split_batch,
+)
+from adaptive_batch.batch_state import BATCH_STATE_KEY, BatchState, ResizableBatchSampler
 from adaptive_batch.checkpoint import write_random_init_checkpoint
 from adaptive_batch.config_checks import (
     AdaptiveBatchOptions,
     check_adaptive_batch_options,
+    check_bool,
     check_known_keys,
     check_stock_recipe_options,
     check_token_batch_options,
@@ -13,8 +24,21 @@ from adaptive_batch.config_checks import (
 )
 from adaptive_batch.data import pydoc_paragraphs, pydoc_text_dataset
 from adaptive_batch.estimator import LinearMemoryEstimate
+from adaptive_batch.growth import (
+    BatchIncreaseFunctionError,
+    check_growth_options,
+    double_every_epoch,
+    grow_batch_size,
+    GrowthDecision,
+    GrowthOptions,
+    linear_ramp,
+    multiply_every,
+    resolve_batch_increase_function,
+    step_increments,
+)
 from adaptive_batch.lengths import sample_lengths
 from adaptive_batch.lr_scaling import BatchLRScaler, lr_scale_factor
+from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.memory import (
     address_space_limit,
     device_capacity,
@@ -54,6 +78,26 @@ from adaptive_batch.tokenizer import byte_tokenizer, ByteTokenizer
 from adaptive_batch.tracker import LiveTensorCounter, live_tensor_bytes, measure_peak_bytes
 
 __all__ = [
+    "AccumulatedStep",
+    "BATCH_STATE_KEY",
+    "BatchIncreaseFunctionError",
+    "BatchState",
+    "GrowthDecision",
+    "GrowthOptions",
+    "MicroBatchOutOfMemoryError",
+    "ResizableBatchSampler",
+    "SampleProgressLR",
+    "accumulate_gradients",
+    "batch_rows",
+    "check_growth_options",
+    "double_every_epoch",
+    "grow_batch_size",
+    "linear_ramp",
+    "micro_batch_sizes",
+    "multiply_every",
+    "resolve_batch_increase_function",
+    "split_batch",
+    "step_increments",
     "BatchLRScaler",
     "TokenBatchOptions",
     "TokenBudgetBatchSampler",
@@ -79,6 +123,7 @@ __all__ = [
     "address_space_limit",
     "byte_tokenizer",
     "check_adaptive_batch_options",
+    "check_bool",
     "check_known_keys",
     "check_stock_recipe_options",
     "default_safety_margin",

@@ -6,7 +6,7 @@ users with weights and the embedded default without them.
 
 import os
 import tempfile
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -17,7 +17,12 @@ def initial_checkpoint_filename(seed: int) -> str:
     return f"random_init_seed{seed}.pt"
 
 
-def write_random_init_checkpoint(build_model: Callable[[], nn.Module], checkpoint_dir: str, seed: int) -> str:
+def write_random_init_checkpoint(
+    build_model: Callable[[], nn.Module],
+    checkpoint_dir: str,
+    seed: int,
+    keep: Optional[Callable[[str], bool]] = None,
+) -> str:
     """Builds the model with its default init under ``seed`` and saves its state dict.
 
     The global RNG is left as it was. An existing file for the same seed is reused. The file is
@@ -27,6 +32,8 @@ def write_random_init_checkpoint(build_model: Callable[[], nn.Module], checkpoin
         build_model: returns the model (on the CPU) with its default initialisation.
         checkpoint_dir: where the file goes.
         seed: the seed of the initialisation.
+        keep: which state-dict keys to write (e.g. the base model's, not LoRA adapters');
+            all when ``None``.
 
     Returns:
         The file name inside ``checkpoint_dir``.
@@ -47,6 +54,8 @@ def write_random_init_checkpoint(build_model: Callable[[], nn.Module], checkpoin
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         state_dict = build_model().state_dict()
+    if keep is not None:
+        state_dict = {k: v for k, v in state_dict.items() if keep(k)}
     fd, tmp = tempfile.mkstemp(prefix=".init_", suffix=".pt", dir=checkpoint_dir)
     os.close(fd)
     torch.save(state_dict, tmp)

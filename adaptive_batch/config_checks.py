@@ -89,7 +89,6 @@ def check_adaptive_batch_options(
     memory_safety_margin: Any,
     batch_size_rounding: Any,
     max_batch_size: Any,
-    batch_increase_function: Any,
     device_type: str,
     device_capacity_bytes: Optional[int],
 ) -> AdaptiveBatchOptions:
@@ -103,7 +102,6 @@ def check_adaptive_batch_options(
             (:func:`default_safety_margin`).
         batch_size_rounding: one of ``ROUNDING_MODES``.
         max_batch_size: a positive integer or ``None``.
-        batch_increase_function: must be ``None`` (online growth is not in this recipe yet).
         device_type: ``"cpu"``, ``"cuda"``, ...; picks the default safety margin.
         device_capacity_bytes: what the device can hold, to read fractions and reject a
             ``max_memory`` larger than the device; ``None`` when unknown.
@@ -137,11 +135,6 @@ def check_adaptive_batch_options(
             "use batch_size_rounding=none to keep the exact size."
         )
     cap = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
-    if batch_increase_function is not None:
-        raise ConfigError(
-            f"batch_increase_function={batch_increase_function!r}: online batch growth is not "
-            "available in this recipe yet; set batch_increase_function=null."
-        )
     return AdaptiveBatchOptions(
         use_maximum_batch_size=use_max,
         max_memory_bytes=max_memory_bytes,
@@ -240,6 +233,7 @@ def check_token_batch_options(
     lr_scaling_reference: Any,
     batch_size: int,
     packed: bool,
+    gradient_accumulation_steps: int = 1,
 ) -> TokenBatchOptions:
     """Checks the token-budget and LR-scaling keys of a recipe config.
 
@@ -252,8 +246,11 @@ def check_token_batch_options(
         lr_scaling: one of ``LR_SCALING_RULES``.
         lr_scaling_unit: one of ``LR_SCALING_UNITS``.
         lr_scaling_reference: positive number, or ``None`` for ``batch_size`` samples.
-        batch_size: the config's batch size (the default reference).
+        batch_size: the config's batch size (times ``gradient_accumulation_steps``, the
+            default reference).
         packed: whether the dataset is packed (cannot combine with ``max_tokens``).
+        gradient_accumulation_steps: must be 1 with ``max_tokens`` (a token batch is one
+            optimizer step).
 
     Returns:
         The checked options.
@@ -283,6 +280,12 @@ def check_token_batch_options(
             f"max_tokens={max_tokens} with dataset.packed=True: packed samples are already "
             "max_seq_len tokens each; set dataset.packed=False or max_tokens=null."
         )
+    if max_tokens is not None and gradient_accumulation_steps != 1:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gradient_accumulation_steps} with max_tokens={max_tokens}: "
+            "a token batch is one optimizer step (split into micro-batches only if it runs out "
+            "of memory); set gradient_accumulation_steps=1 and raise max_tokens instead."
+        )
     if lr_scaling not in LR_SCALING_RULES:
         raise ConfigError(f"lr_scaling={lr_scaling!r} is not one of {list(LR_SCALING_RULES)}: use none, linear or sqrt.")
     if lr_scaling_unit not in LR_SCALING_UNITS:
@@ -301,7 +304,7 @@ def check_token_batch_options(
             "lr_scaling_unit=tokens needs lr_scaling_reference: the number of real tokens per "
             "step the configured LR was tuned for, e.g. lr_scaling_reference=4096."
         )
-    reference = lr_scaling_reference if lr_scaling_reference is not None else batch_size
+    reference = lr_scaling_reference if lr_scaling_reference is not None else batch_size * gradient_accumulation_steps
     return TokenBatchOptions(
         max_tokens=max_tokens,
         sequence_picking_order=sequence_picking_order,

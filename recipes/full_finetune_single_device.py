@@ -42,12 +42,27 @@ KNOWN_KEYS = frozenset(
         "log_peak_memory_stats", "profiler", "collate_fn", "cudnn_deterministic_mode",
         # adaptive batch size
         "use_maximum_batch_size", "max_memory", "memory_safety_margin",
-        "batch_size_rounding", "max_batch_size", "batch_increase_function",
+        "batch_size_rounding", "max_batch_size",
+        # online growth
+        "batch_increase_function", "grow_with_accumulation", "retry_on_oom",
         # token-budget batches and LR scaling
         "max_tokens", "sequence_picking_order", "min_batch_size", "long_sample_policy",
         "lr_scaling", "lr_scaling_unit", "lr_scaling_reference",
     }
 )
+
+
+def _instantiate_increase_function(node: Any) -> Any:
+    """A ``_component_`` node becomes the callable it builds; a path string stays as is."""
+    if not isinstance(node, DictConfig):
+        return node
+    try:
+        return config.instantiate(node)
+    except Exception as e:
+        raise ab.ConfigError(
+            f"batch_increase_function: building {node.get('_component_')!r} with "
+            f"{ {k: v for k, v in node.items() if k != '_component_'} } failed: {e}"
+        ) from None
 
 
 class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -73,8 +88,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         ConfigError: for any bad setting, before the model is built.
     """
 
+    known_keys = KNOWN_KEYS
+
     def __init__(self, cfg: DictConfig) -> None:
-        ab.check_known_keys(cfg.keys(), KNOWN_KEYS)
+        ab.check_known_keys(cfg.keys(), self.known_keys)
         self._device = utils.get_device(device=cfg.device)
         ab.check_stock_recipe_options(
             dtype=cfg.dtype,
@@ -95,7 +112,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             memory_safety_margin=cfg.get("memory_safety_margin", None),
             batch_size_rounding=cfg.get("batch_size_rounding", "none"),
             max_batch_size=cfg.get("max_batch_size", None),
-            batch_increase_function=cfg.get("batch_increase_function", None),
             device_type=self._device.type,
             device_capacity_bytes=(
                 ab.device_capacity(self._device).headroom_bytes
@@ -115,16 +131,28 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             lr_scaling_reference=cfg.get("lr_scaling_reference", None),
             batch_size=cfg.batch_size,
             packed=bool(dataset_cfg.get("packed", False)),
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         )
-        if self._adaptive.use_maximum_batch_size:
+        self._growth = ab.check_growth_options(
+            batch_increase_function=_instantiate_increase_function(cfg.get("batch_increase_function", None)),
+            grow_with_accumulation=cfg.get("grow_with_accumulation", False),
+            retry_on_oom=cfg.get("retry_on_oom", True),
+            max_tokens=self._tokens.max_tokens,
+            optimizer_in_bwd=cfg.optimizer_in_bwd,
+        )
+        if self._adaptive.use_maximum_batch_size or (
+            self._growth.batch_increase_function is not None and self._adaptive.max_batch_size is None
+        ):
             if self._device.type not in ("cpu", "cuda"):
                 raise ab.ConfigError(
-                    f"use_maximum_batch_size=True on device={self._device.type!r}: the probe "
-                    "measures memory on cpu and cuda only; set use_maximum_batch_size=False."
+                    f"use_maximum_batch_size=True (or a batch_increase_function without "
+                    f"max_batch_size) on device={self._device.type!r}: the probe measures memory on "
+                    "cpu and cuda only; set use_maximum_batch_size=False and max_batch_size."
                 )
             if cfg.tokenizer.get("max_seq_len", None) is None:
                 raise ab.ConfigError(
-                    "use_maximum_batch_size=True with tokenizer.max_seq_len=null: the probe runs "
+                    "probing the largest batch (use_maximum_batch_size=True, or a "
+                    "batch_increase_function without max_batch_size) with tokenizer.max_seq_len=null: the probe runs "
                     "every sequence at that length so no longer batch can run out of memory "
                     "later; set tokenizer.max_seq_len, e.g. tokenizer.max_seq_len=2048."
                 )
@@ -145,6 +173,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._batch_size = cfg.batch_size
         self._max_tokens = self._tokens.max_tokens
         self._probe_report: Optional[Dict[str, Any]] = None
+        self._batch_state_dict: Optional[Dict[str, Any]] = None
 
         # Under an address-space limit glibc's cache of freed blocks would count against it.
         if self._device.type == "cpu" and ab.address_space_limit() is not None:
@@ -190,8 +219,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "Checkpoint does not contain the required keys needed for updating recipe state. "
                 "Are you sure you passed in the right recipe checkpoint?"
             ) from e
-        # A resumed run keeps the batch size its first run probed.
+        # A resumed run keeps the batch size its first run probed, and where growth had got to.
         self._probe_report = ckpt_dict.get(ab.PROBE_STATE_KEY)
+        self._batch_state_dict = ckpt_dict.get(ab.BATCH_STATE_KEY)
 
     def setup(self, cfg: DictConfig) -> None:
         """
@@ -204,7 +234,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if cfg.checkpointer.get("checkpoint_files", None) is None:
             # No weights given: a seeded random initialisation, loaded by the real checkpointer.
             filename = ab.write_random_init_checkpoint(
-                lambda: config.instantiate(cfg.model), cfg.checkpointer.checkpoint_dir, self.seed
+                lambda: config.instantiate(cfg.model),
+                cfg.checkpointer.checkpoint_dir,
+                self.seed,
+                keep=self._is_base_weight,
             )
             cfg.checkpointer.checkpoint_files = [filename]
             log.info(f"No checkpoint_files given: initialised the model randomly with seed {self.seed}.")
@@ -248,18 +281,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
 
         # The batch size (or token budget) is settled before the dataloader is built with it.
-        if self._probe_report is not None:
-            self._batch_size = self._probe_report["batch_size"]
-            self._max_tokens = self._probe_report.get("max_tokens", self._max_tokens)
-            log.info(f"Resumed run: using the probed batch_size={self._batch_size} from the recipe state.")
-        elif self._adaptive.use_maximum_batch_size:
-            self._batch_size = self._probe_batch_size(dataset_size=len(dataset))
-            if self._max_tokens is not None:
-                # The probe's rows are full-length: any batch with as many padded tokens fits.
-                self._max_tokens = self._batch_size * self._tokenizer.max_seq_len
-                self._probe_report["max_tokens"] = self._max_tokens
-                ab.write_probe_report(self._probe_report, self._output_dir)
-                log.info(f"use_maximum_batch_size: training with max_tokens={self._max_tokens}")
+        batch_size, max_micro_batch_size = self._settle_batch_size(dataset_size=len(dataset))
 
         if lengths is not None:
             try:
@@ -277,28 +299,44 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 f"{too_long} of {len(lengths)} samples longer than that (truncated)."
             )
 
+        # One dataloader batch is one optimizer step's global batch; micro-batches split it.
+        self._batch = ab.BatchState(
+            batch_size=batch_size,
+            max_micro_batch_size=max_micro_batch_size if lengths is None else len(dataset),
+            grow_with_accumulation=self._growth.grow_with_accumulation,
+            samples_per_epoch=self._samples_per_epoch(len(dataset), batch_size),
+        )
+        if self._batch_state_dict is not None:
+            self._batch.load_state_dict(self._batch_state_dict)
+            log.info(f"Resumed run: batch state from the recipe state: {self._batch.state_dict()}")
+        self.global_step = self._batch.global_step
+
         self._dataloader = self._setup_dataloader(
             dataset,
             packed=packed,
             shuffle=cfg.shuffle,
-            batch_size=self._batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
             lengths=lengths,
         )
 
-        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
-        if (
-            self.max_steps_per_epoch is not None
-            and self.max_steps_per_epoch < self._steps_per_epoch
-        ):
-            self._steps_per_epoch = self.max_steps_per_epoch
-        self.global_step = self.epochs_run * self._steps_per_epoch
-
+        # Fixed-size batches count the schedule in samples, so it ends with the last sample
+        # however the batch grows; token batches keep torchtune's count of steps.
+        if lengths is None:
+            num_training_steps = self.total_epochs * self._batch.samples_per_epoch / self._batch.initial_batch_size
+        else:
+            num_training_steps = self.total_epochs * self._token_steps_per_epoch()
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg_lr_scheduler=cfg.get("lr_scheduler", None),
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            last_epoch=self.global_step - 1,
+            num_training_steps=num_training_steps,
+            last_epoch=-1 if lengths is None else self.global_step - 1,
         )
+        self._lr_progress = None
+        if self._lr_scheduler is not None and lengths is None:
+            try:
+                self._lr_progress = ab.SampleProgressLR(self._lr_scheduler, self._batch.initial_batch_size)
+            except TypeError as e:
+                raise ab.ConfigError(f"lr_scheduler: {e}") from None
+            self._lr_progress.set_progress(self._batch.samples_seen)
         self._lr_scaler = None
         if self._tokens.lr_scaling != "none":
             self._lr_scaler = ab.BatchLRScaler(
@@ -306,13 +344,73 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 rule=self._tokens.lr_scaling,
                 reference=self._tokens.lr_scaling_reference,
                 unit=self._tokens.lr_scaling_unit,
-                lr_scheduler=self._lr_scheduler,
+                lr_scheduler=self._lr_progress or self._lr_scheduler,
             )
         self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
 
-    def _probe_batch_size(self, dataset_size: int) -> int:
-        """Finds the largest batch that fits with real steps, writes batch_probe.json, returns
-        the batch size to train with."""
+    def _settle_batch_size(self, dataset_size: int) -> Tuple[int, int]:
+        """The global batch to start with and the largest micro-batch.
+
+        Without growth the micro-batch is the probed maximum when probing, else ``batch_size``,
+        and the global batch ``gradient_accumulation_steps`` of them. With a batch increase
+        function ``batch_size`` x ``gradient_accumulation_steps`` is the starting global batch
+        and the probed maximum (or ``max_batch_size``) the largest micro-batch.
+        """
+        growing = self._growth.batch_increase_function is not None
+        if self._probe_report is not None:
+            log.info(f"Resumed run: using the probed batch_size={self._probe_report['batch_size']} from the recipe state.")
+        elif self._adaptive.use_maximum_batch_size or (growing and self._adaptive.max_batch_size is None):
+            if not self._adaptive.use_maximum_batch_size:
+                log.info(
+                    "batch_increase_function without max_batch_size: probing for the largest batch "
+                    "that fits, as the bound of the growth."
+                )
+            self._probe_batch_size(dataset_size=dataset_size)
+            if self._max_tokens is not None:
+                # The probe's rows are full-length: any batch with as many padded tokens fits.
+                self._probe_report["max_tokens"] = self._probe_report["batch_size"] * self._tokenizer.max_seq_len
+                ab.write_probe_report(self._probe_report, self._output_dir)
+        if self._probe_report is not None and self._max_tokens is not None:
+            self._max_tokens = self._probe_report.get("max_tokens", self._max_tokens)
+            log.info(f"use_maximum_batch_size: training with max_tokens={self._max_tokens}")
+        accumulation = self._gradient_accumulation_steps
+        if not growing:
+            if self._probe_report is None:
+                return self._batch_size * accumulation, self._batch_size
+            micro = self._probe_report["batch_size"]
+            log.info(f"use_maximum_batch_size: training with batch_size={micro}")
+            return micro * accumulation, micro
+        bound = self._probe_report["batch_size"] if self._probe_report is not None else self._adaptive.max_batch_size
+        start = self._batch_size * accumulation
+        log.info(
+            f"batch_increase_function: starting at {start} samples a step, micro-batches of up to "
+            f"{bound}; growth "
+            + ("may pass it by gradient accumulation." if self._growth.grow_with_accumulation else "stops there.")
+        )
+        if start > bound and not self._growth.grow_with_accumulation:
+            log.warning(
+                f"batch_size={self._batch_size} x gradient_accumulation_steps={accumulation} is over "
+                f"the largest batch that fits, {bound}: starting at {bound}."
+            )
+            start = bound
+        return start, bound
+
+    def _samples_per_epoch(self, dataset_size: int, micro_batch_size: int) -> int:
+        """Samples one epoch trains on: the dataset, or ``max_steps_per_epoch`` steps at the
+        starting batch (so the number of steps shrinks, not the samples, as the batch grows)."""
+        if self.max_steps_per_epoch is None or self._max_tokens is not None:
+            return dataset_size
+        steps_samples = self.max_steps_per_epoch * micro_batch_size * self._gradient_accumulation_steps
+        return min(dataset_size, steps_samples)
+
+    def _token_steps_per_epoch(self) -> int:
+        steps = len(self._dataloader)
+        if self.max_steps_per_epoch is not None:
+            steps = min(steps, self.max_steps_per_epoch)
+        return steps
+
+    def _probe_batch_size(self, dataset_size: int) -> None:
+        """Finds the largest batch that fits with real steps; keeps and writes the report."""
         seq_len = self._tokenizer.max_seq_len
         live = ab.training_state_bytes(self._model, self._optimizer)
         capacity = ab.device_capacity(self._device)
@@ -354,8 +452,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         path = ab.write_probe_report(self._probe_report, self._output_dir)
         log.info(ab.describe_result(result, budget))
-        log.info(f"use_maximum_batch_size: training with batch_size={batch_size}; details in {path}")
-        return batch_size
+        log.info(f"use_maximum_batch_size: the largest batch that fits is {batch_size}; details in {path}")
 
     def _setup_profiler(
         self, cfg_profiler: Optional[DictConfig] = None
@@ -476,13 +573,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         dataset: Any,
         packed: bool,
         shuffle: bool,
-        batch_size: int,
         collate_fn: str,
         lengths: Optional[List[int]] = None,
     ) -> StatefulDataLoader:
         """
-        Builds the sampler and dataloader over a map-style dataset: fixed-size batches, or
-        batches packed to ``max_tokens`` when sample ``lengths`` are given.
+        Builds the sampler and dataloader over a map-style dataset: batches of the global
+        batch size (which may change between epochs), or batches packed to ``max_tokens``
+        when sample ``lengths`` are given.
         """
         collate = (
             partial(
@@ -510,14 +607,33 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         sampler = StatefulDistributedSampler(
             dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=0
         )
-        return StatefulDataLoader(
-            dataset=dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            collate_fn=collate,
-            # dropping last avoids shape issues with compile + flex attention
-            drop_last=True,
+        batch_sampler = ab.ResizableBatchSampler(
+            sampler, batch_size=self._batch.batch_size, samples_per_epoch=self._batch.samples_per_epoch
         )
+        return StatefulDataLoader(dataset=dataset, batch_sampler=batch_sampler, collate_fn=collate)
+
+    def _is_base_weight(self, key: str) -> bool:
+        """Whether a state-dict key belongs in the random initial checkpoint (all do here)."""
+        return True
+
+    def _recipe_state(self) -> Dict[str, Any]:
+        """What a resumed run needs besides the weights: torchtune's keys, the probe result
+        and the batch state."""
+        state = {
+            training.SEED_KEY: self.seed,
+            training.EPOCHS_KEY: self.epochs_run,
+            training.TOTAL_EPOCHS_KEY: self.total_epochs,
+            training.MAX_STEPS_KEY: self.max_steps_per_epoch,
+            training.DATALOADER_KEY: self._dataloader.state_dict(),
+            ab.BATCH_STATE_KEY: self._batch.state_dict(),
+        }
+        if self._probe_report is not None:
+            state[ab.PROBE_STATE_KEY] = self._probe_report
+        if not self._optimizer_in_bwd:
+            state[training.OPT_KEY] = self._optimizer.state_dict()
+        else:
+            state[training.OPT_KEY] = self._optim_ckpt_wrapper.state_dict()
+        return state
 
     def save_checkpoint(self, epoch: int) -> None:
         """
@@ -526,21 +642,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """
         ckpt_dict = {training.MODEL_KEY: self._model.state_dict()}
         if epoch + 1 < self.total_epochs:
-            ckpt_dict.update(
-                {
-                    training.SEED_KEY: self.seed,
-                    training.EPOCHS_KEY: self.epochs_run,
-                    training.TOTAL_EPOCHS_KEY: self.total_epochs,
-                    training.MAX_STEPS_KEY: self.max_steps_per_epoch,
-                    training.DATALOADER_KEY: self._dataloader.state_dict(),
-                }
-            )
-            if self._probe_report is not None:
-                ckpt_dict[ab.PROBE_STATE_KEY] = self._probe_report
-            if not self._optimizer_in_bwd:
-                ckpt_dict[training.OPT_KEY] = self._optimizer.state_dict()
-            else:
-                ckpt_dict[training.OPT_KEY] = self._optim_ckpt_wrapper.state_dict()
+            ckpt_dict.update(self._recipe_state())
         self._checkpointer.save_checkpoint(
             ckpt_dict,
             epoch=epoch,
@@ -595,10 +697,34 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         peak = peak_rss_bytes()
         return {} if peak is None else {"peak_memory_rss": peak / 2**30}
 
+    def _zero_grad(self) -> None:
+        self._optimizer.zero_grad(set_to_none=True)
+
+    def _start_epoch(self, epoch: int) -> None:
+        """Grows the batch for ``epoch`` and points the sampler at it."""
+        decision = self._batch.start_epoch(self._growth.batch_increase_function, epoch=epoch)
+        if decision is not None and decision.requested != decision.previous:
+            note = ""
+            if decision.clamped:
+                why = "an epoch's samples" if decision.bound == self._batch.samples_per_epoch else "the largest batch that fits"
+                note = f" (clamped from {decision.requested} to {decision.bound}, {why})"
+            log.info(f"Epoch {epoch}: batch_size {decision.previous} -> {decision.batch_size}{note}.")
+        if self._max_tokens is None:
+            self._dataloader.batch_sampler.batch_size = self._batch.batch_size
+            self._dataloader.batch_sampler.set_epoch(epoch)
+        else:
+            self._dataloader.batch_sampler.set_epoch(epoch)
+        if self._batch.grad_accum_steps > 1 and self._max_tokens is None:
+            log.info(
+                f"Epoch {epoch}: {self._batch.batch_size} samples a step in "
+                f"{self._batch.grad_accum_steps} micro-batches of up to {self._batch.micro_batch_size}."
+            )
+
     def train(self) -> None:
         """
-        The core training loop. Supports training on subsets of the dataset using the
-        ``max_steps_per_epoch``.
+        The core training loop. Each dataloader batch is one optimizer step, run in
+        micro-batches of at most the largest size that fits. Supports training on subsets of
+        the dataset using ``max_steps_per_epoch``.
         """
         if self._compile:
             log.info(
@@ -607,69 +733,82 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if not self._optimizer_in_bwd:
             self._optimizer.zero_grad()
 
-        t0 = time.perf_counter()
-        running_loss = 0
-        num_tokens = 0
-        num_samples = 0
-        padded_tokens = 0
         reset_peak_rss()
-
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            pbar = tqdm(total=self._steps_per_epoch)
-            sampler = self._dataloader.batch_sampler if self._max_tokens is not None else self._dataloader.sampler
-            sampler.set_epoch(curr_epoch)
+            self._start_epoch(curr_epoch)
+            steps_this_epoch = len(self._dataloader)
+            if self._max_tokens is not None and self.max_steps_per_epoch is not None:
+                steps_this_epoch = min(steps_this_epoch, self.max_steps_per_epoch)
+            pbar = tqdm(total=steps_this_epoch)
+            t0 = time.perf_counter()
             for idx, batch in enumerate(self._dataloader):
                 utils.batch_to_device(batch, self._device)
-                num_samples += batch["tokens"].shape[0]
-                padded_tokens += batch["tokens"].numel()
-                current_loss, current_num_tokens = self._forward_backward(batch)
-                running_loss += current_loss
-                num_tokens += current_num_tokens
+                num_samples = ab.batch_rows(batch)
+                padded_tokens = batch["tokens"].numel()
+                if self._lr_progress is not None:
+                    self._lr_progress.set_progress(self._batch.samples_seen)
 
-                if (idx + 1) % self._gradient_accumulation_steps == 0:
-                    step_lr = None
-                    if self._lr_scaler is not None:
-                        step_lr = self._lr_scaler.apply(samples=num_samples, tokens=int(num_tokens))
-                    grad_norm = self._optimizer_step(num_tokens)
-                    if self._lr_scaler is not None:
-                        self._lr_scaler.restore()
-                    if self._lr_scheduler is not None:
-                        self._lr_scheduler.step()
-                    self.global_step += 1
+                step = ab.accumulate_gradients(
+                    self._forward_backward,
+                    batch,
+                    micro_batch_limit=self._batch.max_micro_batch_size,
+                    zero_grad=self._zero_grad,
+                    retry_on_oom=self._growth.retry_on_oom,
+                    device=self._device,
+                    log=log.warning,
+                )
+                del batch
+                num_tokens = step.num_tokens
+                step_lr = None
+                if self._lr_scaler is not None:
+                    step_lr = self._lr_scaler.apply(samples=num_samples, tokens=int(num_tokens))
+                grad_norm = self._optimizer_step(num_tokens)
+                if step_lr is None:
+                    step_lr = get_lr(self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper)
+                if self._lr_scaler is not None:
+                    self._lr_scaler.restore()
+                if self._lr_scheduler is not None and self._lr_progress is None:
+                    self._lr_scheduler.step()
+                self._batch.record_step(
+                    samples=num_samples, micro_batch_limit=step.micro_batch_limit, oom_retries=step.oom_retries
+                )
+                if step.oom_retries:
+                    log.warning(
+                        f"Step {self._batch.global_step}: recovered from out of memory in micro-batches "
+                        f"of {step.micro_batch_sizes}; steps from now on use at most {self._batch.max_micro_batch_size}."
+                    )
+                self.global_step = self._batch.global_step
 
-                    loss_to_log = running_loss.item() / num_tokens
-                    pbar.update(1)
-                    pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}")
+                loss_to_log = step.loss_sum.item() / num_tokens
+                pbar.update(1)
+                pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}")
 
-                    if self.global_step % self._log_every_n_steps == 0:
-                        time_per_step = time.perf_counter() - t0
-                        log_dict = {
-                            "loss": loss_to_log,
-                            "lr": step_lr if step_lr is not None else get_lr(
-                                self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper
-                            ),
-                            "batch_size": num_samples,
-                            "tokens_per_second_per_gpu": num_tokens / time_per_step,
-                            "real_tokens": int(num_tokens),
-                            "padded_tokens": padded_tokens,
-                            "padding_fraction": 1 - int(num_tokens) / padded_tokens,
-                        }
-                        if self._log_peak_memory_stats:
-                            log_dict.update(self._memory_metrics())
-                        if grad_norm is not None:
-                            log_dict.update({"grad_norm": grad_norm})
-                        self._metric_logger.log_dict(log_dict, step=self.global_step)
-                        reset_peak_rss()
+                if self.global_step % self._log_every_n_steps == 0:
+                    time_per_step = time.perf_counter() - t0
+                    log_dict = {
+                        "loss": loss_to_log,
+                        "lr": step_lr,
+                        "batch_size": num_samples,
+                        "micro_batch_size": max(step.micro_batch_sizes),
+                        "grad_accum_steps": len(step.micro_batch_sizes),
+                        "samples_seen": self._batch.samples_seen,
+                        "oom_retries": step.oom_retries,
+                        "tokens_per_second_per_gpu": num_tokens / time_per_step,
+                        "real_tokens": int(num_tokens),
+                        "padded_tokens": padded_tokens,
+                        "padding_fraction": 1 - int(num_tokens) / padded_tokens,
+                    }
+                    if self._log_peak_memory_stats:
+                        log_dict.update(self._memory_metrics())
+                    if grad_norm is not None:
+                        log_dict.update({"grad_norm": grad_norm})
+                    self._metric_logger.log_dict(log_dict, step=self.global_step)
+                    reset_peak_rss()
 
-                    running_loss = 0
-                    num_tokens = 0
-                    num_samples = 0
-                    padded_tokens = 0
-                    t0 = time.perf_counter()
-
+                t0 = time.perf_counter()
                 self._profiler.step()
-                if ((idx + 1) // self._gradient_accumulation_steps) == self.max_steps_per_epoch:
+                if idx + 1 == steps_this_epoch:
                     break
 
             self.epochs_run += 1
@@ -679,6 +818,22 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def cleanup(self) -> None:
         self._metric_logger.close()
+
+
+def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:
+    """Builds, sets up, trains and cleans up a recipe; a setting to fix ends the run with one
+    ``error:`` line and no traceback."""
+    try:
+        recipe = recipe_cls(cfg=cfg)
+        recipe.setup(cfg=cfg)
+    except (ab.ConfigError, ab.BatchSizeTooLargeError) as e:
+        raise SystemExit(f"error: {e}") from None
+    try:
+        recipe.train()
+    except (ab.BatchIncreaseFunctionError, ab.MicroBatchOutOfMemoryError) as e:
+        # Checkpoints of finished epochs stay; the message says what to change.
+        raise SystemExit(f"error: {e}") from None
+    recipe.cleanup()
 
 
 @config.parse
@@ -691,14 +846,7 @@ def recipe_main(cfg: DictConfig) -> None:
         - Overwritten by arguments from the command-line
     """
     config.log_config(recipe_name="FullFinetuneRecipeSingleDevice", cfg=cfg)
-    try:
-        recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
-        recipe.setup(cfg=cfg)
-    except (ab.ConfigError, ab.BatchSizeTooLargeError) as e:
-        # A setting to fix, not a bug: one clear line, no traceback.
-        raise SystemExit(f"error: {e}") from None
-    recipe.train()
-    recipe.cleanup()
+    run_recipe(FullFinetuneRecipeSingleDevice, cfg)
 
 
 if __name__ == "__main__":

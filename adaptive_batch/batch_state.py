@@ -1,0 +1,159 @@
+"""The batch size as it changes during training, and the sampler that follows it.
+
+:class:`BatchState` holds the global batch (samples per optimizer step), the largest
+micro-batch that fits, and the run's progress in samples and steps. It goes into the recipe
+state under :data:`BATCH_STATE_KEY`, so a resumed run continues with the same batch sizes and
+the same learning rates. :class:`ResizableBatchSampler` yields an epoch's indices in batches
+of whatever size the state says at the start of the epoch.
+"""
+
+import math
+from typing import Any, Dict, Iterator, List, Optional, Sized
+
+from torch.utils.data import Sampler
+
+from adaptive_batch.growth import BatchIncreaseFunction, grow_batch_size, GrowthDecision
+
+BATCH_STATE_KEY = "adaptive_batch_state"
+
+
+class BatchState:
+    """The global batch, its split into micro-batches, and training progress.
+
+    Args:
+        batch_size: the global batch to start with (samples per optimizer step).
+        max_micro_batch_size: the most samples one forward/backward may hold (the probed
+            maximum, or the configured micro-batch); lowered after an out-of-memory error.
+        grow_with_accumulation: let growth pass ``max_micro_batch_size`` by accumulating
+            gradients over several micro-batches; when ``False`` growth stops at it.
+        samples_per_epoch: the samples one epoch trains on; the LR schedule's length and the
+            bound for growth through accumulation.
+
+    Raises:
+        ValueError: for sizes under 1.
+    """
+
+    def __init__(
+        self, *, batch_size: int, max_micro_batch_size: int, grow_with_accumulation: bool, samples_per_epoch: int
+    ) -> None:
+        if min(batch_size, max_micro_batch_size, samples_per_epoch) < 1:
+            raise ValueError(
+                f"batch_size={batch_size}, max_micro_batch_size={max_micro_batch_size} and "
+                f"samples_per_epoch={samples_per_epoch} must be at least 1."
+            )
+        self.batch_size = batch_size
+        # The batch the run started with: the unit of the LR schedule's steps.
+        self.initial_batch_size = batch_size
+        self.max_micro_batch_size = max_micro_batch_size
+        self.grow_with_accumulation = grow_with_accumulation
+        self.samples_per_epoch = samples_per_epoch
+        self.samples_seen = 0
+        self.global_step = 0
+        self.oom_retries = 0
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step for a full global batch."""
+        return math.ceil(self.batch_size / self.max_micro_batch_size)
+
+    @property
+    def micro_batch_size(self) -> int:
+        """The largest micro-batch of a full global batch."""
+        return math.ceil(self.batch_size / self.grad_accum_steps)
+
+    def growth_bound(self) -> int:
+        """The largest global batch growth may reach: an epoch's samples with accumulation,
+        else the largest micro-batch that fits."""
+        if self.grow_with_accumulation:
+            return self.samples_per_epoch
+        return min(self.max_micro_batch_size, self.samples_per_epoch)
+
+    def start_epoch(self, fn: Optional[BatchIncreaseFunction], *, epoch: int) -> Optional[GrowthDecision]:
+        """Applies the batch increase function for ``epoch``; ``None`` when there is none.
+
+        Raises:
+            BatchIncreaseFunctionError: if the function fails or returns a bad increment.
+        """
+        if fn is None:
+            return None
+        decision = grow_batch_size(
+            fn, epoch=epoch, current_batch_size=self.batch_size, bound=self.growth_bound()
+        )
+        self.batch_size = decision.batch_size
+        return decision
+
+    def record_step(self, *, samples: int, micro_batch_limit: int, oom_retries: int) -> None:
+        """Counts an optimizer step and keeps a limit lowered by an out-of-memory retry."""
+        self.samples_seen += samples
+        self.global_step += 1
+        self.oom_retries += oom_retries
+        self.max_micro_batch_size = min(self.max_micro_batch_size, micro_batch_limit)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "initial_batch_size": self.initial_batch_size,
+            "samples_per_epoch": self.samples_per_epoch,
+            "max_micro_batch_size": self.max_micro_batch_size,
+            "grow_with_accumulation": self.grow_with_accumulation,
+            "samples_seen": self.samples_seen,
+            "global_step": self.global_step,
+            "oom_retries": self.oom_retries,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores a saved state; the accumulation choice comes from the config, not the file."""
+        self.batch_size = int(state["batch_size"])
+        self.initial_batch_size = int(state["initial_batch_size"])
+        self.samples_per_epoch = int(state["samples_per_epoch"])
+        self.max_micro_batch_size = int(state["max_micro_batch_size"])
+        self.samples_seen = int(state["samples_seen"])
+        self.global_step = int(state["global_step"])
+        self.oom_retries = int(state.get("oom_retries", 0))
+
+
+class ResizableBatchSampler(Sampler[List[int]]):
+    """Batches of ``batch_size`` indices from ``sampler``, at most ``samples_per_epoch`` of
+    them an epoch; the last batch of an epoch may be smaller, so no sample is dropped.
+
+    ``batch_size`` may change between epochs. ``set_epoch`` is passed to the sampler.
+
+    Raises:
+        ValueError: for a batch size or epoch size under 1.
+    """
+
+    def __init__(self, sampler: Sized, batch_size: int, samples_per_epoch: Optional[int] = None) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        available = len(sampler)
+        self.samples_per_epoch = available if samples_per_epoch is None else min(samples_per_epoch, available)
+        if self.samples_per_epoch < 1:
+            raise ValueError(f"samples_per_epoch={samples_per_epoch} leaves no samples in an epoch.")
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"batch_size={value!r} must be a positive int.")
+        self._batch_size = value
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return math.ceil(self.samples_per_epoch / self.batch_size)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        batch: List[int] = []
+        for taken, index in enumerate(self.sampler):
+            if taken == self.samples_per_epoch:
+                break
+            batch.append(int(index))
+            if len(batch) == self.batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
