@@ -30,7 +30,8 @@ def run(name, overrides, steps, out_root):
     cmd = [
         str(Path(sys.executable).with_name("tune")), "run", "recipes/full_finetune_single_device.py",
         "--config", "configs/tiny/full_single_device.yaml", f"output_dir={out}",
-        f"max_steps_per_epoch={steps}", *overrides,
+        # a fixed batch: these rows compare batching, not growth
+        f"max_steps_per_epoch={steps}", "batch_increase_function=null", *overrides,
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

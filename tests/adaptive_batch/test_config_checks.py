@@ -15,7 +15,6 @@ GOOD = dict(
     memory_safety_margin=None,
     batch_size_rounding="none",
     max_batch_size=None,
-    batch_increase_function=None,
     device_type="cpu",
     device_capacity_bytes=8 * 1024**3,
 )
@@ -66,7 +65,6 @@ def test_unknown_key_suggests_the_closest():
         ("memory_safety_margin", -0.1, "memory_safety_margin=-0.1"),
         ("batch_size_rounding", "nearest", "batch_size_rounding='nearest' is not one of"),
         ("max_batch_size", 0, "max_batch_size=0 must be a positive integer or null"),
-        ("batch_increase_function", "my.fn", "batch_increase_function='my.fn'"),
     ],
 )
 def test_bad_adaptive_values(key, value, message):
@@ -118,6 +116,9 @@ def test_good_token_options_default_reference_is_batch_size():
 
     opts = check_token_batch_options(**{**TOKENS, "lr_scaling": "sqrt"})
     assert opts.lr_scaling_reference == 4.0 and opts.max_tokens == 2048
+    # the LR was set for the global batch: batch_size x accumulation steps
+    opts = check_token_batch_options(**{**TOKENS, "max_tokens": None, "gradient_accumulation_steps": 3})
+    assert opts.lr_scaling_reference == 12.0
 
 
 @pytest.mark.parametrize(
@@ -134,6 +135,7 @@ def test_good_token_options_default_reference_is_batch_size():
         (dict(lr_scaling_unit="bytes"), "lr_scaling_unit='bytes'"),
         (dict(lr_scaling_reference=-1), "lr_scaling_reference=-1"),
         (dict(lr_scaling="linear", lr_scaling_unit="tokens"), "lr_scaling_unit=tokens needs lr_scaling_reference"),
+        (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2 with max_tokens=2048"),
     ],
 )
 def test_bad_token_options(changes, message):

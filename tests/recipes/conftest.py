@@ -11,6 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/full_finetune_single_device.py"
 CONFIG = "configs/tiny/full_single_device.yaml"
 TUNE = str(Path(sys.executable).with_name("tune"))
+# The tiny config grows the batch each epoch; tests of a fixed batch turn that off.
+FIXED = "batch_increase_function=null"
 
 
 def tune_env() -> Dict[str, str]:

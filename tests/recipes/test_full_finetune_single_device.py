@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.recipes.conftest import CONFIG, read_metric_log, RECIPE, run_tune
+from tests.recipes.conftest import CONFIG, FIXED, read_metric_log, RECIPE, run_tune
 
 
 def tune_in_process(monkeypatch, output_dir, *overrides):
@@ -35,7 +35,6 @@ BAD_INPUTS = [
     (["dtype=fp16"], "dtype='fp16'"),
     (["optimizer_in_bwd=True", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=2 with optimizer_in_bwd=True"),
     (["enable_activation_offloading=True"], "enable_activation_offloading=True on device='cpu'"),
-    (["batch_increase_function=my.fn"], "batch_increase_function='my.fn'"),
     (["use_maximum_batch_size=True", "tokenizer.max_seq_len=null"], "tokenizer.max_seq_len=null"),
 ]
 
@@ -65,7 +64,7 @@ def test_bad_input_through_the_real_cli_exits_nonzero_with_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def probed_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("probed")
-    proc = run_tune(out, "use_maximum_batch_size=True", "max_memory=512MiB", "max_steps_per_epoch=3")
+    proc = run_tune(out, FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "max_steps_per_epoch=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -95,7 +94,7 @@ def test_probe_result_is_logged_written_and_used(probed_run):
 def test_probing_leaves_training_identical(probed_run, tmp_path):
     out, _ = probed_run
     found = json.loads((out / "batch_probe.json").read_text())["batch_size"]
-    proc = run_tune(tmp_path, f"batch_size={found}", "max_steps_per_epoch=3")
+    proc = run_tune(tmp_path, FIXED, f"batch_size={found}", "max_steps_per_epoch=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     probed = [r["loss"] for r in read_metric_log(out)]
     plain = [r["loss"] for r in read_metric_log(tmp_path)]
@@ -115,7 +114,7 @@ def test_found_batch_trains_under_a_real_limit_and_ten_percent_more_crashes(tmp_
     headroom = 1024**3
     probe_out = tmp_path / "probe"
     proc = run_tune(
-        probe_out, "use_maximum_batch_size=True", "max_steps_per_epoch=6", headroom_bytes=headroom
+        probe_out, FIXED, "use_maximum_batch_size=True", "max_steps_per_epoch=6", headroom_bytes=headroom
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((probe_out / "batch_probe.json").read_text())
@@ -126,21 +125,24 @@ def test_found_batch_trains_under_a_real_limit_and_ten_percent_more_crashes(tmp_
     larger = math.ceil(found * 1.1)
     if larger == found:
         larger += 1
-    proc = run_tune(tmp_path / "larger", f"batch_size={larger}", "max_steps_per_epoch=6", headroom_bytes=headroom)
+    proc = run_tune(
+        tmp_path / "larger", FIXED, f"batch_size={larger}", "max_steps_per_epoch=6", "retry_on_oom=False",
+        headroom_bytes=headroom,
+    )
     assert proc.returncode != 0
     assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
 
 
 def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     first = run_tune(
-        tmp_path, "use_maximum_batch_size=True", "max_memory=512MiB", "epochs=2", "max_steps_per_epoch=1"
+        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "epochs=2", "max_steps_per_epoch=1"
     )
     assert first.returncode == 0, first.stderr[-3000:]
     found = json.loads((tmp_path / "batch_probe.json").read_text())["batch_size"]
     (tmp_path / "batch_probe.json").unlink()
     # A smaller budget on resume would find a smaller batch: the recipe state wins, no probing.
     resumed = run_tune(
-        tmp_path, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2",
+        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2",
         "max_steps_per_epoch=1", "resume_from_checkpoint=True",
         # torchtune 0.6.1 resumes from files named relative to output_dir
         "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]",

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.recipes.conftest import read_metric_log, run_tune
+from tests.recipes.conftest import FIXED, read_metric_log, run_tune
 from tests.recipes.test_full_finetune_single_device import tune_in_process
 
 LR = 1e-3  # the tiny config's optimizer.lr, set for batch_size=4
@@ -12,7 +12,7 @@ LR = 1e-3  # the tiny config's optimizer.lr, set for batch_size=4
 
 def test_batches_packed_to_the_budget_with_linear_lr(tmp_path):
     proc = run_tune(
-        tmp_path, "max_tokens=2048", "sequence_picking_order=seqlen", "lr_scaling=linear",
+        tmp_path, FIXED, "max_tokens=2048", "sequence_picking_order=seqlen", "lr_scaling=linear",
         "max_steps_per_epoch=4",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,7 +30,7 @@ def test_batches_packed_to_the_budget_with_linear_lr(tmp_path):
 
 def test_probe_finds_max_tokens_and_sqrt_scaling_follows_the_found_batch(tmp_path):
     proc = run_tune(
-        tmp_path, "use_maximum_batch_size=True", "max_memory=512MiB", "max_tokens=4096",
+        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "max_tokens=4096",
         "lr_scaling=sqrt", "max_steps_per_epoch=3",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,12 +47,14 @@ BAD = [
     (["max_tokens=2048", "min_batch_size=8", "max_batch_size=4"], "min_batch_size=8 is larger than max_batch_size=4"),
     (["max_tokens=2048", "dataset.packed=True"], "max_tokens=2048 with dataset.packed=True"),
     (["lr_scaling=linear", "lr_scaling_unit=tokens"], "lr_scaling_unit=tokens needs lr_scaling_reference"),
+    (["max_tokens=2048", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=2 with max_tokens=2048"),
+    (["max_tokens=2048", "batch_increase_function=adaptive_batch.double_every_epoch"], "with max_tokens=2048: token-budget"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
 def test_bad_token_settings_fail_before_the_model_is_built(monkeypatch, tmp_path, overrides, message):
-    exc = tune_in_process(monkeypatch, tmp_path / "out", *overrides)
+    exc = tune_in_process(monkeypatch, tmp_path / "out", FIXED, *overrides)
     assert message in str(exc.code)
     assert not (tmp_path / "out" / "init").exists()
 
@@ -66,6 +68,6 @@ def test_bad_token_settings_fail_before_the_model_is_built(monkeypatch, tmp_path
     ],
 )
 def test_budget_that_does_not_suit_the_data_fails_before_training(monkeypatch, tmp_path, overrides, message):
-    exc = tune_in_process(monkeypatch, tmp_path, *overrides)
+    exc = tune_in_process(monkeypatch, tmp_path, FIXED, *overrides)
     assert message in str(exc.code)
     assert read_metric_log(tmp_path) == []  # no training step ran

@@ -1,0 +1,183 @@
+import textwrap
+
+import pytest
+from omegaconf import OmegaConf
+from torchtune import config
+
+from adaptive_batch import (
+    BatchIncreaseFunctionError,
+    check_growth_options,
+    ConfigError,
+    double_every_epoch,
+    grow_batch_size,
+    linear_ramp,
+    multiply_every,
+    resolve_batch_increase_function,
+    step_increments,
+)
+from adaptive_batch.growth import call_batch_increase_function
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module of the user's, outside the repository, on sys.path."""
+    (tmp_path / "my_schedules.py").write_text(
+        textwrap.dedent(
+            """
+            LIMIT = 64
+
+            def grow(epoch, current_batch_size):
+                return 2 if epoch >= 1 else 0
+
+            def one_arg(epoch):
+                return 1
+
+            def with_default(epoch, current_batch_size, step=3):
+                return step
+
+            def returns_float(epoch, current_batch_size):
+                return 1.5
+
+            def returns_bool(epoch, current_batch_size):
+                return True
+
+            def returns_negative(epoch, current_batch_size):
+                return -1
+
+            def returns_none(epoch, current_batch_size):
+                pass
+
+            def raises(epoch, current_batch_size):
+                raise KeyError("no table entry")
+
+            class Schedules:
+                @staticmethod
+                def nested(epoch, current_batch_size):
+                    return 1
+            """
+        )
+    )
+    (tmp_path / "broken_schedules.py").write_text("1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_schedules"
+
+
+def test_resolves_a_user_function_by_dotted_path(user_module):
+    fn = resolve_batch_increase_function("my_schedules.grow")
+    assert fn(0, 4) == 0 and fn(1, 4) == 2
+    assert resolve_batch_increase_function("my_schedules.Schedules.nested")(0, 1) == 1
+    assert resolve_batch_increase_function("my_schedules.with_default")(0, 1) == 3
+    assert resolve_batch_increase_function("adaptive_batch.double_every_epoch") is double_every_epoch
+
+
+@pytest.mark.parametrize(
+    "path,message",
+    [
+        ("grow", "is not a dotted path"),
+        ("no_such_module.grow", "no module 'no_such_module' can be imported"),
+        ("my_schedules.grw", "module 'my_schedules' has no attribute 'grw'"),
+        ("my_schedules.LIMIT", "is a int, not a function"),
+        ("my_schedules.one_arg", "cannot be called as f(epoch, current_batch_size)"),
+        ("broken_schedules.grow", "importing 'broken_schedules' failed: ZeroDivisionError"),
+    ],
+)
+def test_bad_paths_name_the_path_and_the_fix(user_module, path, message):
+    with pytest.raises(ConfigError) as info:
+        resolve_batch_increase_function(path)
+    assert message in str(info.value) and f"batch_increase_function={path!r}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("returns_float", "returned 1.5 (float)"),
+        ("returns_bool", "returned True (bool)"),
+        ("returns_none", "returned None (NoneType)"),
+        ("returns_negative", "returned -1; the batch only grows"),
+        ("raises", "raised KeyError: 'no table entry'"),
+    ],
+)
+def test_bad_returns_name_epoch_and_batch(user_module, name, message):
+    fn = resolve_batch_increase_function(f"my_schedules.{name}")
+    with pytest.raises(BatchIncreaseFunctionError) as info:
+        call_batch_increase_function(fn, 3, 16)
+    assert message in str(info.value)
+    assert "epoch=3, current_batch_size=16" in str(info.value)
+    assert f"my_schedules.{name}" in str(info.value)
+
+
+def test_growth_is_clamped_to_the_bound_and_never_shrinks():
+    add4 = linear_ramp(4)
+    d = grow_batch_size(add4, epoch=1, current_batch_size=8, bound=10)
+    assert (d.requested, d.batch_size, d.clamped) == (12, 10, True)
+    d = grow_batch_size(add4, epoch=1, current_batch_size=4, bound=10)
+    assert (d.batch_size, d.clamped) == (8, False)
+    # a bound already below the batch (lowered after an out-of-memory) stops growth
+    d = grow_batch_size(add4, epoch=1, current_batch_size=12, bound=10)
+    assert d.batch_size == 12
+    assert grow_batch_size(add4, epoch=1, current_batch_size=8, bound=None).batch_size == 12
+
+
+def test_built_ins():
+    steps = step_increments(epochs=[1, 3], increments=[4, 8])
+    assert [steps(e, 2) for e in range(5)] == [0, 4, 0, 8, 0]
+    ramp = linear_ramp(increment=3, every_n_epochs=2)
+    assert [ramp(e, 2) for e in range(5)] == [0, 0, 3, 0, 3]
+    double = multiply_every(factor=2)
+    assert [double(e, 5) for e in range(3)] == [0, 5, 5]
+    assert multiply_every(1.5, every_n_epochs=1)(1, 5) == 3  # round(7.5) - 5 (banker's: 8 - 5)
+    assert [double_every_epoch(e, 6) for e in range(2)] == [0, 6]
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: step_increments([1, 2], [4]), "2 epochs but 1 increments"),
+        (lambda: step_increments([1, 1], [4, 4]), "must be distinct non-negative ints"),
+        (lambda: step_increments([1], [-4]), "must be non-negative ints"),
+        (lambda: linear_ramp(-1), "the increment must be an int >= 0"),
+        (lambda: linear_ramp(2, every_n_epochs=0), "the interval an int >= 1"),
+        (lambda: multiply_every(0.5), "the factor must be a number >= 1"),
+    ],
+)
+def test_built_in_factories_reject_bad_parameters(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_component_node_builds_a_parameterised_built_in():
+    node = OmegaConf.create({"_component_": "adaptive_batch.multiply_every", "factor": 2, "every_n_epochs": 2})
+    fn = resolve_batch_increase_function(config.instantiate(node))
+    assert [fn(e, 4) for e in range(5)] == [0, 0, 4, 0, 4]
+    node = OmegaConf.create({"_component_": "adaptive_batch.step_increments", "epochs": [2], "increments": [6]})
+    assert config.instantiate(node)(2, 4) == 6
+
+
+def test_growth_options():
+    opts = check_growth_options(
+        batch_increase_function="adaptive_batch.double_every_epoch",
+        grow_with_accumulation=True, retry_on_oom=True, max_tokens=None,
+    )
+    assert opts.batch_increase_function is double_every_epoch and opts.grow_with_accumulation
+    off = check_growth_options(batch_increase_function=None, grow_with_accumulation=False, retry_on_oom=False, max_tokens=512)
+    assert off.batch_increase_function is None and not off.retry_on_oom
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(grow_with_accumulation="yes"), "grow_with_accumulation='yes' must be true or false"),
+        (dict(retry_on_oom=1), "retry_on_oom=1 must be true or false"),
+        (dict(max_tokens=2048), "with max_tokens=2048: token-budget batches"),
+        (dict(optimizer_in_bwd=True), "with optimizer_in_bwd=True"),
+        (dict(batch_increase_function=None, optimizer_in_bwd=True), "retry_on_oom=True with optimizer_in_bwd=True"),
+    ],
+)
+def test_bad_growth_options(changes, message):
+    good = dict(
+        batch_increase_function="adaptive_batch.double_every_epoch",
+        grow_with_accumulation=False, retry_on_oom=True, max_tokens=None,
+    )
+    with pytest.raises(ConfigError) as info:
+        check_growth_options(**{**good, **changes})
+    assert message in str(info.value)
