@@ -53,9 +53,12 @@ KNOWN_KEYS = frozenset(
 
 
 def _instantiate_increase_function(node: Any) -> Any:
-    """A ``_component_`` node becomes the callable it builds; a path string stays as is."""
+    """A ``_component_`` node with arguments becomes the callable its factory builds; a node
+    with only ``_component_`` names the function itself; a path string stays as is."""
     if not isinstance(node, DictConfig):
         return node
+    if set(node.keys()) == {"_component_"}:
+        return node._component_
     try:
         return config.instantiate(node)
     except Exception as e:
@@ -706,7 +709,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if decision is not None and decision.requested != decision.previous:
             note = ""
             if decision.clamped:
-                why = "an epoch's samples" if decision.bound == self._batch.samples_per_epoch else "the largest batch that fits"
+                why = "an epoch's samples" if decision.bound == self._batch.samples_per_epoch else "the largest micro-batch"
                 note = f" (clamped from {decision.requested} to {decision.bound}, {why})"
             log.info(f"Epoch {epoch}: batch_size {decision.previous} -> {decision.batch_size}{note}.")
         if self._max_tokens is None:

@@ -142,7 +142,9 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
         ckpt_dict: Dict[str, Any] = self._recipe_state() if intermediate_checkpoint else {}
         ckpt_dict[training.ADAPTER_KEY] = get_adapter_state_dict(self._model.state_dict())
         if not self._save_adapter_weights_only:
-            state_dict = {k: v.cpu() for k, v in self._model.state_dict().items()}
+            # A copy: get_merged_lora_ckpt adds the adapters into the base weights in place, and
+            # on the CPU .cpu() would hand it the live model's own tensors.
+            state_dict = {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()}
             ckpt_dict[training.MODEL_KEY] = get_merged_lora_ckpt(
                 state_dict, rank=self._lora_rank, alpha=self._lora_alpha
             )
