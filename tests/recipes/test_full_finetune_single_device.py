@@ -110,7 +110,7 @@ def test_batch_one_too_large_says_needed_and_available(tmp_path):
 
 
 @pytest.mark.slow
-def test_found_batch_trains_under_a_real_limit_and_ten_percent_more_crashes(tmp_path):
+def test_found_batch_trains_under_a_real_limit_ten_percent_more_crashes_or_is_split(tmp_path):
     headroom = 1024**3
     probe_out = tmp_path / "probe"
     proc = run_tune(
@@ -131,6 +131,24 @@ def test_found_batch_trains_under_a_real_limit_and_ten_percent_more_crashes(tmp_
     )
     assert proc.returncode != 0
     assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
+
+    # With retry_on_oom (the default) the same run recovers: the step that ran out of memory is
+    # rerun in halves, nothing lost, and later steps keep the smaller micro-batch.
+    retried_out = tmp_path / "retried"
+    proc = run_tune(retried_out, FIXED, f"batch_size={larger}", "max_steps_per_epoch=6", headroom_bytes=headroom)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "out of memory in a step of" in proc.stderr and "recovered from out of memory" in proc.stderr
+    retried = read_metric_log(retried_out)
+    assert len(retried) == 6 and all(r["batch_size"] == larger for r in retried)
+    assert retried[0]["oom_retries"] >= 1 and sum(r["oom_retries"] for r in retried[1:]) == 0
+    assert all(r["grad_accum_steps"] >= 2 and r["micro_batch_size"] < larger for r in retried)
+    # the same updates as the unsplit batch run without a limit, to float tolerance
+    reference_out = tmp_path / "reference"
+    proc = run_tune(reference_out, FIXED, f"batch_size={larger}", "max_steps_per_epoch=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = read_metric_log(reference_out)
+    assert all(r["grad_accum_steps"] == 1 for r in reference)
+    assert [r["loss"] for r in retried] == pytest.approx([r["loss"] for r in reference], rel=1e-4)
 
 
 def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
