@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 
 run: $(STAMP)
 	$(BIN)/tune run recipes/full_finetune_single_device.py --config configs/tiny/full_single_device.yaml \
-		use_maximum_batch_size=True max_memory=512MiB $(ARGS)
+		use_maximum_batch_size=True max_memory=512MiB epochs=3 $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
