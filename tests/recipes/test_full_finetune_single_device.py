@@ -36,6 +36,13 @@ BAD_INPUTS = [
     (["optimizer_in_bwd=True", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=2 with optimizer_in_bwd=True"),
     (["enable_activation_offloading=True"], "enable_activation_offloading=True on device='cpu'"),
     (["use_maximum_batch_size=True", "tokenizer.max_seq_len=null"], "tokenizer.max_seq_len=null"),
+    (["batch_increase_function=nosuch_module.grow"], "no module 'nosuch_module' can be imported"),
+    (["batch_increase_function=adaptive_batch.growth.nope"], "has no attribute 'nope'"),
+    (["batch_increase_function=adaptive_batch.growth.KEY"], "is a str, not a function"),
+    (["batch_increase_function=adaptive_batch.growth.function_name"], "cannot be called as f(epoch, current_batch_size)"),
+    (["grow_with_accumulation=maybe"], "grow_with_accumulation='maybe' must be true or false"),
+    (["retry_on_oom=2"], "retry_on_oom=2 must be true or false"),
+    (["optimizer_in_bwd=True", "batch_increase_function=null"], "retry_on_oom=True with optimizer_in_bwd=True"),
 ]
 
 

@@ -23,6 +23,7 @@ def test_probe_bounds_growth_and_only_adapters_train(tmp_path):
     assert report["max_batch_size"] >= 8  # the bound is above the doubled batch
     rows = read_metric_log(tmp_path)
     assert [r["batch_size"] for r in rows] == [4, 4, 8]  # an epoch of 2 x 4 samples; doubled in epoch 1
+    assert all(r["lr"] == 1e-3 for r in rows)  # lr_scaling: none leaves the LR as configured
     # adapters and merged weights for each epoch; the base weights never changed
     base = torch.load(next((tmp_path / "init").glob("*.pt")), weights_only=True)
     assert not any("lora" in k for k in base)
