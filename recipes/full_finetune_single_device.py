@@ -82,7 +82,16 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
           does not probe again.
         - ``max_batch_size`` caps the probe, ``batch_size_rounding`` can round its result down
           to a power of two.
-        - Per-step ``batch_size`` and peak memory metrics, on CPU too (the process's peak RSS).
+        - ``batch_increase_function``: ``f(epoch, current_batch_size) -> increment`` grows the
+          batch at the start of every epoch, up to the probed maximum (or ``max_batch_size``),
+          or past it by gradient accumulation with ``grow_with_accumulation``. The LR schedule
+          advances by samples seen, so it ends with the data however the batch grows.
+        - Every step runs its batch in micro-batches of at most the largest size that fits;
+          with ``retry_on_oom`` a step that runs out of memory is rerun in halves.
+        - Token-budget batches (``max_tokens``) and LR scaling with the batch.
+        - Batch state in the recipe state: a resumed run continues with the same batch sizes.
+        - Per-step ``batch_size``, ``micro_batch_size``, ``grad_accum_steps``,
+          ``samples_seen`` and peak memory metrics, on CPU too (the process's peak RSS).
 
     Args:
         cfg (DictConfig): OmegaConf object parsed from yaml file
@@ -714,9 +723,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             log.info(f"Epoch {epoch}: batch_size {decision.previous} -> {decision.batch_size}{note}.")
         if self._max_tokens is None:
             self._dataloader.batch_sampler.batch_size = self._batch.batch_size
-            self._dataloader.batch_sampler.set_epoch(epoch)
-        else:
-            self._dataloader.batch_sampler.set_epoch(epoch)
+        self._dataloader.batch_sampler.set_epoch(epoch)
         if self._batch.grad_accum_steps > 1 and self._max_tokens is None:
             log.info(
                 f"Epoch {epoch}: {self._batch.batch_size} samples a step in "

@@ -1,7 +1,6 @@
 import random
 
 import pytest
-import torch
 
 from adaptive_batch import check_token_budget, pack_by_tokens, TokenBudgetBatchSampler, truncating_collate
 
