@@ -38,6 +38,7 @@ from adaptive_batch.growth import (
 )
 from adaptive_batch.lengths import sample_lengths
 from adaptive_batch.lr_scaling import BatchLRScaler, lr_scale_factor
+from adaptive_batch.loss import next_token_loss
 from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.memory import (
     address_space_limit,
@@ -48,6 +49,7 @@ from adaptive_batch.memory import (
     return_freed_memory_to_os,
 )
 from adaptive_batch.oom import is_oom_error, release_memory
+from adaptive_batch.planner import MemoryPlan, plan_memory, PlanRow
 from adaptive_batch.probe import (
     describe_result,
     memory_budget,
@@ -87,6 +89,10 @@ __all__ = [
     "MicroBatchOutOfMemoryError",
     "ResizableBatchSampler",
     "SampleProgressLR",
+    "MemoryPlan",
+    "PlanRow",
+    "plan_memory",
+    "next_token_loss",
     "accumulate_gradients",
     "batch_rows",
     "check_growth_options",

@@ -11,7 +11,6 @@ from functools import partial
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
@@ -662,19 +661,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
 
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        # Shape [b, s], needed for the loss not the model
-        labels = batch.pop("labels")
-        with self.activations_handling_ctx:
-            logits = self._model(**batch)
-        # Shift labels left by one; the last position predicts nothing.
-        labels = F.pad(labels[..., 1:], (0, 1), value=self._loss_fn.ignore_index)
-        if not isinstance(logits, list):
-            labels = labels.reshape(-1)
-            logits = logits.reshape(-1, logits.size(-1))
-        loss = self._loss_fn(logits, labels)
-        # free logits otherwise it peaks backward memory
-        del logits
-        return loss
+        return ab.next_token_loss(self._model, self._loss_fn, batch, self.activations_handling_ctx)
 
     def _forward_backward(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro-batch; returns its summed loss and token count."""
