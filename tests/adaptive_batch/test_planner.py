@@ -1,0 +1,117 @@
+import pytest
+import torch
+from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
+from torchtune.modules.loss import CEWithChunkedOutputLoss
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+from adaptive_batch import measure_peak_bytes, next_token_loss, plan_memory
+
+SEQ = 128
+VOCAB = 259
+DIMS = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=128, max_seq_len=SEQ, intermediate_dim=384)
+
+
+def full():
+    return llama3_2(**DIMS)
+
+
+def lora():
+    model = lora_llama3_2(["q_proj", "v_proj"], apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8, **DIMS)
+    set_trainable_params(model, get_adapter_params(model))
+    return model
+
+
+def setup(build):
+    loss_fn = CEWithChunkedOutputLoss()
+
+    def build_model():
+        model = build()
+        model.set_num_output_chunks(loss_fn.num_output_chunks)
+        return model
+
+    def build_optimizer(model):
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def forward_backward(model, batch):
+        next_token_loss(model, loss_fn, dict(batch)).backward()
+
+    return build_model, build_optimizer, forward_backward
+
+
+def measured_peaks(build, sizes):
+    """Real steps on the CPU, their peaks counted as live tensor bytes (the probe's measure)."""
+    build_model, build_optimizer, forward_backward = setup(build)
+    torch.manual_seed(0)
+    model = build_model()
+    optimizer = build_optimizer(model)
+
+    def step(b):
+        batch = {"tokens": torch.randint(0, VOCAB, (b, SEQ)), "labels": torch.randint(0, VOCAB, (b, SEQ))}
+        forward_backward(model, batch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(1)  # optimizer state
+    state = list(model.parameters()) + [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {b: measure_peak_bytes(lambda: step(b), torch.device("cpu"), baseline=state) for b in sizes}
+
+
+@pytest.mark.parametrize("build", [full, lora], ids=["full", "lora"])
+def test_plan_matches_measured_peaks_within_five_percent(build):
+    plan = plan_memory(
+        **dict(zip(("build_model", "build_optimizer", "forward_backward"), setup(build))),
+        seq_len=SEQ, table_batch_sizes=[1, 2, 6, 12],
+    )
+    real = measured_peaks(build, [1, 2, 6, 12])
+    for row in plan.rows:
+        error = abs(row.peak_bytes - real[row.batch_size]) / real[row.batch_size]
+        assert error < 0.05, (row.batch_size, row.peak_bytes, real[row.batch_size])  # 1.8% seen
+    # the categories add up, and only the batch-dependent ones grow
+    for row in plan.rows:
+        assert sum(row.categories.values()) == pytest.approx(row.peak_bytes, rel=0.01)
+    first, last = plan.rows[0], plan.rows[-1]
+    assert first.categories["parameters"] == last.categories["parameters"] > 0
+    assert first.categories["optimizer_state"] == last.categories["optimizer_state"] > 0
+    assert last.categories["activations"] > 6 * first.categories["activations"]
+
+
+def test_lora_optimizer_state_covers_only_the_adapters():
+    full_plan = plan_memory(**dict(zip(("build_model", "build_optimizer", "forward_backward"), setup(full))), seq_len=SEQ)
+    lora_plan = plan_memory(**dict(zip(("build_model", "build_optimizer", "forward_backward"), setup(lora))), seq_len=SEQ)
+    assert lora_plan.rows[0].categories["optimizer_state"] < full_plan.rows[0].categories["optimizer_state"] / 5
+
+
+def test_largest_batch_for_a_device_memory():
+    parts = dict(zip(("build_model", "build_optimizer", "forward_backward"), setup(full)))
+    plan = plan_memory(**parts, seq_len=SEQ, device_memory_bytes=200 * 2**20, safety_margin=0.05)
+    est = plan.estimate
+    assert plan.budget_bytes == int(200 * 2**20 * 0.95)
+    assert est.peak_bytes(plan.max_batch_size) <= plan.budget_bytes < est.peak_bytes(plan.max_batch_size + 1)
+    assert plan.max_batch_size in [r.batch_size for r in plan.rows]
+    capped = plan_memory(**parts, seq_len=SEQ, device_memory_bytes=200 * 2**20, max_batch_size=3)
+    assert capped.max_batch_size == 3
+
+
+def test_a_model_larger_than_the_memory_limit_is_planned_without_allocating(limited_address_space):
+    """About 1.6 GB of fp32 weights and 3 GB more of Adam state, planned under a 512 MiB headroom."""
+    big = dict(vocab_size=32000, num_layers=6, num_heads=16, num_kv_heads=4, embed_dim=2048, max_seq_len=64, intermediate_dim=8192)
+    loss_fn = torch.nn.CrossEntropyLoss(ignore_index=-100)
+    with limited_address_space(512 * 2**20):
+        plan = plan_memory(
+            build_model=lambda: llama3_2(**big),
+            build_optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+            forward_backward=lambda m, b: next_token_loss(m, loss_fn, dict(b)).backward(),
+            seq_len=64,
+            device_memory_bytes=80 * 2**30,
+        )
+    assert plan.rows[0].categories["parameters"] > 1.5e9
+    assert plan.rows[0].categories["optimizer_state"] > 2 * plan.rows[0].categories["parameters"] * 0.99
+    assert plan.max_batch_size > 1
+
+
+def test_bad_arguments():
+    parts = dict(zip(("build_model", "build_optimizer", "forward_backward"), setup(full)))
+    with pytest.raises(ValueError, match="seq_len=0"):
+        plan_memory(**parts, seq_len=0)
+    with pytest.raises(ValueError, match="safety_margin=1.0"):
+        plan_memory(**parts, seq_len=SEQ, safety_margin=1.0)

@@ -1,0 +1,84 @@
+"""The `adaptive-batch` console script, as installed with the package."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.recipes.conftest import REPO, tune_env
+
+CLI = str(Path(sys.executable).with_name("adaptive-batch"))
+TINY = "configs/tiny/full_single_device.yaml"
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([CLI, *args], cwd=REPO, env=tune_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probe")
+    proc = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=512MiB")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc, json.loads((out / "batch_probe.json").read_text())
+
+
+def test_probe_only_prints_trials_and_writes_the_report_without_training(probed):
+    out, proc, report = probed
+    assert "largest batch that fits: %d" % report["max_batch_size"] in proc.stdout
+    assert "phase" in proc.stdout and "warmup" in proc.stdout
+    assert not list(out.glob("epoch_*")) and not (out / "recipe_state").exists()  # no training, no checkpoint
+    assert not [line for line in (out / "logs").glob("log_*.txt") if "Step" in line.read_text()]
+
+
+def test_plan_agrees_with_the_probes_measured_peaks(probed):
+    _, _, report = probed
+    proc = cli("plan", "--config", TINY, "--device-memory", "512MiB", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    assert {"max_batch_size", "device_memory_bytes", "rows"} <= set(plan)
+    assert plan["device_memory_bytes"] == 512 * 2**20
+    assert abs(plan["max_batch_size"] - report["max_batch_size"]) <= 1
+    line = plan["estimate"]
+    for trial in report["trials"]:
+        if trial["fits"] and trial["phase"] != "warmup":
+            predicted = line["fixed_bytes"] + line["bytes_per_sample"] * trial["batch_size"]
+            assert abs(predicted - trial["peak_bytes"]) / trial["peak_bytes"] < 0.05, trial
+    row = plan["rows"][0]
+    assert {"batch_size", "peak_bytes", "parameters", "gradients", "optimizer_state", "activations"} <= set(row)
+
+
+def test_plan_table_for_the_lora_config():
+    proc = cli("plan", "--config", "configs/tiny/lora_single_device.yaml", "--device-memory", "1GiB")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "optimizer_state" in proc.stdout and "largest batch under 1.00 GiB" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "--config", "configs/nope.yaml"], "--config 'configs/nope.yaml': no such file"),
+        (["plan", "--config", TINY, "tokenizer.max_seq_len=null"], "tokenizer.max_seq_len=null"),
+        (["plan", "--config", TINY, "optimizer_in_bwd=True"], "optimizer_in_bwd=True"),
+        (["plan", "--config", TINY, "--device-memory", "lots"], "--device-memory='lots' cannot be parsed"),
+        (["plan", "--config", TINY, "batch_size"], "override 'batch_size' is not key=value"),
+        (["probe", "--config", TINY, "max_memory=lots"], "max_memory='lots' cannot be parsed"),
+    ],
+)
+def test_bad_input_is_one_line(args, message):
+    proc = cli(*args)
+    assert proc.returncode == 1
+    assert f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_plan_of_the_1b_config_needs_no_weights_and_no_gpu():
+    proc = cli("plan", "--config", "configs/llama3_2/1B_full_single_device.yaml", "--device-memory", "80GiB", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    params = plan["rows"][0]["parameters"]
+    assert 2.4e9 < params < 2.6e9  # 1.24 B bf16 weights
+    assert plan["rows"][0]["optimizer_state"] == pytest.approx(2 * params, rel=0.01)  # AdamW's two moments
+    assert 1 <= plan["max_batch_size"] < 64 and plan["seq_len"] == 2048
