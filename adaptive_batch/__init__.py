@@ -43,6 +43,7 @@ from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.memory import (
     address_space_limit,
     device_capacity,
+    device_name,
     DeviceCapacity,
     format_bytes,
     parse_memory,
@@ -50,6 +51,8 @@ from adaptive_batch.memory import (
 )
 from adaptive_batch.oom import is_oom_error, release_memory
 from adaptive_batch.planner import MemoryPlan, plan_memory, PlanRow
+from adaptive_batch.plot import plot_probe_report
+from adaptive_batch.probe_cache import cache_key, default_cache_dir, library_versions, ProbeCache
 from adaptive_batch.probe import (
     describe_result,
     memory_budget,
@@ -76,6 +79,13 @@ from adaptive_batch.token_batching import (
     TokenBudgetBatchSampler,
     truncating_collate,
 )
+from adaptive_batch.throughput import (
+    choose_by_throughput,
+    probe_throughput,
+    throughput_candidates,
+    ThroughputChoice,
+    ThroughputTrial,
+)
 from adaptive_batch.tokenizer import byte_tokenizer, ByteTokenizer
 from adaptive_batch.tracker import LiveTensorCounter, live_tensor_bytes, measure_peak_bytes
 
@@ -89,6 +99,17 @@ __all__ = [
     "MicroBatchOutOfMemoryError",
     "ResizableBatchSampler",
     "SampleProgressLR",
+    "ProbeCache",
+    "ThroughputChoice",
+    "ThroughputTrial",
+    "cache_key",
+    "choose_by_throughput",
+    "default_cache_dir",
+    "device_name",
+    "library_versions",
+    "plot_probe_report",
+    "probe_throughput",
+    "throughput_candidates",
     "MemoryPlan",
     "PlanRow",
     "plan_memory",

@@ -213,18 +213,29 @@ def load_recipe_class(cfg: DictConfig, recipe: Optional[str]) -> Callable:
 
 def probe_table(report: dict) -> str:
     """The probe's trials as a text table."""
-    lines = [["trial", "phase", "batch", "fits", "peak", "seconds", "samples/s"]]
+    rows = [["trial", "phase", "batch", "fits", "peak", "seconds"]]
     for i, t in enumerate(report["trials"], 1):
-        rate = t.get("samples_per_second")
-        lines.append([
+        rows.append([
             str(i), t["phase"], str(t["batch_size"]), "yes" if t["fits"] else ("oom" if t.get("oom") else "no"),
-            format_bytes(t["peak_bytes"]) if t.get("peak_bytes") is not None else "-",
-            f"{t['seconds']:.2f}", f"{rate:.1f}" if rate else "",
+            format_bytes(t["peak_bytes"]) if t.get("peak_bytes") is not None else "-", f"{t['seconds']:.2f}",
         ])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
-    out.append(f"largest batch that fits: {report['max_batch_size']}; training batch: {report['batch_size']}")
+    out = _columns(rows)
+    throughput = report.get("throughput")
+    if throughput:
+        out += _columns(
+            [["batch", "samples/s", "s/step"]]
+            + [[str(t["batch_size"]), f"{t['samples_per_second']:.1f}", f"{t['seconds_per_step']:.3f}"] for t in throughput["trials"]]
+        )
+        out.append(f"fastest within {throughput['tolerance']:.0%}: batch {throughput['batch_size']}")
+    if report.get("cache", {}).get("hit"):
+        out.append(f"from the probe cache: {report['cache']['path']} (--no-cache probes again)")
+    out.append(f"largest batch that fits: {report['max_batch_size']}; batch to use: {report['batch_size']}")
     return "\n".join(out)
+
+
+def _columns(rows: List[List[str]]) -> List[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
 
 
 def _probe_command(args: argparse.Namespace) -> int:
@@ -239,6 +250,10 @@ def _probe_command(args: argparse.Namespace) -> int:
     report = recipe._probe_report
     recipe.cleanup()
     print(probe_table(report))
+    if args.plot:
+        from adaptive_batch.plot import plot_probe_report
+
+        print(f"plot: {plot_probe_report(report, args.plot)}")
     return 0
 
 
@@ -260,6 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     probe.add_argument("--config", required=True)
     probe.add_argument("--recipe", help="recipe file (default: the repository's LoRA or full single-device recipe)")
     probe.add_argument("--no-cache", action="store_true", help="probe again even if a cached result matches")
+    probe.add_argument("--plot", metavar="PATH", help="draw memory against batch size to PATH (needs matplotlib)")
     probe.add_argument("overrides", nargs="*", help="key=value config overrides")
     probe.set_defaults(run=_probe_command)
 

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional
 from adaptive_batch.memory import MemorySpec, parse_memory
 from adaptive_batch.lr_scaling import LR_SCALING_RULES, LR_SCALING_UNITS
 from adaptive_batch.search import ROUNDING_MODES
+from adaptive_batch.throughput import OBJECTIVES
 from adaptive_batch.token_batching import LONG_SAMPLE_POLICIES, PICKING_ORDERS
 
 
@@ -72,6 +73,12 @@ class AdaptiveBatchOptions:
         memory_safety_margin: fraction of the limit held back for fragmentation.
         batch_size_rounding: ``"none"`` or ``"power_of_two"``.
         max_batch_size: the largest batch the probe may choose, or ``None``.
+        batch_size_objective: ``"max_fit"`` (the largest) or ``"throughput"`` (the smallest
+            within ``throughput_tolerance`` of the best samples per second).
+        throughput_tolerance: the fraction of the best rate a smaller batch may fall short by.
+        probe_cache: reuse a cached probe result with the same key.
+        probe_cache_dir: where the cache lives, or ``None`` for the user's cache directory.
+        plot: draw memory against batch size to ``batch_probe.png``.
     """
 
     use_maximum_batch_size: bool
@@ -79,6 +86,11 @@ class AdaptiveBatchOptions:
     memory_safety_margin: float
     batch_size_rounding: str
     max_batch_size: Optional[int]
+    batch_size_objective: str = "max_fit"
+    throughput_tolerance: float = 0.02
+    probe_cache: bool = True
+    probe_cache_dir: Optional[str] = None
+    plot: bool = False
 
 
 def check_adaptive_batch_options(
@@ -91,6 +103,11 @@ def check_adaptive_batch_options(
     max_batch_size: Any,
     device_type: str,
     device_capacity_bytes: Optional[int],
+    batch_size_objective: Any = "max_fit",
+    throughput_tolerance: Any = 0.02,
+    probe_cache: Any = True,
+    probe_cache_dir: Any = None,
+    plot: Any = False,
 ) -> AdaptiveBatchOptions:
     """Checks the adaptive-batch keys of a recipe config.
 
@@ -105,6 +122,11 @@ def check_adaptive_batch_options(
         device_type: ``"cpu"``, ``"cuda"``, ...; picks the default safety margin.
         device_capacity_bytes: what the device can hold, to read fractions and reject a
             ``max_memory`` larger than the device; ``None`` when unknown.
+        batch_size_objective: one of ``OBJECTIVES``.
+        throughput_tolerance: a number in ``[0, 1)``.
+        probe_cache: must be a boolean.
+        probe_cache_dir: a path or ``None``.
+        plot: must be a boolean; ``True`` needs matplotlib.
 
     Returns:
         The checked options.
@@ -135,12 +157,42 @@ def check_adaptive_batch_options(
             "use batch_size_rounding=none to keep the exact size."
         )
     cap = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
+    if batch_size_objective not in OBJECTIVES:
+        raise ConfigError(
+            f"batch_size_objective={batch_size_objective!r} is not one of {list(OBJECTIVES)}: max_fit "
+            "takes the largest batch that fits, throughput the fastest."
+        )
+    if (
+        isinstance(throughput_tolerance, bool)
+        or not isinstance(throughput_tolerance, (int, float))
+        or not 0 <= throughput_tolerance < 1
+    ):
+        raise ConfigError(
+            f"throughput_tolerance={throughput_tolerance!r} must be a number in [0, 1): e.g. 0.02 "
+            "takes the smallest batch within 2% of the best samples per second."
+        )
+    cache = check_bool("probe_cache", probe_cache)
+    if probe_cache_dir is not None and not isinstance(probe_cache_dir, str):
+        raise ConfigError(f"probe_cache_dir={probe_cache_dir!r} must be a directory path or null.")
+    if check_bool("plot", plot):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "plot=True needs matplotlib, which is not installed: pip install 'adaptive-batch[plot]', "
+                "or set plot=False."
+            ) from None
     return AdaptiveBatchOptions(
         use_maximum_batch_size=use_max,
         max_memory_bytes=max_memory_bytes,
         memory_safety_margin=float(memory_safety_margin),
         batch_size_rounding=batch_size_rounding,
         max_batch_size=cap,
+        batch_size_objective=batch_size_objective,
+        throughput_tolerance=float(throughput_tolerance),
+        probe_cache=cache,
+        probe_cache_dir=probe_cache_dir,
+        plot=plot,
     )
 
 

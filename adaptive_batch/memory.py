@@ -266,3 +266,18 @@ def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:
     mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes))
     arena_ok = libc.mallopt(_M_ARENA_MAX, 1)
     return bool(mmap_ok and arena_ok)
+
+
+def device_name(device: torch.device) -> str:
+    """What kind of device this is, for cache keys: the CUDA card's name, or the CPU model."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        return f"cpu:{line.split(':', 1)[1].strip()}"
+        except OSError:
+            pass
+    return device.type

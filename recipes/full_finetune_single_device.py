@@ -41,7 +41,8 @@ KNOWN_KEYS = frozenset(
         "log_peak_memory_stats", "profiler", "collate_fn", "cudnn_deterministic_mode",
         # adaptive batch size
         "use_maximum_batch_size", "max_memory", "memory_safety_margin",
-        "batch_size_rounding", "max_batch_size",
+        "batch_size_rounding", "max_batch_size", "batch_size_objective", "throughput_tolerance",
+        "probe_cache", "probe_cache_dir", "plot",
         # online growth
         "batch_increase_function", "grow_with_accumulation", "retry_on_oom",
         # token-budget batches and LR scaling
@@ -123,6 +124,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             memory_safety_margin=cfg.get("memory_safety_margin", None),
             batch_size_rounding=cfg.get("batch_size_rounding", "none"),
             max_batch_size=cfg.get("max_batch_size", None),
+            batch_size_objective=cfg.get("batch_size_objective", "max_fit"),
+            throughput_tolerance=cfg.get("throughput_tolerance", 0.02),
+            probe_cache=cfg.get("probe_cache", True),
+            probe_cache_dir=cfg.get("probe_cache_dir", None),
+            plot=cfg.get("plot", False),
             device_type=self._device.type,
             device_capacity_bytes=(
                 ab.device_capacity(self._device).headroom_bytes
@@ -274,6 +280,18 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
 
         self._loss_fn = config.instantiate(cfg.loss)
+        # What changes a step's memory, for the probe cache's key.
+        self._probe_cache_fields = {
+            "recipe": type(self).__name__,
+            "model": OmegaConf.to_container(cfg.model, resolve=True),
+            "optimizer": OmegaConf.to_container(cfg.optimizer, resolve=True),
+            "loss": OmegaConf.to_container(cfg.loss, resolve=True),
+            "dtype": str(self._dtype),
+            "activation_checkpointing": self._enable_activation_checkpointing,
+            "activation_offloading": self._enable_activation_offloading,
+            "compile": bool(cfg.compile),
+            "world_size": 1,
+        }
         if self._compile:
             training.compile_loss(self._loss_fn)
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
@@ -391,7 +409,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             micro = self._probe_report["batch_size"]
             log.info(f"use_maximum_batch_size: training with batch_size={micro}")
             return micro * accumulation, micro
-        bound = self._probe_report["batch_size"] if self._probe_report is not None else self._adaptive.max_batch_size
+        # Growth is bounded by the largest batch that fits, whatever batch the objective chose.
+        bound = (
+            ab.round_batch_size(self._probe_report["max_batch_size"], self._adaptive.batch_size_rounding)
+            if self._probe_report is not None
+            else self._adaptive.max_batch_size
+        )
         start = self._batch_size * accumulation
         log.info(
             f"batch_increase_function: starting at {start} samples a step, micro-batches of up to "
@@ -421,7 +444,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         return steps
 
     def _probe_batch_size(self, dataset_size: int) -> None:
-        """Finds the largest batch that fits with real steps; keeps and writes the report."""
+        """Finds the largest batch that fits with real steps (or the fastest, with the
+        throughput objective), or reuses a cached result; keeps and writes the report."""
         seq_len = self._tokenizer.max_seq_len
         live = ab.training_state_bytes(self._model, self._optimizer)
         capacity = ab.device_capacity(self._device)
@@ -434,36 +458,76 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         cap = dataset_size
         if self._adaptive.max_batch_size is not None:
             cap = min(cap, self._adaptive.max_batch_size)
+        cache, cache_fields = None, None
+        if self._adaptive.probe_cache:
+            cache = ab.ProbeCache(self._adaptive.probe_cache_dir or ab.default_cache_dir(), warn=log.warning)
+            cache_fields = dict(
+                self._probe_cache_fields,
+                seq_len=seq_len,
+                device=ab.device_name(self._device),
+                budget_bytes=budget.budget_bytes,
+                batch_size_cap=cap,
+                batch_size_rounding=self._adaptive.batch_size_rounding,
+                batch_size_objective=self._adaptive.batch_size_objective,
+                throughput_tolerance=self._adaptive.throughput_tolerance,
+                versions=ab.library_versions(),
+            )
+            cached = cache.load(cache_fields)
+            if cached is not None:
+                self._probe_report = dict(cached, cache={"hit": True, "path": cache.path(cache_fields)})
+                path = ab.write_probe_report(self._probe_report, self._output_dir)
+                log.info(
+                    f"use_maximum_batch_size: probe cache hit ({cache.path(cache_fields)}): batch_size="
+                    f"{cached['batch_size']}, no probing; probe_cache=False probes again. Details in {path}"
+                )
+                self._plot_probe()
+                return
         vocab_size = self._model.tok_embeddings.num_embeddings
+        make_batch = partial(ab.worst_case_text_batch, seq_len=seq_len, vocab_size=vocab_size, device=self._device)
         log.info(
             f"use_maximum_batch_size: probing up to batch {cap} at seq_len={seq_len} with a "
             f"budget of {ab.format_bytes(budget.budget_bytes)} ({budget.source})."
         )
-        result = ab.probe_max_batch_size(
+        probe_parts = dict(
             train_step=self._probe_step,
-            make_batch=partial(
-                ab.worst_case_text_batch, seq_len=seq_len, vocab_size=vocab_size, device=self._device
-            ),
+            make_batch=make_batch,
             model=self._model,
             optimizer=self._optimizer,
             device=self._device,
-            budget_bytes=budget.budget_bytes,
-            max_batch_size=cap,
             snapshot_dir=self._output_dir,
             log=log.info,
         )
+        result = ab.probe_max_batch_size(budget_bytes=budget.budget_bytes, max_batch_size=cap, **probe_parts)
         batch_size = ab.round_batch_size(result.max_batch_size, self._adaptive.batch_size_rounding)
+        extra = {
+            "capacity": capacity.to_dict(),
+            "batch_size_cap": cap,
+            "batch_size_objective": self._adaptive.batch_size_objective,
+        }
+        if self._adaptive.batch_size_objective == "throughput":
+            choice = ab.probe_throughput(
+                max_batch_size=batch_size, tolerance=self._adaptive.throughput_tolerance, **probe_parts
+            )
+            extra["throughput"] = choice.to_dict()
+            log.info(
+                f"batch_size_objective=throughput: batch {choice.batch_size} is within "
+                f"{choice.tolerance:.0%} of the best {choice.best_samples_per_second:.1f} samples/s."
+            )
+            batch_size = choice.batch_size
         self._probe_report = ab.probe_report(
-            result,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            device=self._device,
-            budget=budget,
-            extra={"capacity": capacity.to_dict(), "batch_size_cap": cap},
+            result, batch_size=batch_size, seq_len=seq_len, device=self._device, budget=budget, extra=extra
         )
+        if cache is not None:
+            self._probe_report["cache"] = {"hit": False, "path": cache.store(cache_fields, self._probe_report)}
         path = ab.write_probe_report(self._probe_report, self._output_dir)
         log.info(ab.describe_result(result, budget))
-        log.info(f"use_maximum_batch_size: the largest batch that fits is {batch_size}; details in {path}")
+        log.info(f"use_maximum_batch_size: the batch to use is {batch_size}; details in {path}")
+        self._plot_probe()
+
+    def _plot_probe(self) -> None:
+        if self._adaptive.plot:
+            path = ab.plot_probe_report(self._probe_report, f"{self._output_dir}/batch_probe.png")
+            log.info(f"plot: memory against batch size in {path}")
 
     def _setup_profiler(
         self, cfg_profiler: Optional[DictConfig] = None

@@ -73,6 +73,50 @@ def test_bad_input_is_one_line(args, message):
     assert f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_cache_hit_miss_and_invalidation(probed):
+    out, first, report = probed
+    assert report["cache"]["hit"] is False
+    again = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=512MiB")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "probe cache hit" in again.stderr and "probe trial" not in again.stderr
+    assert "from the probe cache" in again.stdout
+    cached = json.loads((out / "batch_probe.json").read_text())
+    assert cached["cache"]["hit"] is True and cached["max_batch_size"] == report["max_batch_size"]
+    # --no-cache, a different budget: probe again
+    forced = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=512MiB", "--no-cache")
+    assert "probe trial 1" in forced.stderr and "probe cache hit" not in forced.stderr
+    other = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=384MiB")
+    assert "probe trial 1" in other.stderr
+    # a corrupt entry is never trusted
+    Path(report["cache"]["path"]).write_text("{not json")
+    broken = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=512MiB")
+    assert broken.returncode == 0 and "ignoring unreadable entry" in broken.stderr and "probe trial 1" in broken.stderr
+
+
+def test_throughput_objective_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = cli(
+        "probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=256MiB", "batch_size_objective=throughput",
+        "throughput_tolerance=0.5", "--plot", str(tmp_path / "cli.png"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "batch_probe.json").read_text())
+    timed = report["throughput"]["trials"]
+    assert [t["batch_size"] for t in timed][-1] == report["max_batch_size"]
+    best = max(t["samples_per_second"] for t in timed)
+    ok = [t["batch_size"] for t in timed if t["samples_per_second"] >= 0.5 * best]
+    assert report["batch_size"] == min(ok)  # the smallest within 50% of the fastest
+    assert "samples/s" in proc.stdout and "fastest within 50%" in proc.stdout
+    assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_recipe_plot_key_writes_the_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = cli("probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=256MiB", "plot=True")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "batch_probe.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.slow
 def test_plan_of_the_1b_config_needs_no_weights_and_no_gpu():
     proc = cli("plan", "--config", "configs/llama3_2/1B_full_single_device.yaml", "--device-memory", "80GiB", "--json")

@@ -65,6 +65,12 @@ def test_unknown_key_suggests_the_closest():
         ("memory_safety_margin", -0.1, "memory_safety_margin=-0.1"),
         ("batch_size_rounding", "nearest", "batch_size_rounding='nearest' is not one of"),
         ("max_batch_size", 0, "max_batch_size=0 must be a positive integer or null"),
+        ("batch_size_objective", "fastest", "batch_size_objective='fastest' is not one of"),
+        ("throughput_tolerance", 1.0, "throughput_tolerance=1.0 must be a number in [0, 1)"),
+        ("throughput_tolerance", "2%", "throughput_tolerance='2%' must be a number"),
+        ("probe_cache", "no", "probe_cache='no' must be true or false"),
+        ("probe_cache_dir", 5, "probe_cache_dir=5 must be a directory path or null"),
+        ("plot", "yes", "plot='yes' must be true or false"),
     ],
 )
 def test_bad_adaptive_values(key, value, message):

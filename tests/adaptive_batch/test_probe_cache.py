@@ -1,0 +1,42 @@
+import json
+
+from adaptive_batch import cache_key, default_cache_dir, library_versions, ProbeCache
+
+FIELDS = {"model": {"_component_": "m", "dim": 256}, "dtype": "torch.float32", "budget_bytes": 1000, "seq_len": 256}
+REPORT = {"max_batch_size": 19, "batch_size": 19, "trials": []}
+
+
+def test_hit_after_store_and_miss_on_any_changed_field(tmp_path):
+    cache = ProbeCache(str(tmp_path))
+    assert cache.load(FIELDS) is None
+    path = cache.store(FIELDS, REPORT)
+    assert path.startswith(str(tmp_path)) and cache.load(FIELDS) == REPORT
+    assert cache.load({**FIELDS, "budget_bytes": 999}) is None
+    assert cache.load({**FIELDS, "model": {"_component_": "m", "dim": 512}}) is None
+    assert cache_key(FIELDS) == cache_key(dict(reversed(list(FIELDS.items()))))  # order does not matter
+
+
+def test_corrupt_and_stale_entries_are_ignored_with_a_warning(tmp_path):
+    warnings = []
+    cache = ProbeCache(str(tmp_path), warn=warnings.append)
+    path = cache.store(FIELDS, REPORT)
+    with open(path, "w") as f:
+        f.write('{"format": 1, "fields": ')  # cut short
+    assert cache.load(FIELDS) is None and "unreadable" in warnings[-1]
+    # an entry whose fields are not the key's (hand-edited, or a hash collision)
+    with open(path, "w") as f:
+        json.dump({"format": 1, "fields": {**FIELDS, "seq_len": 4096}, "report": REPORT}, f)
+    assert cache.load(FIELDS) is None and "stale" in warnings[-1]
+    with open(path, "w") as f:
+        json.dump({"format": 1, "fields": FIELDS, "report": {"max_batch_size": "19"}}, f)
+    assert cache.load(FIELDS) is None and "stale" in warnings[-1]
+    with open(path, "w") as f:
+        json.dump({"format": 0, "fields": FIELDS, "report": REPORT}, f)
+    assert cache.load(FIELDS) is None and len(warnings) == 4
+
+
+def test_versions_and_default_directory(monkeypatch, tmp_path):
+    versions = library_versions()
+    assert set(versions) == {"torch", "torchtune", "adaptive-batch"} and versions["torchtune"] == "0.6.1"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == str(tmp_path / "adaptive-batch" / "probe")
