@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run test bench venv clean
+.PHONY: run test bench bench-plan venv clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
 	$(BIN)/python benchmarks/bench_probe.py $(ARGS)
+
+bench-plan: $(STAMP)
+	$(BIN)/python benchmarks/bench_plan.py $(ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache

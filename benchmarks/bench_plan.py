@@ -1,0 +1,98 @@
+"""The planner (fake tensors, nothing allocated) against the probe (real steps), side by side.
+
+For the tiny configs at several memory budgets, `adaptive-batch plan` predicts the largest batch
+and `adaptive-batch probe` measures it with real training steps on this CPU. The real-size
+configs can only be planned here (no weights, no GPU): their rows give the plan's time and answer.
+
+    python benchmarks/bench_plan.py [--budgets 256MiB 512MiB 1GiB] [--no-real-size]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).with_name("adaptive-batch"))
+MARK_START, MARK_END = "<!-- bench_plan:start -->", "<!-- bench_plan:end -->"
+TINY = ["configs/tiny/full_single_device.yaml", "configs/tiny/lora_single_device.yaml"]
+REAL = [
+    "configs/llama3_2/1B_full_single_device.yaml",
+    "configs/llama3_2/1B_lora_single_device.yaml",
+    "configs/qwen2_5/0.5B_full_single_device.yaml",
+]
+
+
+def cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    start = time.perf_counter()
+    proc = subprocess.run([CLI, *args], cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"adaptive-batch {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return proc, time.perf_counter() - start
+
+
+def plan(config, memory):
+    proc, seconds = cli("plan", "--config", config, "--device-memory", memory, "--json")
+    return json.loads(proc.stdout), seconds
+
+
+def probe(config, memory, out):
+    _, seconds = cli(
+        "probe", "--config", config, f"output_dir={out}", f"max_memory={memory}", "--no-cache",
+        "batch_increase_function=null",
+    )
+    return json.loads((Path(out) / "batch_probe.json").read_text()), seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", nargs="+", default=["256MiB", "512MiB", "1GiB"])
+    parser.add_argument("--no-real-size", action="store_true")
+    parser.add_argument("--no-readme", action="store_true")
+    args = parser.parse_args()
+    lines = [
+        f"CPU ({os.cpu_count()} cores). Seconds are the whole command (start-up included); "
+        "peak error is the plan's predicted peak against the probe's measured peak at the probed batch.",
+        "",
+        "| config | memory | planned batch | probed batch | peak error at probed batch | plan s | probe s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as d:
+        for config in TINY:
+            for i, memory in enumerate(args.budgets):
+                planned, plan_s = plan(config, memory)
+                report, probe_s = probe(config, memory, f"{d}/{Path(config).stem}_{i}")
+                found = report["max_batch_size"]
+                measured = next(t["peak_bytes"] for t in report["trials"] if t["batch_size"] == found and t["fits"])
+                line = planned["estimate"]
+                predicted = line["fixed_bytes"] + line["bytes_per_sample"] * found
+                lines.append(
+                    f"| `{config}` | {memory} | {planned['max_batch_size']} | {found} "
+                    f"| {(predicted - measured) / measured:+.2%} | {plan_s:.1f} | {probe_s:.1f} |"
+                )
+                print(lines[-1], flush=True)
+    if not args.no_real_size:
+        for config in REAL:
+            planned, plan_s = plan(config, "80GiB")
+            lines.append(
+                f"| `{config}` (seq {planned['seq_len']}) | 80GiB | {planned['max_batch_size']} | needs the GPU "
+                f"| | {plan_s:.1f} | |"
+            )
+            print(lines[-1], flush=True)
+    lines += ["", f"Made by `python benchmarks/bench_plan.py` on {time.strftime('%Y-%m-%d')}."]
+    table = "\n".join(lines)
+    print(table)
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    if not args.no_readme and MARK_START in text:
+        head, rest = text.split(MARK_START, 1)
+        readme.write_text(f"{head}{MARK_START}\n{table}\n{MARK_END}{rest.split(MARK_END, 1)[1]}")
+
+
+if __name__ == "__main__":
+    main()
