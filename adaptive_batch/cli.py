@@ -262,24 +262,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="adaptive-batch", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    plan = sub.add_parser("plan", help="predict peak memory and the largest batch, allocating nothing")
+    overrides_note = "Arguments key=value override the config, before or after the options, as in `tune run`."
+    plan = sub.add_parser(
+        "plan", help="predict peak memory and the largest batch, allocating nothing", epilog=overrides_note
+    )
     plan.add_argument("--config", required=True)
     plan.add_argument("--device-memory", help="memory to plan for, e.g. 80GiB (default: max_memory, else this machine)")
     plan.add_argument("--device", choices=["cpu", "cuda"], help="device kind, for the default safety margin")
     plan.add_argument("--safety-margin", type=float, help="fraction held back (default: the config's, else 0.05 cuda / 0.01 cpu)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
-    plan.add_argument("overrides", nargs="*", help="key=value config overrides")
     plan.set_defaults(run=_plan_command)
 
-    probe = sub.add_parser("probe", help="run only the recipe's offline probe: no training, no checkpoint")
+    probe = sub.add_parser(
+        "probe", help="run only the recipe's offline probe: no training, no checkpoint", epilog=overrides_note
+    )
     probe.add_argument("--config", required=True)
     probe.add_argument("--recipe", help="recipe file (default: the repository's LoRA or full single-device recipe)")
     probe.add_argument("--no-cache", action="store_true", help="probe again even if a cached result matches")
     probe.add_argument("--plot", metavar="PATH", help="draw memory against batch size to PATH (needs matplotlib)")
-    probe.add_argument("overrides", nargs="*", help="key=value config overrides")
     probe.set_defaults(run=_probe_command)
 
-    args = parser.parse_args(argv)
+    # key=value overrides may come before or after the options, as with `tune run`.
+    args, overrides = parser.parse_known_args(argv)
+    unknown = [item for item in overrides if item.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = overrides
     try:
         return args.run(args)
     except (ConfigError, BatchSizeTooLargeError) as e:

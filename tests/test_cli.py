@@ -73,6 +73,11 @@ def test_bad_input_is_one_line(args, message):
     assert f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_unknown_option_is_a_usage_error():
+    proc = cli("plan", "--config", TINY, "--bogus")
+    assert proc.returncode == 2 and "unrecognized arguments: --bogus" in proc.stderr
+
+
 def test_cache_hit_miss_and_invalidation(probed):
     out, first, report = probed
     assert report["cache"]["hit"] is False
@@ -83,7 +88,7 @@ def test_cache_hit_miss_and_invalidation(probed):
     cached = json.loads((out / "batch_probe.json").read_text())
     assert cached["cache"]["hit"] is True and cached["max_batch_size"] == report["max_batch_size"]
     # --no-cache, a different budget: probe again
-    forced = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=512MiB", "--no-cache")
+    forced = cli("probe", "--config", TINY, f"output_dir={out}", "--no-cache", "max_memory=512MiB")  # any order
     assert "probe trial 1" in forced.stderr and "probe cache hit" not in forced.stderr
     other = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=384MiB")
     assert "probe trial 1" in other.stderr
