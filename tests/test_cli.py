@@ -131,3 +131,16 @@ def test_plan_of_the_1b_config_needs_no_weights_and_no_gpu():
     assert 2.4e9 < params < 2.6e9  # 1.24 B bf16 weights
     assert plan["rows"][0]["optimizer_state"] == pytest.approx(2 * params, rel=0.01)  # AdamW's two moments
     assert 1 <= plan["max_batch_size"] < 64 and plan["seq_len"] == 2048
+
+
+def test_probe_of_the_lora_config_from_another_directory(tmp_path):
+    """The console script finds the repository's LoRA recipe by itself: no PYTHONPATH, any cwd."""
+    env = {k: v for k, v in tune_env().items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [CLI, "probe", "--config", str(REPO / "configs/tiny/lora_single_device.yaml"), f"output_dir={tmp_path}",
+         "max_memory=256MiB"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "batch_probe.json").read_text())
+    assert report["max_batch_size"] >= 2 and "LoRA model is initialized" in proc.stderr
