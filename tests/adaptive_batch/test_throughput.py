@@ -54,7 +54,7 @@ def test_probe_throughput_times_real_steps_and_restores_the_model(tmp_path):
         model(torch.ones(1, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
-        time.sleep(saturating(len(seen) and seen[-1]) / 20)
+        time.sleep(saturating(seen[-1]) / 5)  # 24-84 ms: timer noise stays small against 19% steps
 
     choice = probe_throughput(
         train_step=train_step, make_batch=lambda b: {"x": torch.zeros(b, 8)}, model=model, optimizer=opt,
