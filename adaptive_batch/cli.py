@@ -175,7 +175,29 @@ def _plan_command(args: argparse.Namespace) -> int:
         cfg, device_memory_bytes=memory, safety_margin=float(margin), max_batch_size=cfg.get("max_batch_size", None)
     )
     print(json.dumps(plan_json(plan), indent=2) if args.json else plan_table(plan))
+    if args.plot:
+        from adaptive_batch.plot import plot_probe_report
+
+        path = plot_probe_report(plan_report(plan), args.plot)
+        print(f"plot: {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def plan_report(plan: MemoryPlan) -> dict:
+    """The plan in the shape of a probe report, for the plot: the fake-measured steps are its
+    trials."""
+    return {
+        "trials": [
+            {"phase": "planned", "batch_size": r.batch_size, "fits": True, "peak_bytes": r.peak_bytes}
+            for r in plan.measured
+        ],
+        "estimate": plan.estimate.to_dict(),
+        "budget_bytes": plan.budget_bytes,
+        "max_batch_size": plan.max_batch_size,
+        "batch_size": plan.max_batch_size,
+        "seq_len": plan.seq_len,
+        "device": f"a {format_bytes(plan.device_memory_bytes)} device (planned)",
+    }
 
 
 # ---------------------------------------------------------------- probe
@@ -271,6 +293,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan.add_argument("--device", choices=["cpu", "cuda"], help="device kind, for the default safety margin")
     plan.add_argument("--safety-margin", type=float, help="fraction held back (default: the config's, else 0.05 cuda / 0.01 cpu)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--plot", metavar="PATH", help="draw predicted memory against batch size to PATH (needs matplotlib)")
     plan.set_defaults(run=_plan_command)
 
     probe = sub.add_parser(

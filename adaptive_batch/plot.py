@@ -29,8 +29,11 @@ def plot_probe_report(report: Dict[str, Any], path: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     fits = [t for t in trials if t["fits"]]
     fails = [t for t in trials if not t["fits"]]
-    ax.scatter([t["batch_size"] for t in fits], [t["peak_bytes"] / mib for t in fits], color="tab:green", label="trial: fits", zorder=3)
-    ax.scatter([t["batch_size"] for t in fails], [t["peak_bytes"] / mib for t in fails], color="tab:red", marker="x", label="trial: over budget", zorder=3)
+    planned = all(t["phase"] == "planned" for t in trials)
+    fits_label = "planned step (fake tensors)" if planned else "trial: fits"
+    ax.scatter([t["batch_size"] for t in fits], [t["peak_bytes"] / mib for t in fits], color="tab:green", label=fits_label, zorder=3)
+    if fails:
+        ax.scatter([t["batch_size"] for t in fails], [t["peak_bytes"] / mib for t in fails], color="tab:red", marker="x", label="trial: over budget", zorder=3)
     top = max([t["batch_size"] for t in trials] + [report["max_batch_size"] + 1])
     estimate = report.get("estimate") or {}
     if estimate.get("bytes_per_sample"):

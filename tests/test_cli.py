@@ -50,10 +50,12 @@ def test_plan_agrees_with_the_probes_measured_peaks(probed):
     assert {"batch_size", "peak_bytes", "parameters", "gradients", "optimizer_state", "activations"} <= set(row)
 
 
-def test_plan_table_for_the_lora_config():
-    proc = cli("plan", "--config", "configs/tiny/lora_single_device.yaml", "--device-memory", "1GiB")
+def test_plan_table_and_plot_for_the_lora_config(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = cli("plan", "--config", "configs/tiny/lora_single_device.yaml", "--device-memory", "1GiB", "--plot", str(tmp_path / "plan.png"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "optimizer_state" in proc.stdout and "largest batch under 1.00 GiB" in proc.stdout
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize(
