@@ -561,6 +561,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
+        self._select_trainable(model, cfg_model)
 
         if compile_model:
             training.compile_model(model)
@@ -570,8 +571,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
 
-        model.load_state_dict(model_state_dict)
-        training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
+        self._load_model_weights(model, model_state_dict)
         self.activations_handling_ctx = training.get_act_offloading_ctx_manager(
             model, enable_activation_offloading
         )
@@ -579,6 +579,14 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._device.type != "cpu":
             training.log_memory_stats(training.get_memory_stats(device=self._device))
         return model
+
+    def _select_trainable(self, model: nn.Module, cfg_model: DictConfig) -> None:
+        """Which parameters train: all of them here (the LoRA recipe keeps only adapters)."""
+
+    def _load_model_weights(self, model: nn.Module, model_state_dict: Dict[str, Any]) -> None:
+        """Loads the checkpoint's weights and checks their dtype."""
+        model.load_state_dict(model_state_dict)
+        training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
 
     def _setup_optimizer(
         self,

@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 from omegaconf import DictConfig
 from torch import nn
-from torchtune import config, modules, training, utils
+from torchtune import config, training, utils
 from torchtune.modules.peft import (
     get_adapter_params,
     get_adapter_state_dict,
@@ -77,19 +77,8 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
         # The random initial checkpoint stands in for base weights: adapters start fresh.
         return "lora_" not in key and "magnitude" not in key
 
-    def _setup_model(
-        self,
-        cfg_model: DictConfig,
-        enable_activation_checkpointing: bool,
-        enable_activation_offloading: bool,
-        compile_model: bool,
-        model_state_dict: Dict[str, Any],
-    ) -> nn.Module:
-        """The LoRA model with only the adapters trainable, base weights loaded, adapters
-        loaded on resume."""
-        with training.set_default_dtype(self._dtype), self._device:
-            model = config.instantiate(cfg_model)
-
+    def _select_trainable(self, model: nn.Module, cfg_model: DictConfig) -> None:
+        """Only the adapters train."""
         self._lora_rank = cfg_model.lora_rank
         self._lora_alpha = cfg_model.lora_alpha
         self._lora_attn_modules = list(cfg_model.lora_attn_modules)
@@ -98,15 +87,11 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
         self.adapter_params = get_adapter_params(model)
         self._is_dora = any("magnitude" in k for k in self.adapter_params.keys())
         set_trainable_params(model, self.adapter_params)
+        log.info(f"LoRA model: {len(self.adapter_params)} adapter tensors train, the base weights are frozen.")
 
-        if compile_model:
-            training.compile_model(model)
-
-        if enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-
+    def _load_model_weights(self, model: nn.Module, model_state_dict: Dict[str, Any]) -> None:
+        """Base weights, then the adapters' on resume; checks that only adapter weights are
+        missing from the base checkpoint."""
         base_missing, base_unexpected = model.load_state_dict(model_state_dict, strict=False)
         # Adapters that are initialised from the base weights (DoRA)
         if self._is_dora:
@@ -127,13 +112,6 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
             lora_unexpected=lora_unexpected,
         )
         training.validate_expected_param_dtype(self.adapter_params.items(), dtype=self._dtype)
-        self.activations_handling_ctx = training.get_act_offloading_ctx_manager(
-            model, enable_activation_offloading
-        )
-        log.info(f"LoRA model is initialized with precision {self._dtype}.")
-        if self._device.type != "cpu":
-            training.log_memory_stats(training.get_memory_stats(device=self._device))
-        return model
 
     def save_checkpoint(self, epoch: int) -> None:
         """Adapter weights, merged weights (unless ``save_adapter_weights_only``), and the

@@ -145,4 +145,4 @@ def test_probe_of_the_lora_config_from_another_directory(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "batch_probe.json").read_text())
-    assert report["max_batch_size"] >= 2 and "LoRA model is initialized" in proc.stderr
+    assert report["max_batch_size"] >= 2 and "adapter tensors train, the base weights are frozen" in proc.stderr
