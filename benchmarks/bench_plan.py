@@ -16,9 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from readme_table import write_readme_table
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("adaptive-batch"))
-MARK_START, MARK_END = "<!-- bench_plan:start -->", "<!-- bench_plan:end -->"
 TINY = ["configs/tiny/full_single_device.yaml", "configs/tiny/lora_single_device.yaml"]
 REAL = [
     "configs/llama3_2/1B_full_single_device.yaml",
@@ -87,11 +88,8 @@ def main():
     lines += ["", f"Made by `python benchmarks/bench_plan.py` on {time.strftime('%Y-%m-%d')}."]
     table = "\n".join(lines)
     print(table)
-    readme = REPO / "README.md"
-    text = readme.read_text()
-    if not args.no_readme and MARK_START in text:
-        head, rest = text.split(MARK_START, 1)
-        readme.write_text(f"{head}{MARK_START}\n{table}\n{MARK_END}{rest.split(MARK_END, 1)[1]}")
+    if not args.no_readme:
+        write_readme_table("bench_plan", table)
 
 
 if __name__ == "__main__":

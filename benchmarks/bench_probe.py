@@ -24,9 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from readme_table import write_readme_table
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/tiny/full_single_device.yaml"
-MARK_START, MARK_END = "<!-- bench_probe:start -->", "<!-- bench_probe:end -->"
 METHODS = ["ours", "ours_margin0", "lightning_power", "lightning_binsearch", "accelerate"]
 
 
@@ -239,15 +240,6 @@ def render(rows, truth, args) -> str:
     return "\n".join(lines)
 
 
-def write_readme(table: str) -> None:
-    readme = REPO / "README.md"
-    text = readme.read_text()
-    if MARK_START in text and MARK_END in text:
-        head, rest = text.split(MARK_START, 1)
-        _, tail = rest.split(MARK_END, 1)
-        readme.write_text(f"{head}{MARK_START}\n{table}\n{MARK_END}{tail}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--headroom", default="1.5GiB")
@@ -274,7 +266,7 @@ def main() -> None:
     table = render(rows, truth, args)
     print(table)
     if not args.no_readme:
-        write_readme(table)
+        write_readme_table("bench_probe", table)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from readme_table import write_readme_table  # noqa: E402
 from tests.recipes.conftest import read_metric_log  # noqa: E402
 
-MARK_START, MARK_END = "<!-- bench_tokens:start -->", "<!-- bench_tokens:end -->"
 SEQ_LEN = 256  # the tiny config's tokenizer.max_seq_len
 
 
@@ -82,11 +82,8 @@ def main():
               f"--steps {args.steps}` on {time.strftime('%Y-%m-%d')}."]
     table = "\n".join(lines)
     print(table)
-    readme = REPO / "README.md"
-    text = readme.read_text()
-    if not args.no_readme and MARK_START in text:
-        head, rest = text.split(MARK_START, 1)
-        readme.write_text(f"{head}{MARK_START}\n{table}\n{MARK_END}{rest.split(MARK_END, 1)[1]}")
+    if not args.no_readme:
+        write_readme_table("bench_tokens", table)
 
 
 if __name__ == "__main__":
