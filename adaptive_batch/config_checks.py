@@ -53,6 +53,14 @@ def check_positive_int(key: str, value: Any, *, allow_none: bool = False) -> Opt
     return value
 
 
+def check_fraction(key: str, value: Any, example: str) -> float:
+    """Raises:
+    ConfigError: unless ``value`` is a number in ``[0, 1)``; ``example`` shows a good one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"{key}={value!r} must be a number in [0, 1): e.g. {key}={example}.")
+    return float(value)
+
+
 def default_safety_margin(device_type: str) -> float:
     """The fraction of the budget held back when the config leaves it to the device.
 
@@ -142,15 +150,7 @@ def check_adaptive_batch_options(
         raise ConfigError(str(e)) from None
     if memory_safety_margin is None:
         memory_safety_margin = default_safety_margin(device_type)
-    if (
-        isinstance(memory_safety_margin, bool)
-        or not isinstance(memory_safety_margin, (int, float))
-        or not 0 <= memory_safety_margin < 1
-    ):
-        raise ConfigError(
-            f"memory_safety_margin={memory_safety_margin!r} must be a number in [0, 1): "
-            "e.g. memory_safety_margin=0.05 keeps 5% of the budget back."
-        )
+    check_fraction("memory_safety_margin", memory_safety_margin, "0.05 keeps 5% of the budget back")
     if batch_size_rounding not in ROUNDING_MODES:
         raise ConfigError(
             f"batch_size_rounding={batch_size_rounding!r} is not one of {list(ROUNDING_MODES)}: "
@@ -162,15 +162,9 @@ def check_adaptive_batch_options(
             f"batch_size_objective={batch_size_objective!r} is not one of {list(OBJECTIVES)}: max_fit "
             "takes the largest batch that fits, throughput the fastest."
         )
-    if (
-        isinstance(throughput_tolerance, bool)
-        or not isinstance(throughput_tolerance, (int, float))
-        or not 0 <= throughput_tolerance < 1
-    ):
-        raise ConfigError(
-            f"throughput_tolerance={throughput_tolerance!r} must be a number in [0, 1): e.g. 0.02 "
-            "takes the smallest batch within 2% of the best samples per second."
-        )
+    check_fraction(
+        "throughput_tolerance", throughput_tolerance, "0.02 takes the smallest batch within 2% of the best samples per second"
+    )
     cache = check_bool("probe_cache", probe_cache)
     if probe_cache_dir is not None and not isinstance(probe_cache_dir, str):
         raise ConfigError(f"probe_cache_dir={probe_cache_dir!r} must be a directory path or null.")
