@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from adaptive_batch.estimator import LinearMemoryEstimate
+from adaptive_batch.search import powers_of_two
 
 # MemTracker's categories, as the table names them; temporaries of backward count as activations.
 CATEGORIES = {
@@ -210,9 +211,4 @@ def _predict_row(measured: List[PlanRow], batch_size: int) -> PlanRow:
 
 
 def _default_table(best: Optional[int]) -> List[int]:
-    top = max(8, 2 * best) if best else 64
-    sizes, b = [], 1
-    while b <= top:
-        sizes.append(b)
-        b *= 2
-    return sizes
+    return powers_of_two(max(8, 2 * best) if best else 64)

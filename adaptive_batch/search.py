@@ -97,6 +97,11 @@ def round_batch_size(batch_size: int, mode: str) -> int:
     return batch_size
 
 
+def powers_of_two(up_to: int) -> List[int]:
+    """1, 2, 4, ... up to and including ``up_to`` (empty below 1)."""
+    return [1 << k for k in range(up_to.bit_length())] if up_to >= 1 else []
+
+
 def search_max_batch_size(
     run_trial: Callable[[int], int],
     *,

@@ -13,6 +13,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
+from adaptive_batch.search import powers_of_two
 from adaptive_batch.snapshot import TrainingStateSnapshot
 
 OBJECTIVES = ("max_fit", "throughput")
@@ -42,11 +43,7 @@ class ThroughputChoice:
 
 def throughput_candidates(max_batch_size: int) -> List[int]:
     """Powers of two below the largest batch that fits, and that batch."""
-    sizes, b = [], 1
-    while b < max_batch_size:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_batch_size]
+    return powers_of_two(max_batch_size - 1) + [max_batch_size]
 
 
 def choose_by_throughput(

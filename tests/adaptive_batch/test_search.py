@@ -174,3 +174,10 @@ def test_bad_budget_and_cap():
         search_max_batch_size(LinearStep(1, 1), budget_bytes=0)
     with pytest.raises(ValueError, match="max_batch_size"):
         search_max_batch_size(LinearStep(1, 1), budget_bytes=10, max_batch_size=0)
+
+
+def test_powers_of_two():
+    from adaptive_batch.search import powers_of_two
+
+    assert powers_of_two(0) == [] and powers_of_two(1) == [1]
+    assert powers_of_two(8) == [1, 2, 4, 8] and powers_of_two(15) == [1, 2, 4, 8]
