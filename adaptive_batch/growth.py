@@ -213,11 +213,13 @@ def check_growth_options(
     accumulate = check_bool("grow_with_accumulation", grow_with_accumulation)
     retry = check_bool("retry_on_oom", retry_on_oom)
     if optimizer_in_bwd and (retry or batch_increase_function is not None):
-        what = f"{KEY}={batch_increase_function!r}" if batch_increase_function is not None else "retry_on_oom=True"
+        if batch_increase_function is not None:
+            what, off = f"{KEY}={batch_increase_function!r}", f"{KEY}=null"
+        else:
+            what, off = "retry_on_oom=True", "retry_on_oom=False"
         raise ConfigError(
             f"{what} with optimizer_in_bwd=True: both split steps into accumulated micro-batches, "
-            "which an optimizer stepping inside backward cannot do; set optimizer_in_bwd=False "
-            f"or {'%s=null' % KEY if batch_increase_function is not None else 'retry_on_oom=False'}."
+            f"which an optimizer stepping inside backward cannot do; set optimizer_in_bwd=False or {off}."
         )
     fn = None
     if batch_increase_function is not None:
