@@ -395,12 +395,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     "that fits, as the bound of the growth."
                 )
             self._probe_batch_size(dataset_size=dataset_size)
-            if self._max_tokens is not None:
+        if self._probe_report is not None and self._max_tokens is not None:
+            if "max_tokens" not in self._probe_report:  # a new probe or a cached one
                 # The probe's rows are full-length: any batch with as many padded tokens fits.
                 self._probe_report["max_tokens"] = self._probe_report["batch_size"] * self._tokenizer.max_seq_len
                 ab.write_probe_report(self._probe_report, self._output_dir)
-        if self._probe_report is not None and self._max_tokens is not None:
-            self._max_tokens = self._probe_report.get("max_tokens", self._max_tokens)
+            self._max_tokens = self._probe_report["max_tokens"]
             log.info(f"use_maximum_batch_size: training with max_tokens={self._max_tokens}")
         accumulation = self._gradient_accumulation_steps
         if not growing:

@@ -39,6 +39,16 @@ def test_probe_finds_max_tokens_and_sqrt_scaling_follows_the_found_batch(tmp_pat
     for r in read_metric_log(tmp_path):
         assert r["padded_tokens"] <= report["max_tokens"]
         assert r["lr"] == pytest.approx(LR * (r["batch_size"] / 4) ** 0.5)
+    # From the probe cache (stored before max_tokens was known), the same budget follows.
+    again = run_tune(
+        tmp_path / "again", FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "max_tokens=4096",
+        "lr_scaling=sqrt", "max_steps_per_epoch=3", f"probe_cache_dir={tmp_path}/probe_cache",
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "probe cache hit" in again.stderr
+    cached = json.loads((tmp_path / "again" / "batch_probe.json").read_text())
+    assert cached["max_tokens"] == report["max_tokens"] == report["batch_size"] * report["seq_len"]
+    assert f"training with max_tokens={report['max_tokens']}" in again.stderr
 
 
 BAD = [
