@@ -10,7 +10,7 @@ from adaptive_batch.accumulation import (
     split_batch,
 )
 from adaptive_batch.batch_state import BATCH_STATE_KEY, BatchState, ResizableBatchSampler
-from adaptive_batch.checkpoint import write_random_init_checkpoint
+from adaptive_batch.checkpoint import initial_checkpoint_filename, write_random_init_checkpoint
 from adaptive_batch.config_checks import (
     AdaptiveBatchOptions,
     check_adaptive_batch_options,
@@ -50,6 +50,14 @@ from adaptive_batch.memory import (
     return_freed_memory_to_os,
 )
 from adaptive_batch.oom import is_oom_error, release_memory
+from adaptive_batch.ranks import (
+    LockstepTrial,
+    MAX_MEMORY_ENV,
+    PeerOutOfMemoryError,
+    per_rank_increase,
+    rank_max_memory,
+    RankGroup,
+)
 from adaptive_batch.planner import MemoryPlan, plan_memory, PlanRow
 from adaptive_batch.plot import plot_probe_report
 from adaptive_batch.probe_cache import cache_key, default_cache_dir, library_versions, ProbeCache
@@ -173,5 +181,12 @@ __all__ = [
     "training_state_bytes",
     "worst_case_text_batch",
     "write_probe_report",
+    "initial_checkpoint_filename",
+    "LockstepTrial",
+    "MAX_MEMORY_ENV",
+    "PeerOutOfMemoryError",
+    "per_rank_increase",
+    "rank_max_memory",
+    "RankGroup",
     "write_random_init_checkpoint",
 ]

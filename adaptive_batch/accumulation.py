@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from adaptive_batch.oom import is_oom_error, release_memory
+from adaptive_batch.ranks import PeerOutOfMemoryError
 
 Batch = Dict[str, torch.Tensor]
 ForwardBackward = Callable[[Batch], Tuple[torch.Tensor, torch.Tensor]]
@@ -94,6 +95,7 @@ def accumulate_gradients(
     retry_on_oom: bool = True,
     device: Optional[torch.device] = None,
     log: Callable[[str], None] = lambda message: None,
+    agree_on_oom: Optional[Callable[[bool], bool]] = None,
 ) -> AccumulatedStep:
     """Runs forward and backward over ``batch`` in micro-batches, accumulating gradients.
 
@@ -107,6 +109,11 @@ def accumulate_gradients(
             when ``False`` the error propagates.
         device: the device, to give its cached memory back between attempts.
         log: where retries are reported.
+        agree_on_oom: for data-parallel ranks, ``agree(failed) -> failed on any rank``, called
+            after every micro-batch: a rank that ran out of memory tells the others, and all
+            of them restart the step with the same smaller micro-batches, so their collectives
+            stay matched. It can only help when the error is raised outside a collective (or
+            on every rank at once); a rank left waiting in one cannot be reached.
 
     Returns:
         The step's summed loss, token count and what ran.
@@ -123,7 +130,7 @@ def accumulate_gradients(
         sizes = micro_batch_sizes(rows, limit)
         message = None
         try:
-            loss_sum, num_tokens = _run_micro_batches(forward_backward, batch, sizes)
+            loss_sum, num_tokens = _run_micro_batches(forward_backward, batch, sizes, agree_on_oom)
         except (RuntimeError, MemoryError) as e:
             if not (retry_on_oom and is_oom_error(e)):
                 raise
@@ -147,11 +154,25 @@ def accumulate_gradients(
 
 
 def _run_micro_batches(
-    forward_backward: ForwardBackward, batch: Batch, sizes: List[int]
+    forward_backward: ForwardBackward,
+    batch: Batch,
+    sizes: List[int],
+    agree_on_oom: Optional[Callable[[bool], bool]],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     loss_sum = num_tokens = None
     for piece in split_batch(batch, sizes):
-        loss, tokens = forward_backward(piece)
+        if agree_on_oom is None:
+            loss, tokens = forward_backward(piece)
+        else:
+            failure = None
+            try:
+                loss, tokens = forward_backward(piece)
+            except (RuntimeError, MemoryError) as e:
+                if not is_oom_error(e):
+                    raise
+                failure = str(e).splitlines()[0]
+            if agree_on_oom(failure is not None):
+                raise PeerOutOfMemoryError(failure or "out of memory on another rank")
         loss_sum = loss if loss_sum is None else loss_sum + loss
         num_tokens = tokens if num_tokens is None else num_tokens + tokens
     return loss_sum, num_tokens

@@ -122,6 +122,7 @@ def probe_max_batch_size(
     max_batch_size: Optional[int] = None,
     snapshot_dir: Optional[str] = None,
     log: Optional[Callable[[str], None]] = None,
+    wrap_trial: Optional[Callable[[Callable[[int], int]], Callable[[int], int]]] = None,
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
@@ -141,6 +142,8 @@ def probe_max_batch_size(
         max_batch_size: the largest size worth trying (e.g. the dataset size).
         snapshot_dir: where the temporary snapshot file goes.
         log: called with one line per trial.
+        wrap_trial: wraps the measured trial before the search calls it, e.g.
+            :meth:`RankGroup.lockstep_trial` so data-parallel ranks agree on every outcome.
 
     Returns:
         The search result with every trial.
@@ -163,7 +166,7 @@ def probe_max_batch_size(
 
     with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir):
         result = search_max_batch_size(
-            run_trial,
+            run_trial if wrap_trial is None else wrap_trial(run_trial),
             budget_bytes=budget_bytes,
             max_batch_size=max_batch_size,
             release=lambda: release_memory(device),

@@ -5,6 +5,7 @@
 #   PYTHONPATH=. tune run recipes/full_finetune_single_device.py \
 #       --config configs/tiny/full_single_device.yaml use_maximum_batch_size=True
 
+import math
 import sys
 import time
 from functools import partial
@@ -105,6 +106,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         ab.check_known_keys(cfg.keys(), self.known_keys)
         self._device = utils.get_device(device=cfg.device)
+        # One process here; the distributed recipe's ranks, which agree on every batch decision.
+        self._ranks = ab.RankGroup(self._device)
         ab.check_stock_recipe_options(
             dtype=cfg.dtype,
             device_type=self._device.type,
@@ -245,18 +248,22 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         Sets up the recipe state correctly. This includes setting recipe attributes based
         on the ``resume_from_checkpoint`` flag.
         """
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
+        self._metric_logger = None
+        if self._ranks.is_main:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
 
         if cfg.checkpointer.get("checkpoint_files", None) is None:
             # No weights given: a seeded random initialisation, loaded by the real checkpointer.
-            filename = ab.write_random_init_checkpoint(
-                lambda: config.instantiate(cfg.model),
-                cfg.checkpointer.checkpoint_dir,
-                self.seed,
-                keep=self._is_base_weight,
-            )
-            cfg.checkpointer.checkpoint_files = [filename]
+            if self._ranks.is_main:
+                ab.write_random_init_checkpoint(
+                    lambda: config.instantiate(cfg.model),
+                    cfg.checkpointer.checkpoint_dir,
+                    self.seed,
+                    keep=self._is_base_weight,
+                )
+            self._ranks.barrier()
+            cfg.checkpointer.checkpoint_files = [ab.initial_checkpoint_filename(self.seed)]
             log.info(f"No checkpoint_files given: initialised the model randomly with seed {self.seed}.")
         ckpt_dict = self.load_checkpoint(cfg.checkpointer)
 
@@ -290,7 +297,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             "activation_checkpointing": self._enable_activation_checkpointing,
             "activation_offloading": self._enable_activation_offloading,
             "compile": bool(cfg.compile),
-            "world_size": 1,
+            "world_size": self._ranks.world_size,
         }
         if self._compile:
             training.compile_loss(self._loss_fn)
@@ -310,7 +317,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
 
         # The batch size (or token budget) is settled before the dataloader is built with it.
-        batch_size, max_micro_batch_size = self._settle_batch_size(dataset_size=len(dataset))
+        # Each rank trains on its share of the data (the sampler pads it to equal shares).
+        rank_dataset_size = math.ceil(len(dataset) / self._ranks.world_size)
+        batch_size, max_micro_batch_size = self._settle_batch_size(dataset_size=rank_dataset_size)
 
         if lengths is not None:
             try:
@@ -333,7 +342,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             batch_size=batch_size,
             max_micro_batch_size=max_micro_batch_size if lengths is None else len(dataset),
             grow_with_accumulation=self._growth.grow_with_accumulation,
-            samples_per_epoch=self._samples_per_epoch(len(dataset), batch_size),
+            samples_per_epoch=self._samples_per_epoch(rank_dataset_size, batch_size),
         )
         if self._batch_state_dict is not None:
             self._batch.load_state_dict(self._batch_state_dict)
@@ -399,7 +408,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             if "max_tokens" not in self._probe_report:  # a new probe or a cached one
                 # The probe's rows are full-length: any batch with as many padded tokens fits.
                 self._probe_report["max_tokens"] = self._probe_report["batch_size"] * self._tokenizer.max_seq_len
-                ab.write_probe_report(self._probe_report, self._output_dir)
+                self._write_probe_report()
             self._max_tokens = self._probe_report["max_tokens"]
             log.info(f"use_maximum_batch_size: training with max_tokens={self._max_tokens}")
         accumulation = self._gradient_accumulation_steps
@@ -455,6 +464,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             live_bytes=live,
             safety_margin=self._adaptive.memory_safety_margin,
         )
+        # Every rank searches against the smallest budget; each measures against its own.
+        common_budget = self._ranks.min(budget.budget_bytes)
+        rank_budgets = self._ranks.gather(budget.budget_bytes)
         cap = dataset_size
         if self._adaptive.max_batch_size is not None:
             cap = min(cap, self._adaptive.max_batch_size)
@@ -465,17 +477,18 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 self._probe_cache_fields,
                 seq_len=seq_len,
                 device=ab.device_name(self._device),
-                budget_bytes=budget.budget_bytes,
+                budget_bytes=common_budget,
+                rank_budget_bytes=rank_budgets,
                 batch_size_cap=cap,
                 batch_size_rounding=self._adaptive.batch_size_rounding,
                 batch_size_objective=self._adaptive.batch_size_objective,
                 throughput_tolerance=self._adaptive.throughput_tolerance,
                 versions=ab.library_versions(),
             )
-            cached = cache.load(cache_fields)
+            cached = self._ranks.broadcast(cache.load(cache_fields) if self._ranks.is_main else None)
             if cached is not None:
                 self._probe_report = dict(cached, cache={"hit": True, "path": cache.path(cache_fields)})
-                path = ab.write_probe_report(self._probe_report, self._output_dir)
+                path = self._write_probe_report()
                 log.info(
                     f"use_maximum_batch_size: probe cache hit ({cache.path(cache_fields)}): batch_size="
                     f"{cached['batch_size']}, no probing; probe_cache=False probes again. Details in {path}"
@@ -497,16 +510,30 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             snapshot_dir=self._output_dir,
             log=log.info,
         )
-        result = ab.probe_max_batch_size(budget_bytes=budget.budget_bytes, max_batch_size=cap, **probe_parts)
+        lockstep: List[ab.LockstepTrial] = []
+
+        def agree_on_outcomes(run_trial):
+            lockstep.append(
+                self._ranks.lockstep_trial(run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget)
+            )
+            return lockstep[-1]
+
+        result = ab.probe_max_batch_size(
+            budget_bytes=common_budget, max_batch_size=cap, wrap_trial=agree_on_outcomes, **probe_parts
+        )
         batch_size = ab.round_batch_size(result.max_batch_size, self._adaptive.batch_size_rounding)
         extra = {
             "capacity": capacity.to_dict(),
             "batch_size_cap": cap,
             "batch_size_objective": self._adaptive.batch_size_objective,
+            "world_size": self._ranks.world_size,
+            # What every rank measured against its own budget; the batch is what fits on all.
+            "ranks": self._ranks.gather(lockstep[0].report()),
         }
         if self._adaptive.batch_size_objective == "throughput":
-            choice = ab.probe_throughput(
-                max_batch_size=batch_size, tolerance=self._adaptive.throughput_tolerance, **probe_parts
+            # Ranks time the same steps; rank 0's choice holds for all.
+            choice = self._ranks.broadcast(
+                ab.probe_throughput(max_batch_size=batch_size, tolerance=self._adaptive.throughput_tolerance, **probe_parts)
             )
             extra["throughput"] = choice.to_dict()
             log.info(
@@ -518,14 +545,22 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             result, batch_size=batch_size, seq_len=seq_len, device=self._device, budget=budget, extra=extra
         )
         if cache is not None:
-            self._probe_report["cache"] = {"hit": False, "path": cache.store(cache_fields, self._probe_report)}
-        path = ab.write_probe_report(self._probe_report, self._output_dir)
+            stored = cache.store(cache_fields, self._probe_report) if self._ranks.is_main else None
+            self._probe_report["cache"] = {"hit": False, "path": self._ranks.broadcast(stored)}
+        path = self._write_probe_report()
         log.info(ab.describe_result(result, budget))
         log.info(f"use_maximum_batch_size: the batch to use is {batch_size}; details in {path}")
         self._plot_probe()
 
+    def _write_probe_report(self) -> str:
+        """Rank 0 writes ``batch_probe.json``; returns its path."""
+        path = f"{self._output_dir}/{ab.PROBE_FILENAME}"
+        if self._ranks.is_main:
+            path = ab.write_probe_report(self._probe_report, self._output_dir)
+        return path
+
     def _plot_probe(self) -> None:
-        if self._adaptive.plot:
+        if self._adaptive.plot and self._ranks.is_main:
             path = ab.plot_probe_report(self._probe_report, f"{self._output_dir}/batch_probe.png")
             log.info(f"plot: memory against batch size in {path}")
 
@@ -611,9 +646,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             return None
         optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
         if opt_state_dict:
-            optimizer.load_state_dict(opt_state_dict)
+            self._load_optimizer_state(optimizer, opt_state_dict)
         log.info("Optimizer is initialized.")
         return optimizer
+
+    def _load_optimizer_state(self, optimizer: Optimizer, opt_state_dict: Dict[str, Any]) -> None:
+        optimizer.load_state_dict(opt_state_dict)
 
     def _setup_lr_scheduler(
         self,
@@ -681,6 +719,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 shuffle=shuffle,
                 seed=0,
                 max_batch_size=self._adaptive.max_batch_size,
+                num_replicas=self._ranks.world_size,
+                rank=self._ranks.rank,
             )
             return StatefulDataLoader(
                 dataset=dataset,
@@ -688,7 +728,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 collate_fn=ab.truncating_collate(collate, self._max_tokens),
             )
         sampler = StatefulDistributedSampler(
-            dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=0
+            dataset, num_replicas=self._ranks.world_size, rank=self._ranks.rank, shuffle=shuffle, seed=0
         )
         batch_sampler = ab.ResizableBatchSampler(
             sampler, batch_size=self._batch.batch_size, samples_per_epoch=self._batch.samples_per_epoch
@@ -712,25 +752,33 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         }
         if self._probe_report is not None:
             state[ab.PROBE_STATE_KEY] = self._probe_report
-        if not self._optimizer_in_bwd:
-            state[training.OPT_KEY] = self._optimizer.state_dict()
-        else:
-            state[training.OPT_KEY] = self._optim_ckpt_wrapper.state_dict()
+        state[training.OPT_KEY] = self._optimizer_state_dict()
         return state
+
+    def _model_state_dict(self) -> Dict[str, Any]:
+        return self._model.state_dict()
+
+    def _optimizer_state_dict(self) -> Dict[str, Any]:
+        if not self._optimizer_in_bwd:
+            return self._optimizer.state_dict()
+        return self._optim_ckpt_wrapper.state_dict()
 
     def save_checkpoint(self, epoch: int) -> None:
         """
         Save state dict to file. The recipe save_checkpoint method is responsible for
         correctly creating the checkpoint dict and passing to the checkpointer.
         """
-        ckpt_dict = {training.MODEL_KEY: self._model.state_dict()}
+        # Every rank takes part in gathering the state; rank 0 writes it.
+        ckpt_dict = {training.MODEL_KEY: self._model_state_dict()}
         if epoch + 1 < self.total_epochs:
             ckpt_dict.update(self._recipe_state())
-        self._checkpointer.save_checkpoint(
-            ckpt_dict,
-            epoch=epoch,
-            intermediate_checkpoint=(epoch + 1 < self.total_epochs),
-        )
+        if self._ranks.is_main:
+            self._checkpointer.save_checkpoint(
+                ckpt_dict,
+                epoch=epoch,
+                intermediate_checkpoint=(epoch + 1 < self.total_epochs),
+            )
+        self._ranks.barrier()
 
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return ab.next_token_loss(self._model, self._loss_fn, batch, self.activations_handling_ctx)
@@ -748,11 +796,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """Scales the accumulated gradients per token, clips, steps and zeroes them."""
         grad_norm = None
         if not self._optimizer_in_bwd:
-            training.scale_grads(self._model, 1 / num_tokens)
+            # Data-parallel gradients arrive averaged over ranks: scale by world / all tokens.
+            global_tokens = self._ranks.sum(num_tokens)
+            training.scale_grads(self._model, torch.tensor(self._ranks.world_size / global_tokens))
             if self._clip_grad_norm is not None:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     self._model.parameters(), max_norm=float(self._clip_grad_norm)
                 )
+                if hasattr(grad_norm, "full_tensor"):
+                    grad_norm = grad_norm.full_tensor()
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -772,14 +824,30 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._optimizer.zero_grad(set_to_none=True)
 
     def _start_epoch(self, epoch: int) -> None:
-        """Grows the batch for ``epoch`` and points the sampler at it."""
-        decision = self._batch.start_epoch(self._growth.batch_increase_function, epoch=epoch)
+        """Grows the batch for ``epoch`` and points the sampler at it.
+
+        Rank 0 calls the batch increase function (with global batch sizes) and every rank
+        takes its decision, so all ranks keep the same batch whatever the function does.
+        """
+        decision, error = None, None
+        if self._ranks.is_main:
+            try:
+                growth = ab.per_rank_increase(self._growth.batch_increase_function, self._ranks.world_size)
+                decision = self._batch.start_epoch(growth, epoch=epoch)
+            except ab.BatchIncreaseFunctionError as e:
+                error = str(e)
+        decision, error = self._ranks.broadcast((decision, error))
+        if error is not None:
+            raise ab.BatchIncreaseFunctionError(error)
+        if decision is not None:
+            self._batch.batch_size = decision.batch_size
         if decision is not None and decision.requested != decision.previous:
             note = ""
             if decision.clamped:
                 why = "an epoch's samples" if decision.bound == self._batch.samples_per_epoch else "the largest micro-batch"
                 note = f" (clamped from {decision.requested} to {decision.bound}, {why})"
-            log.info(f"Epoch {epoch}: batch_size {decision.previous} -> {decision.batch_size}{note}.")
+            per_rank = f" per rank, x{self._ranks.world_size} ranks" if self._ranks.distributed else ""
+            log.info(f"Epoch {epoch}: batch_size {decision.previous} -> {decision.batch_size}{per_rank}{note}.")
         if self._max_tokens is None:
             self._dataloader.batch_sampler.batch_size = self._batch.batch_size
         self._dataloader.batch_sampler.set_epoch(epoch)
@@ -809,12 +877,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             steps_this_epoch = len(self._dataloader)
             if self._max_tokens is not None and self.max_steps_per_epoch is not None:
                 steps_this_epoch = min(steps_this_epoch, self.max_steps_per_epoch)
-            pbar = tqdm(total=steps_this_epoch)
+            pbar = tqdm(total=steps_this_epoch, disable=not self._ranks.is_main)
             t0 = time.perf_counter()
             for idx, batch in enumerate(self._dataloader):
                 utils.batch_to_device(batch, self._device)
                 num_samples = ab.batch_rows(batch)
-                padded_tokens = batch["tokens"].numel()
+                padded_tokens = self._ranks.sum(batch["tokens"].numel())
                 if self._lr_progress is not None:
                     self._lr_progress.set_progress(self._batch.samples_seen)
 
@@ -826,12 +894,17 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     retry_on_oom=self._growth.retry_on_oom,
                     device=self._device,
                     log=log.warning,
+                    agree_on_oom=self._ranks.any if self._ranks.distributed else None,
                 )
                 del batch
                 num_tokens = step.num_tokens
+                # Across ranks; the LR scales with a rank's mean share, so it is the same on all.
+                global_samples = int(self._ranks.sum(num_samples))
+                global_tokens = self._ranks.sum(num_tokens)
                 step_lr = None
                 if self._lr_scaler is not None:
-                    step_lr = self._lr_scaler.apply(samples=num_samples, tokens=int(num_tokens))
+                    world = self._ranks.world_size
+                    step_lr = self._lr_scaler.apply(samples=global_samples / world, tokens=int(global_tokens / world))
                 grad_norm = self._optimizer_step(num_tokens)
                 if step_lr is None:
                     step_lr = get_lr(self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper)
@@ -849,24 +922,24 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     )
                 self.global_step = self._batch.global_step
 
-                loss_to_log = step.loss_sum.item() / num_tokens
+                loss_to_log = self._ranks.sum(step.loss_sum.item()) / global_tokens
                 pbar.update(1)
                 pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}")
 
-                if self.global_step % self._log_every_n_steps == 0:
+                if self.global_step % self._log_every_n_steps == 0 and self._ranks.is_main:
                     time_per_step = time.perf_counter() - t0
                     log_dict = {
                         "loss": loss_to_log,
                         "lr": step_lr,
-                        "batch_size": num_samples,
+                        "batch_size": global_samples,
                         "micro_batch_size": max(step.micro_batch_sizes),
                         "grad_accum_steps": len(step.micro_batch_sizes),
-                        "samples_seen": self._batch.samples_seen,
+                        "samples_seen": self._batch.samples_seen * self._ranks.world_size,
                         "oom_retries": step.oom_retries,
-                        "tokens_per_second_per_gpu": num_tokens / time_per_step,
-                        "real_tokens": int(num_tokens),
-                        "padded_tokens": padded_tokens,
-                        "padding_fraction": 1 - int(num_tokens) / padded_tokens,
+                        "tokens_per_second_per_gpu": global_tokens / self._ranks.world_size / time_per_step,
+                        "real_tokens": int(global_tokens),
+                        "padded_tokens": int(padded_tokens),
+                        "padding_fraction": 1 - global_tokens / padded_tokens,
                     }
                     if self._log_peak_memory_stats:
                         log_dict.update(self._memory_metrics())
@@ -886,7 +959,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._profiler.stop()
 
     def cleanup(self) -> None:
-        self._metric_logger.close()
+        if self._metric_logger is not None:
+            self._metric_logger.close()
 
 
 def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:

@@ -2,6 +2,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Dict, List
 
@@ -24,13 +25,23 @@ def tune_env(extra_path=None, env=None) -> Dict[str, str]:
 
 
 def run_tune(
-    output_dir, *overrides, headroom_bytes=None, timeout=600, recipe=RECIPE, config=CONFIG, extra_path=None, env=None
+    output_dir,
+    *overrides,
+    headroom_bytes=None,
+    timeout=600,
+    recipe=RECIPE,
+    config=CONFIG,
+    extra_path=None,
+    env=None,
+    nproc=None,
 ) -> subprocess.CompletedProcess:
     """`tune run` of a recipe on a tiny config, optionally under a real address-space limit.
 
-    ``extra_path`` goes on PYTHONPATH (a user's own modules); ``env`` adds variables.
+    ``extra_path`` goes on PYTHONPATH (a user's own modules); ``env`` adds variables; ``nproc``
+    launches that many processes through torchrun (`tune run --nproc_per_node`).
     """
-    args = ["run", recipe, "--config", config, f"output_dir={output_dir}", *overrides]
+    launch = [] if nproc is None else ["--nproc_per_node", str(nproc)]
+    args = ["run", *launch, recipe, "--config", config, f"output_dir={output_dir}", *overrides]
     if headroom_bytes is None:
         cmd = [TUNE, *args]
     else:
@@ -56,3 +67,28 @@ def read_metric_log(output_dir, logs="logs") -> List[Dict[str, float]]:
 @pytest.fixture
 def tune():
     return run_tune
+
+
+@pytest.fixture(scope="module")
+def schedules(tmp_path_factory):
+    """The user's own module, outside the repository."""
+    where = tmp_path_factory.mktemp("user_code")
+    (where / "my_growth.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+
+            def table(epoch, current_batch_size):
+                return {1: 2, 2: 4}.get(epoch, 0)
+
+            def add_three_first(epoch, current_batch_size):
+                return 3 if epoch == 0 else 0
+
+            def double_or_stop(epoch, current_batch_size):
+                if str(epoch) == os.environ.get("STOP_AT_EPOCH"):
+                    raise RuntimeError("preempted")
+                return current_batch_size if epoch > 0 else 0
+            """
+        )
+    )
+    return where

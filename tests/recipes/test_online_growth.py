@@ -2,7 +2,6 @@
 
 import json
 import math
-import textwrap
 
 import pytest
 
@@ -13,31 +12,6 @@ COSINE = [
     "lr_scheduler._component_=torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
     "lr_scheduler.num_warmup_steps=1",
 ]
-
-
-@pytest.fixture(scope="module")
-def schedules(tmp_path_factory):
-    """The user's own module, outside the repository."""
-    where = tmp_path_factory.mktemp("user_code")
-    (where / "my_growth.py").write_text(
-        textwrap.dedent(
-            """
-            import os
-
-            def table(epoch, current_batch_size):
-                return {1: 2, 2: 4}.get(epoch, 0)
-
-            def add_three_first(epoch, current_batch_size):
-                return 3 if epoch == 0 else 0
-
-            def double_or_stop(epoch, current_batch_size):
-                if str(epoch) == os.environ.get("STOP_AT_EPOCH"):
-                    raise RuntimeError("preempted")
-                return current_batch_size if epoch > 0 else 0
-            """
-        )
-    )
-    return where
 
 
 def cosine(step, total, warmup=1):

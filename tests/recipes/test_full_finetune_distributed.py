@@ -1,0 +1,106 @@
+"""The distributed (FSDP2) recipe through the real `tune run --nproc_per_node 2` on CPU (gloo)."""
+
+import json
+
+import pytest
+
+from tests.recipes.conftest import FIXED, read_metric_log, run_tune
+
+DIST = dict(recipe="recipes/full_finetune_distributed.py", config="configs/tiny/full_distributed.yaml", nproc=2)
+PROBE = ["use_maximum_batch_size=True", "max_batch_size=12", FIXED, "max_steps_per_epoch=2"]
+COSINE = [
+    "lr_scheduler._component_=torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+    "lr_scheduler.num_warmup_steps=1",
+]
+# 2 ranks of 2 samples; growth doubles the global batch from epoch 1 and stops on request.
+GROWTH = [
+    "batch_increase_function=my_growth.double_or_stop", "grow_with_accumulation=True", "epochs=3",
+    "max_steps_per_epoch=3", "lr_scaling=linear", *COSINE,
+]
+
+
+def probe_report(output_dir):
+    return json.loads((output_dir / "batch_probe.json").read_text())
+
+
+def test_a_lower_budget_on_one_rank_sets_the_batch_of_both(tmp_path):
+    uneven = run_tune(tmp_path / "uneven", *PROBE, env={"ADAPTIVE_BATCH_MAX_MEMORY": "256MiB,160MiB"}, **DIST)
+    assert uneven.returncode == 0, uneven.stderr[-3000:]
+    even = run_tune(tmp_path / "even", *PROBE, "max_memory=160MiB", **DIST)
+    assert even.returncode == 0, even.stderr[-3000:]
+
+    report = probe_report(tmp_path / "uneven")
+    rank0, rank1 = report["ranks"]
+    assert report["world_size"] == 2 and (rank0["rank"], rank1["rank"]) == (0, 1)
+    assert rank0["budget_bytes"] > rank1["budget_bytes"]
+    # Lockstep: both ranks ran the same trial sizes, whatever their own outcome was.
+    assert [t["batch_size"] for t in rank0["trials"]] == [t["batch_size"] for t in rank1["trials"]]
+    found = report["batch_size"]
+    # Rank 0 alone fitted a larger batch; the run took what fits on rank 1, as if every rank had its budget.
+    assert any(t["fits_here"] and t["batch_size"] > found for t in rank0["trials"])
+    assert not any(t["fits_here"] and t["batch_size"] > found for t in rank1["trials"])
+    assert found == probe_report(tmp_path / "even")["batch_size"]
+    assert f"the batch to use is {found}" in uneven.stderr
+
+    # Both ranks trained with it: the logged batch is summed over ranks.
+    rows = read_metric_log(tmp_path / "uneven")
+    assert len(rows) == 2
+    assert all(r["batch_size"] == 2 * found and r["micro_batch_size"] == found for r in rows)
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, schedules):
+    out = tmp_path_factory.mktemp("dist") / "whole"
+    proc = run_tune(out, *GROWTH, "batch_size=2", "max_batch_size=4", extra_path=schedules, **DIST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_two_ranks_match_one_device_with_the_same_global_batch(tmp_path, schedules, whole_run):
+    single = run_tune(tmp_path, *GROWTH, "batch_size=4", "max_batch_size=8", extra_path=schedules)
+    assert single.returncode == 0, single.stderr[-3000:]
+    dist_rows, one_rows = read_metric_log(whole_run), read_metric_log(tmp_path)
+    # Global batches 4 x 3 steps, then 8 and 4, then 16 clamped to an epoch's 12.
+    assert [r["batch_size"] for r in dist_rows] == [4, 4, 4, 8, 4, 12] == [r["batch_size"] for r in one_rows]
+    for key in ("samples_seen", "real_tokens", "lr"):
+        assert [r[key] for r in dist_rows] == pytest.approx([r[key] for r in one_rows], rel=1e-6), key
+    # The same samples and per-token normalisation; FSDP's reduce-scatter only reorders float
+    # sums (~1e-7), which Adam carries into later losses at ~1e-5.
+    assert dist_rows[0]["loss"] == pytest.approx(one_rows[0]["loss"], rel=1e-5)
+    assert [r["loss"] for r in dist_rows] == pytest.approx([r["loss"] for r in one_rows], rel=1e-4)
+
+
+def test_stopped_and_resumed_run_matches_the_uninterrupted_one(tmp_path, schedules, whole_run):
+    common = [*GROWTH, "batch_size=2", "max_batch_size=4"]
+    stopped = run_tune(tmp_path, *common, env={"STOP_AT_EPOCH": "2"}, extra_path=schedules, **DIST)
+    assert stopped.returncode != 0
+    # Rank 0 called the function with the global batch; every rank stops with its message.
+    message = (
+        "error: batch_increase_function my_growth.double_or_stop at epoch=2, current_batch_size=8 "
+        "raised RuntimeError: preempted"
+    )
+    assert stopped.stderr.count(message) == 2
+    assert (tmp_path / "epoch_1/model-00001-of-00001.bin").exists()
+    resumed = run_tune(
+        tmp_path, *common, "resume_from_checkpoint=True", "checkpointer.checkpoint_files=[epoch_1/model-00001-of-00001.bin]",
+        f"metric_logger.log_dir={tmp_path}/logs_resumed", extra_path=schedules, **DIST,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = read_metric_log(whole_run)
+    got = read_metric_log(tmp_path) + read_metric_log(tmp_path, "logs_resumed")
+    for key in ("step", "batch_size", "micro_batch_size", "grad_accum_steps", "samples_seen", "lr"):
+        assert [r[key] for r in got] == [r[key] for r in expected], key
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-6)
+
+
+@pytest.mark.parametrize("override,env,expected", [
+    ("fsdp_cpu_offload=True", {}, "error: fsdp_cpu_offload=True"),
+    ("use_maximum_batch_size=True", {"ADAPTIVE_BATCH_MAX_MEMORY": "1GiB,2GiB,3GiB"},
+     "error: ADAPTIVE_BATCH_MAX_MEMORY='1GiB,2GiB,3GiB' lists 3 values for 2 ranks on this node"),
+    ("use_maximum_batch_size=True", {"ADAPTIVE_BATCH_MAX_MEMORY": "lots"}, "error: ADAPTIVE_BATCH_MAX_MEMORY"),
+], ids=["cpu-offload", "env-list-length", "env-value"])
+def test_bad_input_stops_every_rank_with_one_line(tmp_path, override, env, expected):
+    proc = run_tune(tmp_path, override, env=env, **DIST)
+    assert proc.returncode != 0
+    assert proc.stderr.count(expected) == 2, proc.stderr[-3000:]
+    assert not (tmp_path / "batch_probe.json").exists()
