@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run test bench bench-plan venv clean
+.PHONY: run run-distributed test bench bench-plan venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/tune run recipes/full_finetune_single_device.py --config configs/tiny/full_single_device.yaml \
 		use_maximum_batch_size=True max_memory=512MiB epochs=3 $(ARGS)
+
+# The same on 2 processes with FSDP2 (gloo on CPU): lockstep probe, growth decided on rank 0.
+run-distributed: $(STAMP)
+	$(BIN)/tune run --nproc_per_node $(or $(NPROC),2) recipes/full_finetune_distributed.py \
+		--config configs/tiny/full_distributed.yaml use_maximum_batch_size=True max_memory=512MiB epochs=3 $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

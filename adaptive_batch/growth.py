@@ -120,6 +120,8 @@ def call_batch_increase_function(fn: BatchIncreaseFunction, epoch: int, current_
     where = f"{KEY} {function_name(fn)} at epoch={epoch}, current_batch_size={current_batch_size}"
     try:
         increment = fn(epoch, current_batch_size)
+    except BatchIncreaseFunctionError:
+        raise  # already names the user's function (a wrapper such as per_rank_increase)
     except Exception as e:
         raise BatchIncreaseFunctionError(f"{where} raised {type(e).__name__}: {e}") from e
     if isinstance(increment, bool) or not isinstance(increment, int):

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 from adaptive_batch import (
     accumulate_gradients,
     BatchIncreaseFunctionError,
+    grow_batch_size,
     MAX_MEMORY_ENV,
     PeerOutOfMemoryError,
     per_rank_increase,
@@ -181,3 +182,13 @@ def test_an_out_of_memory_error_on_one_rank_splits_the_step_on_both(tmp_path):
     assert rank0["retries"] == rank1["retries"] == 1
     assert "another rank" in rank0["messages"][0] and "DefaultCPUAllocator" in rank1["messages"][0]
     assert rank0["grad_matches"] and rank1["grad_matches"]
+
+
+def test_per_rank_increase_errors_name_the_user_function_once():
+    def stop(epoch, current_batch_size):
+        raise RuntimeError("preempted")
+
+    with pytest.raises(BatchIncreaseFunctionError) as info:
+        grow_batch_size(per_rank_increase(stop, 2), epoch=2, current_batch_size=4, bound=16)
+    assert str(info.value).startswith("batch_increase_function ") and str(info.value).count("batch_increase_function") == 1
+    assert "stop at epoch=2, current_batch_size=8 raised RuntimeError: preempted" in str(info.value)
