@@ -210,11 +210,26 @@ def search_max_batch_size(
         candidate = max(candidate, lo + 1)
         return min(candidate, top) if top is not None else candidate
 
+    def interpolate() -> Optional[int]:
+        """Where the line through the measured peaks at ``lo`` and ``hi`` meets the budget."""
+        if lo < 1 or hi is None or hi - lo < 2:
+            return None
+        p_lo = next((t.peak_bytes for t in reversed(trials) if t.batch_size == lo and t.fits), None)
+        p_hi = next((t.peak_bytes for t in reversed(trials) if t.batch_size == hi and not t.oom), None)
+        if p_lo is None or p_hi is None or p_hi <= p_lo:
+            return None
+        return lo + int((budget_bytes - p_lo) * (hi - lo) // (p_hi - p_lo))
+
     # With no bound from the line (flat peaks), start by doubling.
     candidate = clamp(predicted if predicted is not None else 2 * lo)
     direction = 0
     step = 1
     bracketed = False
+    # Interpolating between measured peaks beats halving when the small-batch line was off
+    # (e.g. FSDP, whose peak at batch 1-2 is set by gathered parameters, not activations);
+    # two interpolated trials in a row on the same side fall back to one halving.
+    last_interpolated: Optional[bool] = None  # the outcome of the last interpolated trial
+    from_interpolation = False
     while upper() is None or lo < upper():
         fits = run(candidate, "search")
         moved = 1 if fits else -1
@@ -223,7 +238,14 @@ def search_max_batch_size(
         direction = direction or moved
         if upper() is not None and lo >= upper():
             break
-        if bracketed:
+        halve = from_interpolation and last_interpolated == fits
+        if from_interpolation:
+            last_interpolated = None if halve else fits
+        guess = None if halve else interpolate()
+        from_interpolation = guess is not None
+        if guess is not None:
+            candidate = clamp(guess)
+        elif bracketed or halve:
             candidate = clamp((lo + upper() + 1) // 2)
         elif fits:
             candidate = clamp(lo + step)

@@ -9,6 +9,7 @@
 #       --rdzv_endpoint HOST:29500 --rdzv_id JOB recipes/full_finetune_distributed.py --config ...
 
 import logging
+import os
 import sys
 from functools import partial
 from typing import Any, Dict
@@ -159,7 +160,7 @@ def recipe_main(cfg: DictConfig) -> None:
         - Parameters specified in config (see available configs through ``tune ls``)
         - Overwritten by arguments from the command-line
     """
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # before the process group exists
         config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
     run_recipe(FullFinetuneRecipeDistributed, cfg)
 
