@@ -3,7 +3,7 @@
 With FSDP every forward and backward runs collectives (all-gather, reduce-scatter), so ranks
 must run the same steps in the same order: the same trial batch sizes while probing, the same
 number of micro-batches in a step, the same batch after growth. :class:`RankGroup` gives the few
-agreements the recipes need: a minimum, an "any rank", a broadcast from rank 0, a gather. Outside
+agreements the recipes need: a maximum, sums, an "any rank", a broadcast from rank 0, a gather. Outside
 ``torch.distributed`` (one process) every agreement is the value itself, so the single-device
 recipes run the same code.
 
@@ -98,28 +98,22 @@ class RankGroup:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def _reduce(self, value: int, op: Any) -> int:
+    def max(self, value: int) -> int:
+        """The largest ``value`` over ranks."""
         if not self.distributed:
             return int(value)
         t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def min(self, value: int) -> int:
-        """The smallest ``value`` over ranks."""
-        return self._reduce(value, dist.ReduceOp.MIN if self.distributed else None)
-
-    def max(self, value: int) -> int:
-        """The largest ``value`` over ranks."""
-        return self._reduce(value, dist.ReduceOp.MAX if self.distributed else None)
-
-    def sum(self, value: float) -> float:
-        """``value`` summed over ranks (as float64)."""
+    def sums(self, *values: Any) -> List[float]:
+        """Each of ``values`` (numbers or one-element tensors) summed over ranks, in one
+        all-reduce (as float64)."""
         if not self.distributed:
-            return float(value)
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return float(t.item())
+        return t.tolist()
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank."""

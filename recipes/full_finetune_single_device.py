@@ -465,8 +465,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             safety_margin=self._adaptive.memory_safety_margin,
         )
         # Every rank searches against the smallest budget; each measures against its own.
-        common_budget = self._ranks.min(budget.budget_bytes)
         rank_budgets = self._ranks.gather(budget.budget_bytes)
+        common_budget = min(rank_budgets)
         cap = dataset_size
         if self._adaptive.max_batch_size is not None:
             cap = min(cap, self._adaptive.max_batch_size)
@@ -792,12 +792,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         loss.backward()
         return loss.detach(), num_tokens
 
-    def _optimizer_step(self, num_tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """Scales the accumulated gradients per token, clips, steps and zeroes them."""
+    def _optimizer_step(self, global_tokens: float) -> Optional[torch.Tensor]:
+        """Scales the accumulated gradients per token of all ranks, clips, steps and zeroes them."""
         grad_norm = None
         if not self._optimizer_in_bwd:
             # Data-parallel gradients arrive averaged over ranks: scale by world / all tokens.
-            global_tokens = self._ranks.sum(num_tokens)
             training.scale_grads(self._model, torch.tensor(self._ranks.world_size / global_tokens))
             if self._clip_grad_norm is not None:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -812,7 +811,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def _probe_step(self, batch: Dict[str, torch.Tensor]) -> None:
         """One full training step, as the loop below runs it, for the batch size probe."""
         _, num_tokens = self._forward_backward(batch)
-        self._optimizer_step(num_tokens)
+        (global_tokens,) = self._ranks.sums(num_tokens)
+        self._optimizer_step(global_tokens)
 
     def _memory_metrics(self) -> Dict[str, float]:
         if self._device.type != "cpu":
@@ -882,7 +882,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             for idx, batch in enumerate(self._dataloader):
                 utils.batch_to_device(batch, self._device)
                 num_samples = ab.batch_rows(batch)
-                padded_tokens = self._ranks.sum(batch["tokens"].numel())
+                padded_tokens = batch["tokens"].numel()
                 if self._lr_progress is not None:
                     self._lr_progress.set_progress(self._batch.samples_seen)
 
@@ -897,15 +897,16 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     agree_on_oom=self._ranks.any if self._ranks.distributed else None,
                 )
                 del batch
-                num_tokens = step.num_tokens
                 # Across ranks; the LR scales with a rank's mean share, so it is the same on all.
-                global_samples = int(self._ranks.sum(num_samples))
-                global_tokens = self._ranks.sum(num_tokens)
+                global_samples, global_tokens, padded_tokens, loss_sum = self._ranks.sums(
+                    num_samples, step.num_tokens, padded_tokens, step.loss_sum
+                )
+                global_samples = int(global_samples)
                 step_lr = None
                 if self._lr_scaler is not None:
                     world = self._ranks.world_size
                     step_lr = self._lr_scaler.apply(samples=global_samples / world, tokens=int(global_tokens / world))
-                grad_norm = self._optimizer_step(num_tokens)
+                grad_norm = self._optimizer_step(global_tokens)
                 if step_lr is None:
                     step_lr = get_lr(self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper)
                 if self._lr_scaler is not None:
@@ -922,7 +923,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     )
                 self.global_step = self._batch.global_step
 
-                loss_to_log = self._ranks.sum(step.loss_sum.item()) / global_tokens
+                loss_to_log = loss_sum / global_tokens
                 pbar.update(1)
                 pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}")
 
