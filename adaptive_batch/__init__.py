@@ -1,5 +1,29 @@
 """adaptive-batch: find the largest batch that fits before training, grow it while training,
-for torchtune recipes."""
+keep the learning rate right as it changes.
+
+The core imports torch alone. The torchtune integration (embedded tokenizer and data, config
+adapter, planner for configs) is :mod:`adaptive_batch.torchtune`; the recipes are in the
+``recipes/`` folder of the repository (installed as ``adaptive_batch_recipes``).
+
+Layout, from the entry points down:
+
+- :mod:`~adaptive_batch.api`: ``find_max_batch_size``, the probe for a
+  plain PyTorch loop.
+- :mod:`~adaptive_batch.controller`: ``AdaptiveBatchController``, the decisions a recipe
+  delegates, and ``AdaptiveBatchOptions``.
+- :mod:`~adaptive_batch.probing`: the probe as one service (budget, cache, ranks, throughput,
+  report); :mod:`~adaptive_batch.probe` and :mod:`~adaptive_batch.search`: real steps and the
+  search over them; :mod:`~adaptive_batch.estimator`, :mod:`~adaptive_batch.tracker`,
+  :mod:`~adaptive_batch.snapshot`, :mod:`~adaptive_batch.probe_cache`,
+  :mod:`~adaptive_batch.throughput`.
+- :mod:`~adaptive_batch.batching`: fixed-sample or token-budget batches;
+  :mod:`~adaptive_batch.batch_state`, :mod:`~adaptive_batch.token_batching`,
+  :mod:`~adaptive_batch.growth`, :mod:`~adaptive_batch.accumulation`,
+  :mod:`~adaptive_batch.lr_scaling`, :mod:`~adaptive_batch.lr_progress`.
+- :mod:`~adaptive_batch.ranks`: what data-parallel ranks agree on.
+- :mod:`~adaptive_batch.memory`, :mod:`~adaptive_batch.oom`, :mod:`~adaptive_batch.validation`:
+  leaves.
+"""
 
 from adaptive_batch.accumulation import (
     accumulate_gradients,
@@ -9,24 +33,13 @@ from adaptive_batch.accumulation import (
     MicroBatchOutOfMemoryError,
     split_batch,
 )
+from adaptive_batch.api import find_max_batch_size
 from adaptive_batch.batch_state import BATCH_STATE_KEY, BatchState, ResizableBatchSampler
-from adaptive_batch.checkpoint import initial_checkpoint_filename, write_random_init_checkpoint
-from adaptive_batch.config_checks import (
-    AdaptiveBatchOptions,
-    check_adaptive_batch_options,
-    check_bool,
-    check_known_keys,
-    check_stock_recipe_options,
-    check_token_batch_options,
-    ConfigError,
-    default_safety_margin,
-    TokenBatchOptions,
-)
-from adaptive_batch.data import pydoc_paragraphs, pydoc_text_dataset
+from adaptive_batch.batching import SampleBatches, TokenBatches
+from adaptive_batch.controller import AdaptiveBatchController, AdaptiveBatchOptions, StepOutcome
 from adaptive_batch.estimator import LinearMemoryEstimate
 from adaptive_batch.growth import (
     BatchIncreaseFunctionError,
-    check_growth_options,
     double_every_epoch,
     grow_batch_size,
     GrowthDecision,
@@ -37,9 +50,8 @@ from adaptive_batch.growth import (
     step_increments,
 )
 from adaptive_batch.lengths import sample_lengths
-from adaptive_batch.lr_scaling import BatchLRScaler, lr_scale_factor
-from adaptive_batch.loss import next_token_loss
 from adaptive_batch.lr_progress import SampleProgressLR
+from adaptive_batch.lr_scaling import BatchLRScaler, lr_scale_factor, LRScalingOptions
 from adaptive_batch.memory import (
     address_space_limit,
     device_capacity,
@@ -50,17 +62,8 @@ from adaptive_batch.memory import (
     return_freed_memory_to_os,
 )
 from adaptive_batch.oom import is_oom_error, release_memory
-from adaptive_batch.ranks import (
-    LockstepTrial,
-    MAX_MEMORY_ENV,
-    PeerOutOfMemoryError,
-    per_rank_increase,
-    rank_max_memory,
-    RankGroup,
-)
 from adaptive_batch.planner import MemoryPlan, plan_memory, PlanRow
 from adaptive_batch.plot import plot_probe_report
-from adaptive_batch.probe_cache import cache_key, default_cache_dir, library_versions, ProbeCache
 from adaptive_batch.probe import (
     describe_result,
     memory_budget,
@@ -73,6 +76,16 @@ from adaptive_batch.probe import (
     worst_case_text_batch,
     write_probe_report,
 )
+from adaptive_batch.probe_cache import cache_key, default_cache_dir, library_versions, ProbeCache
+from adaptive_batch.probing import default_safety_margin, probe_batch_size, ProbeOptions, save_probe_report
+from adaptive_batch.ranks import (
+    LockstepTrial,
+    MAX_MEMORY_ENV,
+    PeerOutOfMemoryError,
+    per_rank_increase,
+    rank_max_memory,
+    RankGroup,
+)
 from adaptive_batch.search import (
     BatchSizeTooLargeError,
     round_batch_size,
@@ -81,12 +94,6 @@ from adaptive_batch.search import (
     Trial,
 )
 from adaptive_batch.snapshot import TrainingStateSnapshot
-from adaptive_batch.token_batching import (
-    check_token_budget,
-    pack_by_tokens,
-    TokenBudgetBatchSampler,
-    truncating_collate,
-)
 from adaptive_batch.throughput import (
     choose_by_throughput,
     probe_throughput,
@@ -94,99 +101,104 @@ from adaptive_batch.throughput import (
     ThroughputChoice,
     ThroughputTrial,
 )
-from adaptive_batch.tokenizer import byte_tokenizer, ByteTokenizer
+from adaptive_batch.token_batching import (
+    check_token_budget,
+    pack_by_tokens,
+    TokenBatchOptions,
+    TokenBudgetBatchSampler,
+    truncating_collate,
+)
 from adaptive_batch.tracker import LiveTensorCounter, live_tensor_bytes, measure_peak_bytes
+from adaptive_batch.validation import check_bool, check_known_keys, ConfigError
 
 __all__ = [
     "AccumulatedStep",
+    "AdaptiveBatchController",
+    "AdaptiveBatchOptions",
     "BATCH_STATE_KEY",
     "BatchIncreaseFunctionError",
-    "BatchState",
-    "GrowthDecision",
-    "GrowthOptions",
-    "MicroBatchOutOfMemoryError",
-    "ResizableBatchSampler",
-    "SampleProgressLR",
-    "ProbeCache",
-    "ThroughputChoice",
-    "ThroughputTrial",
-    "cache_key",
-    "choose_by_throughput",
-    "default_cache_dir",
-    "device_name",
-    "library_versions",
-    "plot_probe_report",
-    "probe_throughput",
-    "throughput_candidates",
-    "MemoryPlan",
-    "PlanRow",
-    "plan_memory",
-    "next_token_loss",
-    "accumulate_gradients",
-    "batch_rows",
-    "check_growth_options",
-    "double_every_epoch",
-    "grow_batch_size",
-    "linear_ramp",
-    "micro_batch_sizes",
-    "multiply_every",
-    "resolve_batch_increase_function",
-    "split_batch",
-    "step_increments",
     "BatchLRScaler",
-    "TokenBatchOptions",
-    "TokenBudgetBatchSampler",
-    "check_token_batch_options",
-    "check_token_budget",
-    "lr_scale_factor",
-    "pack_by_tokens",
-    "sample_lengths",
-    "truncating_collate",
-    "AdaptiveBatchOptions",
     "BatchSizeTooLargeError",
-    "ByteTokenizer",
+    "BatchState",
     "ConfigError",
     "DeviceCapacity",
+    "GrowthDecision",
+    "GrowthOptions",
+    "LRScalingOptions",
     "LinearMemoryEstimate",
     "LiveTensorCounter",
+    "LockstepTrial",
+    "MAX_MEMORY_ENV",
     "MemoryBudget",
+    "MemoryPlan",
+    "MicroBatchOutOfMemoryError",
     "PROBE_FILENAME",
     "PROBE_STATE_KEY",
+    "PeerOutOfMemoryError",
+    "PlanRow",
+    "ProbeCache",
+    "ProbeOptions",
+    "RankGroup",
+    "ResizableBatchSampler",
+    "SampleBatches",
+    "SampleProgressLR",
     "SearchResult",
+    "StepOutcome",
+    "ThroughputChoice",
+    "ThroughputTrial",
+    "TokenBatchOptions",
+    "TokenBatches",
+    "TokenBudgetBatchSampler",
     "TrainingStateSnapshot",
     "Trial",
+    "accumulate_gradients",
     "address_space_limit",
-    "byte_tokenizer",
-    "check_adaptive_batch_options",
+    "batch_rows",
+    "cache_key",
     "check_bool",
     "check_known_keys",
-    "check_stock_recipe_options",
+    "check_token_budget",
+    "choose_by_throughput",
+    "default_cache_dir",
     "default_safety_margin",
     "describe_result",
     "device_capacity",
+    "device_name",
+    "double_every_epoch",
+    "find_max_batch_size",
     "format_bytes",
+    "grow_batch_size",
     "is_oom_error",
+    "library_versions",
+    "linear_ramp",
     "live_tensor_bytes",
+    "lr_scale_factor",
     "measure_peak_bytes",
     "memory_budget",
+    "micro_batch_sizes",
+    "multiply_every",
+    "pack_by_tokens",
     "parse_memory",
+    "per_rank_increase",
+    "plan_memory",
+    "plot_probe_report",
+    "probe_batch_size",
     "probe_max_batch_size",
     "probe_report",
-    "pydoc_paragraphs",
-    "pydoc_text_dataset",
+    "probe_throughput",
+    "rank_max_memory",
     "release_memory",
+    "resolve_batch_increase_function",
     "return_freed_memory_to_os",
     "round_batch_size",
+    "sample_lengths",
+    "save_probe_report",
     "search_max_batch_size",
+    "split_batch",
+    "step_increments",
+    "throughput_candidates",
     "training_state_bytes",
+    "truncating_collate",
     "worst_case_text_batch",
     "write_probe_report",
-    "initial_checkpoint_filename",
-    "LockstepTrial",
-    "MAX_MEMORY_ENV",
-    "PeerOutOfMemoryError",
-    "per_rank_increase",
-    "rank_max_memory",
-    "RankGroup",
-    "write_random_init_checkpoint",
 ]

@@ -17,7 +17,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Union
 
-from adaptive_batch.config_checks import check_bool, ConfigError
+from adaptive_batch.validation import check_bool, ConfigError
 
 KEY = "batch_increase_function"
 
@@ -173,65 +173,32 @@ def grow_batch_size(
     return GrowthDecision(epoch, current_batch_size, requested, new, bound)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GrowthOptions:
-    """The checked online-growth settings of a recipe.
+    """The online-growth settings; they check themselves when built.
 
     Attributes:
-        batch_increase_function: the resolved function, or ``None`` for a fixed batch.
+        batch_increase_function: ``None`` for a fixed batch, a dotted path ``"pkg.module.fn"``
+            or a callable (an instantiated ``_component_`` node); held resolved and checked.
         grow_with_accumulation: growth may pass the memory maximum through gradient
             accumulation (else it stops there).
         retry_on_oom: a step that runs out of memory is retried in smaller micro-batches.
-    """
-
-    batch_increase_function: Optional[BatchIncreaseFunction]
-    grow_with_accumulation: bool
-    retry_on_oom: bool
-
-
-def check_growth_options(
-    *,
-    batch_increase_function: Union[None, str, Callable],
-    grow_with_accumulation: object,
-    retry_on_oom: object,
-    max_tokens: Optional[int],
-    optimizer_in_bwd: bool = False,
-) -> GrowthOptions:
-    """Checks the online-growth keys; resolves and checks the increase function.
-
-    Args:
-        batch_increase_function: ``None``, a dotted path, or a callable (an instantiated
-            ``_component_`` node).
-        grow_with_accumulation: must be a boolean.
-        retry_on_oom: must be a boolean.
-        max_tokens: the token budget, if batches are packed to one.
-        optimizer_in_bwd: whether the optimizer steps inside backward (no accumulation).
 
     Raises:
-        ConfigError: for a bad value, a function that cannot be resolved or called as
-            ``f(epoch, current_batch_size)``, growth combined with ``max_tokens``, or
-            growth or OOM retries with ``optimizer_in_bwd``.
+        ConfigError: for a bad value, or a function that cannot be resolved or called as
+            ``f(epoch, current_batch_size)``.
     """
-    accumulate = check_bool("grow_with_accumulation", grow_with_accumulation)
-    retry = check_bool("retry_on_oom", retry_on_oom)
-    if optimizer_in_bwd and (retry or batch_increase_function is not None):
-        if batch_increase_function is not None:
-            what, off = f"{KEY}={batch_increase_function!r}", f"{KEY}=null"
-        else:
-            what, off = "retry_on_oom=True", "retry_on_oom=False"
-        raise ConfigError(
-            f"{what} with optimizer_in_bwd=True: both split steps into accumulated micro-batches, "
-            f"which an optimizer stepping inside backward cannot do; set optimizer_in_bwd=False or {off}."
-        )
-    fn = None
-    if batch_increase_function is not None:
-        if max_tokens is not None:
-            raise ConfigError(
-                f"{KEY} with max_tokens={max_tokens}: token-budget batches change size with every "
-                f"step, so there is no batch size to grow; set max_tokens=null or {KEY}=null."
-            )
-        fn = resolve_batch_increase_function(batch_increase_function)
-    return GrowthOptions(batch_increase_function=fn, grow_with_accumulation=accumulate, retry_on_oom=retry)
+
+    batch_increase_function: Union[None, str, BatchIncreaseFunction] = None
+    grow_with_accumulation: bool = False
+    retry_on_oom: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool("grow_with_accumulation", self.grow_with_accumulation)
+        check_bool("retry_on_oom", self.retry_on_oom)
+        if self.batch_increase_function is not None:
+            fn = resolve_batch_increase_function(self.batch_increase_function)
+            object.__setattr__(self, "batch_increase_function", fn)
 
 
 # Built-ins. Each returns the function; a config points at the factory with ``_component_``.

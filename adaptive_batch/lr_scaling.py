@@ -7,12 +7,51 @@ it, so any torchtune scheduler composes with it.
 """
 
 import math
-from typing import Any, List, Optional
+from dataclasses import dataclass
+from typing import Any, List, Literal, Optional
 
 import torch
 
+from adaptive_batch.validation import check_choice, ConfigError
+
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 LR_SCALING_UNITS = ("samples", "tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRScalingOptions:
+    """How the LR follows the batch; the options check themselves when built.
+
+    Attributes:
+        lr_scaling: the rule.
+        lr_scaling_unit: what a batch is counted in (real tokens, or samples).
+        lr_scaling_reference: the batch, in that unit, the configured LR was tuned for;
+            ``None`` for the configured batch in samples.
+
+    Raises:
+        ConfigError: for the first bad value, NaN and infinity included.
+    """
+
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    lr_scaling_unit: Literal["samples", "tokens"] = "samples"
+    lr_scaling_reference: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        check_choice("lr_scaling", self.lr_scaling, LR_SCALING_RULES, "use none, linear or sqrt.")
+        check_choice("lr_scaling_unit", self.lr_scaling_unit, LR_SCALING_UNITS, "use samples or tokens.")
+        ref = self.lr_scaling_reference
+        if ref is not None and (
+            isinstance(ref, bool) or not isinstance(ref, (int, float)) or not math.isfinite(ref) or ref <= 0
+        ):
+            raise ConfigError(
+                f"lr_scaling_reference={ref!r} must be a positive number of "
+                f"{self.lr_scaling_unit}, or null for batch_size samples."
+            )
+        if self.lr_scaling != "none" and self.lr_scaling_unit == "tokens" and ref is None:
+            raise ConfigError(
+                "lr_scaling_unit=tokens needs lr_scaling_reference: the number of real tokens per "
+                "step the configured LR was tuned for, e.g. lr_scaling_reference=4096."
+            )
 
 
 def lr_scale_factor(batch: float, reference: float, rule: str) -> float:

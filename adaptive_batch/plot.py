@@ -2,7 +2,7 @@
 
 from typing import Any, Dict
 
-from adaptive_batch.config_checks import ConfigError
+from adaptive_batch.validation import ConfigError
 
 INSTALL_HINT = "pip install 'adaptive-batch[plot]'"
 

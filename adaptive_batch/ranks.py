@@ -16,7 +16,7 @@ the largest batch that fits on all of them: the minimum over ranks.
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -138,6 +138,25 @@ class RankGroup:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def decide_on_main(self, decide: Callable[[], Any], errors: Tuple[Type[BaseException], ...] = ()) -> Any:
+        """Runs ``decide`` on rank 0 alone and hands its result to every rank.
+
+        Raises:
+            BaseException: an error of one of ``errors`` that ``decide`` raised on rank 0 is
+                raised on every rank, so all of them stop together with the same message.
+        """
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = decide()
+            except errors as e:
+                error = e
+        if self.distributed:
+            result, error = self.broadcast((result, error))
+        if error is not None:
+            raise error
+        return result
 
     def lockstep_trial(
         self, run_trial: Callable[[int], int], *, budget_bytes: int, common_budget_bytes: int

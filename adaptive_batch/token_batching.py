@@ -8,13 +8,49 @@ per epoch. The design follows DeepSpeed's variable batch size (``sequence_pickin
 """
 
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence
 
 import torch
 from torch.utils.data import Sampler
 
+from adaptive_batch.validation import check_choice, check_positive_int
+
 PICKING_ORDERS = ("dataloader", "seqlen", "random")
 LONG_SAMPLE_POLICIES = ("truncate", "error")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenBatchOptions:
+    """Token-budget batches (DeepSpeed's variable batch size); they check themselves when built.
+
+    Attributes:
+        max_tokens: the padded-token budget of a batch, or ``None`` for fixed-size batches.
+        sequence_picking_order: the order samples are packed in.
+        min_batch_size: the fewest samples in a full token batch.
+        long_sample_policy: what happens to a sample longer than ``max_tokens``.
+
+    Raises:
+        ConfigError: for the first bad value.
+    """
+
+    max_tokens: Optional[int] = None
+    sequence_picking_order: Literal["dataloader", "seqlen", "random"] = "dataloader"
+    min_batch_size: int = 1
+    long_sample_policy: Literal["truncate", "error"] = "truncate"
+
+    def __post_init__(self) -> None:
+        check_positive_int("max_tokens", self.max_tokens, allow_none=True)
+        check_choice(
+            "sequence_picking_order", self.sequence_picking_order, PICKING_ORDERS, "use dataloader, seqlen or random."
+        )
+        check_positive_int("min_batch_size", self.min_batch_size)
+        check_choice(
+            "long_sample_policy",
+            self.long_sample_policy,
+            LONG_SAMPLE_POLICIES,
+            "truncate cuts samples longer than max_tokens, error stops the run.",
+        )
 
 
 def check_token_budget(

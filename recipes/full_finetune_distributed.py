@@ -23,15 +23,14 @@ from torch.optim import Optimizer
 from torchtune import config, modules, training, utils
 
 import adaptive_batch as ab
-from recipes.full_finetune_single_device import (
-    FullFinetuneRecipeSingleDevice,
-    KNOWN_KEYS as SINGLE_DEVICE_KEYS,
-    run_recipe,
-)
+import adaptive_batch.torchtune as abt
+
+# A sibling module: `recipes.` in the repository, `adaptive_batch_recipes.` when installed.
+from .full_finetune_single_device import FullFinetuneRecipeSingleDevice, run_recipe
 
 log = utils.get_logger("DEBUG")
 
-KNOWN_KEYS = SINGLE_DEVICE_KEYS | {"fsdp_cpu_offload", "fsdp_reshard_after_forward", "custom_sharded_layers"}
+
 
 
 class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
@@ -61,7 +60,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         ConfigError: for any bad setting, before the model is built.
     """
 
-    known_keys = KNOWN_KEYS
+    known_keys = abt.recipe_keys({"fsdp_cpu_offload", "fsdp_reshard_after_forward", "custom_sharded_layers"})
 
     def __init__(self, cfg: DictConfig) -> None:
         ab.check_known_keys(cfg.keys(), self.known_keys)

@@ -9,14 +9,13 @@ import math
 import sys
 import time
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
@@ -27,47 +26,10 @@ from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 import adaptive_batch as ab
+import adaptive_batch.torchtune as abt
 from adaptive_batch.tracker import peak_rss_bytes, reset_peak_rss
 
 log = utils.get_logger("DEBUG")
-
-# Every top-level key this recipe reads; anything else is a typo (`batch_sise=8`).
-KNOWN_KEYS = frozenset(
-    {
-        "output_dir", "model", "tokenizer", "dataset", "seed", "shuffle", "checkpointer",
-        "resume_from_checkpoint", "batch_size", "epochs", "optimizer", "loss", "lr_scheduler",
-        "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer_in_bwd",
-        "clip_grad_norm", "compile", "device", "enable_activation_checkpointing",
-        "enable_activation_offloading", "dtype", "metric_logger", "log_every_n_steps",
-        "log_peak_memory_stats", "profiler", "collate_fn", "cudnn_deterministic_mode",
-        # adaptive batch size
-        "use_maximum_batch_size", "max_memory", "memory_safety_margin",
-        "batch_size_rounding", "max_batch_size", "batch_size_objective", "throughput_tolerance",
-        "probe_cache", "probe_cache_dir", "plot",
-        # online growth
-        "batch_increase_function", "grow_with_accumulation", "retry_on_oom",
-        # token-budget batches and LR scaling
-        "max_tokens", "sequence_picking_order", "min_batch_size", "long_sample_policy",
-        "lr_scaling", "lr_scaling_unit", "lr_scaling_reference",
-    }
-)
-
-
-def _instantiate_increase_function(node: Any) -> Any:
-    """A ``_component_`` node with arguments becomes the callable its factory builds; a node
-    with only ``_component_`` names the function itself; a path string stays as is."""
-    if not isinstance(node, DictConfig):
-        return node
-    if set(node.keys()) == {"_component_"}:
-        return node._component_
-    try:
-        return config.instantiate(node)
-    except Exception as e:
-        raise ab.ConfigError(
-            f"batch_increase_function: building {node.get('_component_')!r} with "
-            f"{ {k: v for k, v in node.items() if k != '_component_'} } failed: {e}"
-        ) from None
-
 
 class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     """Full finetuning on one device, with the batch size found before training.
@@ -101,14 +63,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         ConfigError: for any bad setting, before the model is built.
     """
 
-    known_keys = KNOWN_KEYS
+    known_keys = abt.recipe_keys()
 
     def __init__(self, cfg: DictConfig) -> None:
         ab.check_known_keys(cfg.keys(), self.known_keys)
         self._device = utils.get_device(device=cfg.device)
-        # One process here; the distributed recipe's ranks, which agree on every batch decision.
-        self._ranks = ab.RankGroup(self._device)
-        ab.check_stock_recipe_options(
+        abt.check_stock_recipe_options(
             dtype=cfg.dtype,
             device_type=self._device.type,
             optimizer_in_bwd=cfg.optimizer_in_bwd,
@@ -120,62 +80,24 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             compile_model=cfg.compile,
             use_maximum_batch_size=cfg.get("use_maximum_batch_size", False) is True,
         )
-        self._adaptive = ab.check_adaptive_batch_options(
-            batch_size=cfg.batch_size,
-            use_maximum_batch_size=cfg.get("use_maximum_batch_size", False),
-            max_memory=cfg.get("max_memory", None),
-            memory_safety_margin=cfg.get("memory_safety_margin", None),
-            batch_size_rounding=cfg.get("batch_size_rounding", "none"),
-            max_batch_size=cfg.get("max_batch_size", None),
-            batch_size_objective=cfg.get("batch_size_objective", "max_fit"),
-            throughput_tolerance=cfg.get("throughput_tolerance", 0.02),
-            probe_cache=cfg.get("probe_cache", True),
-            probe_cache_dir=cfg.get("probe_cache_dir", None),
-            plot=cfg.get("plot", False),
-            device_type=self._device.type,
-            device_capacity_bytes=(
-                ab.device_capacity(self._device).headroom_bytes
-                if self._device.type in ("cpu", "cuda")
-                else None
-            ),
-        )
+        abt.check_profiler(cfg.get(PROFILER_KEY, None), self._device.type)
         dataset_cfg = cfg.dataset if not isinstance(cfg.dataset, ListConfig) else cfg.dataset[0]
-        self._tokens = ab.check_token_batch_options(
-            max_tokens=cfg.get("max_tokens", None),
-            sequence_picking_order=cfg.get("sequence_picking_order", "dataloader"),
-            min_batch_size=cfg.get("min_batch_size", 1),
-            max_batch_size=cfg.get("max_batch_size", None),
-            long_sample_policy=cfg.get("long_sample_policy", "truncate"),
-            lr_scaling=cfg.get("lr_scaling", "none"),
-            lr_scaling_unit=cfg.get("lr_scaling_unit", "samples"),
-            lr_scaling_reference=cfg.get("lr_scaling_reference", None),
+        # Every adaptive decision (probe, growth, micro-batches, token budgets, LR coupling)
+        # is the controller's; the distributed recipe's ranks agree on each of them.
+        self._batching = ab.AdaptiveBatchController(
+            abt.adaptive_options(cfg),
             batch_size=cfg.batch_size,
-            packed=bool(dataset_cfg.get("packed", False)),
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        )
-        self._growth = ab.check_growth_options(
-            batch_increase_function=_instantiate_increase_function(cfg.get("batch_increase_function", None)),
-            grow_with_accumulation=cfg.get("grow_with_accumulation", False),
-            retry_on_oom=cfg.get("retry_on_oom", True),
-            max_tokens=self._tokens.max_tokens,
+            device=self._device,
+            output_dir=cfg.output_dir,
+            max_seq_len=cfg.tokenizer.get("max_seq_len", None),
+            packed=bool(dataset_cfg.get("packed", False)),
             optimizer_in_bwd=cfg.optimizer_in_bwd,
+            ranks=ab.RankGroup(self._device),
+            log=log.info,
+            warn=log.warning,
         )
-        if self._adaptive.use_maximum_batch_size or (
-            self._growth.batch_increase_function is not None and self._adaptive.max_batch_size is None
-        ):
-            if self._device.type not in ("cpu", "cuda"):
-                raise ab.ConfigError(
-                    f"use_maximum_batch_size=True (or a batch_increase_function without "
-                    f"max_batch_size) on device={self._device.type!r}: the probe measures memory on "
-                    "cpu and cuda only; set use_maximum_batch_size=False and max_batch_size."
-                )
-            if cfg.tokenizer.get("max_seq_len", None) is None:
-                raise ab.ConfigError(
-                    "probing the largest batch (use_maximum_batch_size=True, or a "
-                    "batch_increase_function without max_batch_size) with tokenizer.max_seq_len=null: the probe runs "
-                    "every sequence at that length so no longer batch can run out of memory "
-                    "later; set tokenizer.max_seq_len, e.g. tokenizer.max_seq_len=2048."
-                )
+        self._ranks = self._batching.ranks
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
 
         # logging attributes
@@ -190,14 +112,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
         self._enable_activation_offloading = cfg.get("enable_activation_offloading", False)
-        self._batch_size = cfg.batch_size
-        self._max_tokens = self._tokens.max_tokens
-        self._probe_report: Optional[Dict[str, Any]] = None
-        self._batch_state_dict: Optional[Dict[str, Any]] = None
-
-        # Under an address-space limit glibc's cache of freed blocks would count against it.
-        if self._device.type == "cpu" and ab.address_space_limit() is not None:
-            ab.return_freed_memory_to_os()
 
         self.seed = training.set_seed(
             seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
@@ -240,8 +154,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "Are you sure you passed in the right recipe checkpoint?"
             ) from e
         # A resumed run keeps the batch size its first run probed, and where growth had got to.
-        self._probe_report = ckpt_dict.get(ab.PROBE_STATE_KEY)
-        self._batch_state_dict = ckpt_dict.get(ab.BATCH_STATE_KEY)
+        self._batching.load_state_dict(ckpt_dict)
 
     def setup(self, cfg: DictConfig) -> None:
         """
@@ -256,14 +169,14 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if cfg.checkpointer.get("checkpoint_files", None) is None:
             # No weights given: a seeded random initialisation, loaded by the real checkpointer.
             if self._ranks.is_main:
-                ab.write_random_init_checkpoint(
+                abt.write_random_init_checkpoint(
                     lambda: config.instantiate(cfg.model),
                     cfg.checkpointer.checkpoint_dir,
                     self.seed,
                     keep=self._is_base_weight,
                 )
             self._ranks.barrier()
-            cfg.checkpointer.checkpoint_files = [ab.initial_checkpoint_filename(self.seed)]
+            cfg.checkpointer.checkpoint_files = [abt.initial_checkpoint_filename(self.seed)]
             log.info(f"No checkpoint_files given: initialised the model randomly with seed {self.seed}.")
         ckpt_dict = self.load_checkpoint(cfg.checkpointer)
 
@@ -287,8 +200,64 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
 
         self._loss_fn = config.instantiate(cfg.loss)
-        # What changes a step's memory, for the probe cache's key.
-        self._probe_cache_fields = {
+        if self._compile:
+            training.compile_loss(self._loss_fn)
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        log.info("Loss is initialized.")
+
+        dataset, packed = self._setup_dataset(cfg.dataset)
+        lengths = None
+        if self._batching.uses_token_budget:
+            lengths = ab.sample_lengths(
+                dataset,
+                cache_dir=f"{self._output_dir}/seqlen_cache",
+                key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
+                log=log.info,
+            )
+
+        # The batch (probed, resumed or configured) is settled before the dataloader is built
+        # with it. Each rank trains on its share of the data (the sampler pads it to equal shares).
+        self._batching.settle(
+            dataset_size=math.ceil(len(dataset) / self._ranks.world_size),
+            max_steps_per_epoch=self.max_steps_per_epoch,
+            probe=partial(
+                ab.probe_batch_size,
+                train_step=self._probe_step,
+                make_batch=partial(
+                    ab.worst_case_text_batch,
+                    seq_len=self._tokenizer.max_seq_len,
+                    vocab_size=self._model.tok_embeddings.num_embeddings,
+                    device=self._device,
+                ),
+                model=self._model,
+                optimizer=self._optimizer,
+                seq_len=self._tokenizer.max_seq_len,
+                cache_fields=self._probe_cache_fields(cfg),
+            ),
+            lengths=lengths,
+        )
+        self.global_step = self._batching.global_step
+
+        self._dataloader = self._setup_dataloader(
+            dataset,
+            packed=packed,
+            shuffle=cfg.shuffle,
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+        )
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg_lr_scheduler=cfg.get("lr_scheduler", None),
+            num_training_steps=self._batching.lr_schedule_steps(self.total_epochs, len(self._dataloader)),
+            last_epoch=self._batching.lr_last_epoch(),
+        )
+        optimizer = self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper
+        self._batching.attach_lr(self._optimizer, self._lr_scheduler, read_lr=partial(get_lr, optimizer))
+        self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
+
+    def _probe_cache_fields(self, cfg: DictConfig) -> Dict[str, Any]:
+        """What changes a step's memory, for the probe cache's key."""
+        return {
             "recipe": type(self).__name__,
             "model": OmegaConf.to_container(cfg.model, resolve=True),
             "optimizer": OmegaConf.to_container(cfg.optimizer, resolve=True),
@@ -299,270 +268,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             "compile": bool(cfg.compile),
             "world_size": self._ranks.world_size,
         }
-        if self._compile:
-            training.compile_loss(self._loss_fn)
-        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
-            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
-        log.info("Loss is initialized.")
 
-        dataset, packed = self._setup_dataset(cfg.dataset)
-
-        lengths = None
-        if self._max_tokens is not None:
-            lengths = ab.sample_lengths(
-                dataset,
-                cache_dir=f"{self._output_dir}/seqlen_cache",
-                key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
-                log=log.info,
-            )
-
-        # The batch size (or token budget) is settled before the dataloader is built with it.
-        # Each rank trains on its share of the data (the sampler pads it to equal shares).
-        rank_dataset_size = math.ceil(len(dataset) / self._ranks.world_size)
-        batch_size, max_micro_batch_size = self._settle_batch_size(dataset_size=rank_dataset_size)
-
-        if lengths is not None:
-            try:
-                too_long = ab.check_token_budget(
-                    lengths,
-                    max_tokens=self._max_tokens,
-                    min_batch_size=self._tokens.min_batch_size,
-                    max_batch_size=self._adaptive.max_batch_size,
-                    long_sample_policy=self._tokens.long_sample_policy,
-                )
-            except ValueError as e:
-                raise ab.ConfigError(str(e)) from None
-            log.info(
-                f"Token-budget batches: max_tokens={self._max_tokens}, "
-                f"{too_long} of {len(lengths)} samples longer than that (truncated)."
-            )
-
-        # One dataloader batch is one optimizer step's global batch; micro-batches split it.
-        self._batch = ab.BatchState(
-            batch_size=batch_size,
-            max_micro_batch_size=max_micro_batch_size if lengths is None else len(dataset),
-            grow_with_accumulation=self._growth.grow_with_accumulation,
-            samples_per_epoch=self._samples_per_epoch(rank_dataset_size, batch_size),
-        )
-        if self._batch_state_dict is not None:
-            self._batch.load_state_dict(self._batch_state_dict)
-            log.info(f"Resumed run: batch state from the recipe state: {self._batch.state_dict()}")
-        self.global_step = self._batch.global_step
-
-        self._dataloader = self._setup_dataloader(
-            dataset,
-            packed=packed,
-            shuffle=cfg.shuffle,
-            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
-            lengths=lengths,
-        )
-
-        # Fixed-size batches count the schedule in samples, so it ends with the last sample
-        # however the batch grows; token batches keep torchtune's count of steps.
-        if lengths is None:
-            num_training_steps = self.total_epochs * self._batch.samples_per_epoch / self._batch.initial_batch_size
-        else:
-            num_training_steps = self.total_epochs * self._token_steps_per_epoch()
-        self._lr_scheduler = self._setup_lr_scheduler(
-            cfg_lr_scheduler=cfg.get("lr_scheduler", None),
-            num_training_steps=num_training_steps,
-            last_epoch=-1 if lengths is None else self.global_step - 1,
-        )
-        self._lr_progress = None
-        if self._lr_scheduler is not None and lengths is None:
-            try:
-                self._lr_progress = ab.SampleProgressLR(self._lr_scheduler, self._batch.initial_batch_size)
-            except TypeError as e:
-                raise ab.ConfigError(f"lr_scheduler: {e}") from None
-            self._lr_progress.set_progress(self._batch.samples_seen)
-        self._lr_scaler = None
-        if self._tokens.lr_scaling != "none":
-            self._lr_scaler = ab.BatchLRScaler(
-                self._optimizer,
-                rule=self._tokens.lr_scaling,
-                reference=self._tokens.lr_scaling_reference,
-                unit=self._tokens.lr_scaling_unit,
-                lr_scheduler=self._lr_progress or self._lr_scheduler,
-            )
-        self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
-
-    def _settle_batch_size(self, dataset_size: int) -> Tuple[int, int]:
-        """The global batch to start with and the largest micro-batch.
-
-        Without growth the micro-batch is the probed maximum when probing, else ``batch_size``,
-        and the global batch ``gradient_accumulation_steps`` of them. With a batch increase
-        function ``batch_size`` x ``gradient_accumulation_steps`` is the starting global batch
-        and the probed maximum (or ``max_batch_size``) the largest micro-batch.
-        """
-        growing = self._growth.batch_increase_function is not None
-        if self._probe_report is not None:
-            log.info(f"Resumed run: using the probed batch_size={self._probe_report['batch_size']} from the recipe state.")
-        elif self._adaptive.use_maximum_batch_size or (growing and self._adaptive.max_batch_size is None):
-            if not self._adaptive.use_maximum_batch_size:
-                log.info(
-                    "batch_increase_function without max_batch_size: probing for the largest batch "
-                    "that fits, as the bound of the growth."
-                )
-            self._probe_batch_size(dataset_size=dataset_size)
-        if self._probe_report is not None and self._max_tokens is not None:
-            if "max_tokens" not in self._probe_report:  # a new probe or a cached one
-                # The probe's rows are full-length: any batch with as many padded tokens fits.
-                self._probe_report["max_tokens"] = self._probe_report["batch_size"] * self._tokenizer.max_seq_len
-                self._write_probe_report()
-            self._max_tokens = self._probe_report["max_tokens"]
-            log.info(f"use_maximum_batch_size: training with max_tokens={self._max_tokens}")
-        accumulation = self._gradient_accumulation_steps
-        if not growing:
-            if self._probe_report is None:
-                return self._batch_size * accumulation, self._batch_size
-            micro = self._probe_report["batch_size"]
-            log.info(f"use_maximum_batch_size: training with batch_size={micro}")
-            return micro * accumulation, micro
-        # Growth is bounded by the largest batch that fits, whatever batch the objective chose.
-        bound = (
-            ab.round_batch_size(self._probe_report["max_batch_size"], self._adaptive.batch_size_rounding)
-            if self._probe_report is not None
-            else self._adaptive.max_batch_size
-        )
-        start = self._batch_size * accumulation
-        log.info(
-            f"batch_increase_function: starting at {start} samples a step, micro-batches of up to "
-            f"{bound}; growth "
-            + ("may pass it by gradient accumulation." if self._growth.grow_with_accumulation else "stops there.")
-        )
-        if start > bound and not self._growth.grow_with_accumulation:
-            log.warning(
-                f"batch_size={self._batch_size} x gradient_accumulation_steps={accumulation} is over "
-                f"the largest batch that fits, {bound}: starting at {bound}."
-            )
-            start = bound
-        return start, bound
-
-    def _samples_per_epoch(self, dataset_size: int, micro_batch_size: int) -> int:
-        """Samples one epoch trains on: the dataset, or ``max_steps_per_epoch`` steps at the
-        starting batch (so the number of steps shrinks, not the samples, as the batch grows)."""
-        if self.max_steps_per_epoch is None or self._max_tokens is not None:
-            return dataset_size
-        steps_samples = self.max_steps_per_epoch * micro_batch_size * self._gradient_accumulation_steps
-        return min(dataset_size, steps_samples)
-
-    def _token_steps_per_epoch(self) -> int:
-        steps = len(self._dataloader)
-        if self.max_steps_per_epoch is not None:
-            steps = min(steps, self.max_steps_per_epoch)
-        return steps
-
-    def _probe_batch_size(self, dataset_size: int) -> None:
-        """Finds the largest batch that fits with real steps (or the fastest, with the
-        throughput objective), or reuses a cached result; keeps and writes the report."""
-        seq_len = self._tokenizer.max_seq_len
-        live = ab.training_state_bytes(self._model, self._optimizer)
-        capacity = ab.device_capacity(self._device)
-        budget = ab.memory_budget(
-            max_memory_bytes=self._adaptive.max_memory_bytes,
-            capacity=capacity,
-            live_bytes=live,
-            safety_margin=self._adaptive.memory_safety_margin,
-        )
-        # Every rank searches against the smallest budget; each measures against its own.
-        rank_budgets = self._ranks.gather(budget.budget_bytes)
-        common_budget = min(rank_budgets)
-        cap = dataset_size
-        if self._adaptive.max_batch_size is not None:
-            cap = min(cap, self._adaptive.max_batch_size)
-        cache, cache_fields = None, None
-        if self._adaptive.probe_cache:
-            cache = ab.ProbeCache(self._adaptive.probe_cache_dir or ab.default_cache_dir(), warn=log.warning)
-            cache_fields = dict(
-                self._probe_cache_fields,
-                seq_len=seq_len,
-                device=ab.device_name(self._device),
-                budget_bytes=common_budget,
-                rank_budget_bytes=rank_budgets,
-                batch_size_cap=cap,
-                batch_size_rounding=self._adaptive.batch_size_rounding,
-                batch_size_objective=self._adaptive.batch_size_objective,
-                throughput_tolerance=self._adaptive.throughput_tolerance,
-                versions=ab.library_versions(),
-            )
-            cached = self._ranks.broadcast(cache.load(cache_fields) if self._ranks.is_main else None)
-            if cached is not None:
-                self._probe_report = dict(cached, cache={"hit": True, "path": cache.path(cache_fields)})
-                path = self._write_probe_report()
-                log.info(
-                    f"use_maximum_batch_size: probe cache hit ({cache.path(cache_fields)}): batch_size="
-                    f"{cached['batch_size']}, no probing; probe_cache=False probes again. Details in {path}"
-                )
-                self._plot_probe()
-                return
-        vocab_size = self._model.tok_embeddings.num_embeddings
-        make_batch = partial(ab.worst_case_text_batch, seq_len=seq_len, vocab_size=vocab_size, device=self._device)
-        log.info(
-            f"use_maximum_batch_size: probing up to batch {cap} at seq_len={seq_len} with a "
-            f"budget of {ab.format_bytes(budget.budget_bytes)} ({budget.source})."
-        )
-        probe_parts = dict(
-            train_step=self._probe_step,
-            make_batch=make_batch,
-            model=self._model,
-            optimizer=self._optimizer,
-            device=self._device,
-            snapshot_dir=self._output_dir,
-            log=log.info,
-        )
-        lockstep: List[ab.LockstepTrial] = []
-
-        def agree_on_outcomes(run_trial):
-            lockstep.append(
-                self._ranks.lockstep_trial(run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget)
-            )
-            return lockstep[-1]
-
-        result = ab.probe_max_batch_size(
-            budget_bytes=common_budget, max_batch_size=cap, wrap_trial=agree_on_outcomes, **probe_parts
-        )
-        batch_size = ab.round_batch_size(result.max_batch_size, self._adaptive.batch_size_rounding)
-        extra = {
-            "capacity": capacity.to_dict(),
-            "batch_size_cap": cap,
-            "batch_size_objective": self._adaptive.batch_size_objective,
-            "world_size": self._ranks.world_size,
-            # What every rank measured against its own budget; the batch is what fits on all.
-            "ranks": self._ranks.gather(lockstep[0].report()),
-        }
-        if self._adaptive.batch_size_objective == "throughput":
-            # Ranks time the same steps; rank 0's choice holds for all.
-            choice = self._ranks.broadcast(
-                ab.probe_throughput(max_batch_size=batch_size, tolerance=self._adaptive.throughput_tolerance, **probe_parts)
-            )
-            extra["throughput"] = choice.to_dict()
-            log.info(
-                f"batch_size_objective=throughput: batch {choice.batch_size} is within "
-                f"{choice.tolerance:.0%} of the best {choice.best_samples_per_second:.1f} samples/s."
-            )
-            batch_size = choice.batch_size
-        self._probe_report = ab.probe_report(
-            result, batch_size=batch_size, seq_len=seq_len, device=self._device, budget=budget, extra=extra
-        )
-        if cache is not None:
-            stored = cache.store(cache_fields, self._probe_report) if self._ranks.is_main else None
-            self._probe_report["cache"] = {"hit": False, "path": self._ranks.broadcast(stored)}
-        path = self._write_probe_report()
-        log.info(ab.describe_result(result, budget))
-        log.info(f"use_maximum_batch_size: the batch to use is {batch_size}; details in {path}")
-        self._plot_probe()
-
-    def _write_probe_report(self) -> str:
-        """Rank 0 writes ``batch_probe.json``; returns its path."""
-        path = f"{self._output_dir}/{ab.PROBE_FILENAME}"
-        if self._ranks.is_main:
-            path = ab.write_probe_report(self._probe_report, self._output_dir)
-        return path
-
-    def _plot_probe(self) -> None:
-        if self._adaptive.plot and self._ranks.is_main:
-            path = ab.plot_probe_report(self._probe_report, f"{self._output_dir}/batch_probe.png")
-            log.info(f"plot: memory against batch size in {path}")
+    @property
+    def probe_report(self) -> Optional[Dict[str, Any]]:
+        """What ``batch_probe.json`` holds, or ``None`` when the run did not probe."""
+        return self._batching.probe_report
 
     def _setup_profiler(
         self, cfg_profiler: Optional[DictConfig] = None
@@ -695,12 +405,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         packed: bool,
         shuffle: bool,
         collate_fn: str,
-        lengths: Optional[List[int]] = None,
     ) -> StatefulDataLoader:
         """
-        Builds the sampler and dataloader over a map-style dataset: batches of the global
-        batch size (which may change between epochs), or batches packed to ``max_tokens``
-        when sample ``lengths`` are given.
+        Builds the dataloader over a map-style dataset with the controller's batch sampler:
+        one dataloader batch is one optimizer step's batch (a number of samples that may grow
+        between epochs, or a token budget); micro-batches split it.
         """
         collate = (
             partial(
@@ -711,29 +420,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             if not packed
             else padded_collate_packed
         )
-        if lengths is not None:
-            batch_sampler = ab.TokenBudgetBatchSampler(
-                lengths,
-                max_tokens=self._max_tokens,
-                picking_order=self._tokens.sequence_picking_order,
-                shuffle=shuffle,
-                seed=0,
-                max_batch_size=self._adaptive.max_batch_size,
-                num_replicas=self._ranks.world_size,
-                rank=self._ranks.rank,
-            )
-            return StatefulDataLoader(
-                dataset=dataset,
-                batch_sampler=batch_sampler,
-                collate_fn=ab.truncating_collate(collate, self._max_tokens),
-            )
-        sampler = StatefulDistributedSampler(
-            dataset, num_replicas=self._ranks.world_size, rank=self._ranks.rank, shuffle=shuffle, seed=0
+        return StatefulDataLoader(
+            dataset=dataset,
+            batch_sampler=self._batching.batch_sampler(dataset, shuffle=shuffle),
+            collate_fn=self._batching.collate(collate),
         )
-        batch_sampler = ab.ResizableBatchSampler(
-            sampler, batch_size=self._batch.batch_size, samples_per_epoch=self._batch.samples_per_epoch
-        )
-        return StatefulDataLoader(dataset=dataset, batch_sampler=batch_sampler, collate_fn=collate)
 
     def _is_base_weight(self, key: str) -> bool:
         """Whether a state-dict key belongs in the random initial checkpoint (all do here)."""
@@ -748,10 +439,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             training.TOTAL_EPOCHS_KEY: self.total_epochs,
             training.MAX_STEPS_KEY: self.max_steps_per_epoch,
             training.DATALOADER_KEY: self._dataloader.state_dict(),
-            ab.BATCH_STATE_KEY: self._batch.state_dict(),
+            **self._batching.state_dict(),
         }
-        if self._probe_report is not None:
-            state[ab.PROBE_STATE_KEY] = self._probe_report
         state[training.OPT_KEY] = self._optimizer_state_dict()
         return state
 
@@ -781,7 +470,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._ranks.barrier()
 
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return ab.next_token_loss(self._model, self._loss_fn, batch, self.activations_handling_ctx)
+        return abt.next_token_loss(self._model, self._loss_fn, batch, self.activations_handling_ctx)
 
     def _forward_backward(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro-batch; returns its summed loss and token count."""
@@ -823,40 +512,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def _zero_grad(self) -> None:
         self._optimizer.zero_grad(set_to_none=True)
 
-    def _start_epoch(self, epoch: int) -> None:
-        """Grows the batch for ``epoch`` and points the sampler at it.
-
-        Rank 0 calls the batch increase function (with global batch sizes) and every rank
-        takes its decision, so all ranks keep the same batch whatever the function does.
-        """
-        decision, error = None, None
-        if self._ranks.is_main:
-            try:
-                growth = ab.per_rank_increase(self._growth.batch_increase_function, self._ranks.world_size)
-                decision = self._batch.start_epoch(growth, epoch=epoch)
-            except ab.BatchIncreaseFunctionError as e:
-                error = str(e)
-        decision, error = self._ranks.broadcast((decision, error))
-        if error is not None:
-            raise ab.BatchIncreaseFunctionError(error)
-        if decision is not None:
-            self._batch.batch_size = decision.batch_size
-        if decision is not None and decision.requested != decision.previous:
-            note = ""
-            if decision.clamped:
-                why = "an epoch's samples" if decision.bound == self._batch.samples_per_epoch else "the largest micro-batch"
-                note = f" (clamped from {decision.requested} to {decision.bound}, {why})"
-            per_rank = f" per rank, x{self._ranks.world_size} ranks" if self._ranks.distributed else ""
-            log.info(f"Epoch {epoch}: batch_size {decision.previous} -> {decision.batch_size}{per_rank}{note}.")
-        if self._max_tokens is None:
-            self._dataloader.batch_sampler.batch_size = self._batch.batch_size
-        self._dataloader.batch_sampler.set_epoch(epoch)
-        if self._batch.grad_accum_steps > 1 and self._max_tokens is None:
-            log.info(
-                f"Epoch {epoch}: {self._batch.batch_size} samples a step in "
-                f"{self._batch.grad_accum_steps} micro-batches of up to {self._batch.micro_batch_size}."
-            )
-
     def train(self) -> None:
         """
         The core training loop. Each dataloader batch is one optimizer step, run in
@@ -873,74 +528,36 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         reset_peak_rss()
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            self._start_epoch(curr_epoch)
-            steps_this_epoch = len(self._dataloader)
-            if self._max_tokens is not None and self.max_steps_per_epoch is not None:
-                steps_this_epoch = min(steps_this_epoch, self.max_steps_per_epoch)
+            # The batch grows here (batch_increase_function), before the epoch's first step.
+            steps_this_epoch = self._batching.start_epoch(curr_epoch, self._dataloader)
             pbar = tqdm(total=steps_this_epoch, disable=not self._ranks.is_main)
             t0 = time.perf_counter()
             for idx, batch in enumerate(self._dataloader):
+                # Start tracking CUDA memory for active steps for just the first epoch
+                if (
+                    curr_epoch == 0
+                    and self.profiler_profile_memory
+                    and idx == self.profiler_wait_steps + self.profiler_warmup_steps
+                    and self._device.type == "cuda"
+                ):
+                    torch.cuda.memory._record_memory_history()
+
                 utils.batch_to_device(batch, self._device)
-                num_samples = ab.batch_rows(batch)
-                padded_tokens = batch["tokens"].numel()
-                if self._lr_progress is not None:
-                    self._lr_progress.set_progress(self._batch.samples_seen)
-
-                step = ab.accumulate_gradients(
-                    self._forward_backward,
-                    batch,
-                    micro_batch_limit=self._batch.max_micro_batch_size,
-                    zero_grad=self._zero_grad,
-                    retry_on_oom=self._growth.retry_on_oom,
-                    device=self._device,
-                    log=log.warning,
-                    agree_on_oom=self._ranks.any if self._ranks.distributed else None,
-                )
+                step = self._batching.run_step(self._forward_backward, batch, zero_grad=self._zero_grad)
                 del batch
-                # Across ranks; the LR scales with a rank's mean share, so it is the same on all.
-                global_samples, global_tokens, padded_tokens, loss_sum = self._ranks.sums(
-                    num_samples, step.num_tokens, padded_tokens, step.loss_sum
-                )
-                global_samples = int(global_samples)
-                step_lr = None
-                if self._lr_scaler is not None:
-                    world = self._ranks.world_size
-                    step_lr = self._lr_scaler.apply(samples=global_samples / world, tokens=int(global_tokens / world))
-                grad_norm = self._optimizer_step(global_tokens)
-                if step_lr is None:
-                    step_lr = get_lr(self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper)
-                if self._lr_scaler is not None:
-                    self._lr_scaler.restore()
-                if self._lr_scheduler is not None and self._lr_progress is None:
-                    self._lr_scheduler.step()
-                self._batch.record_step(
-                    samples=num_samples, micro_batch_limit=step.micro_batch_limit, oom_retries=step.oom_retries
-                )
-                if step.oom_retries:
-                    log.warning(
-                        f"Step {self._batch.global_step}: recovered from out of memory in micro-batches "
-                        f"of {step.micro_batch_sizes}; steps from now on use at most {self._batch.max_micro_batch_size}."
-                    )
-                self.global_step = self._batch.global_step
+                step_lr = self._batching.before_optimizer_step(step)
+                grad_norm = self._optimizer_step(step.num_tokens)
+                self._batching.after_optimizer_step(step)
+                self.global_step = self._batching.global_step
 
-                loss_to_log = loss_sum / global_tokens
                 pbar.update(1)
-                pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}")
+                pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {step.loss}")
 
                 if self.global_step % self._log_every_n_steps == 0 and self._ranks.is_main:
-                    time_per_step = time.perf_counter() - t0
                     log_dict = {
-                        "loss": loss_to_log,
+                        "loss": step.loss,
                         "lr": step_lr,
-                        "batch_size": global_samples,
-                        "micro_batch_size": max(step.micro_batch_sizes),
-                        "grad_accum_steps": len(step.micro_batch_sizes),
-                        "samples_seen": self._batch.samples_seen * self._ranks.world_size,
-                        "oom_retries": step.oom_retries,
-                        "tokens_per_second_per_gpu": global_tokens / self._ranks.world_size / time_per_step,
-                        "real_tokens": int(global_tokens),
-                        "padded_tokens": int(padded_tokens),
-                        "padding_fraction": 1 - global_tokens / padded_tokens,
+                        **self._batching.step_metrics(step, seconds=time.perf_counter() - t0),
                     }
                     if self._log_peak_memory_stats:
                         log_dict.update(self._memory_metrics())
@@ -948,6 +565,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         log_dict.update({"grad_norm": grad_norm})
                     self._metric_logger.log_dict(log_dict, step=self.global_step)
                     reset_peak_rss()
+
+                # Stop tracking CUDA memory now that active steps are complete
+                if (
+                    curr_epoch == 0
+                    and self.profiler_profile_memory
+                    and idx == self.profiler_wait_steps + self.profiler_warmup_steps + self.profiler_active_steps
+                    and self._device.type == "cuda"
+                ):
+                    torch.cuda.memory._record_memory_history(enabled=None)
 
                 t0 = time.perf_counter()
                 self._profiler.step()

@@ -21,11 +21,10 @@ from torchtune.modules.peft import (
 )
 
 import adaptive_batch as ab
-from recipes.full_finetune_single_device import (
-    FullFinetuneRecipeSingleDevice,
-    KNOWN_KEYS,
-    run_recipe,
-)
+import adaptive_batch.torchtune as abt
+
+# A sibling module: `recipes.` in the repository, `adaptive_batch_recipes.` when installed.
+from .full_finetune_single_device import FullFinetuneRecipeSingleDevice, run_recipe
 
 log = utils.get_logger("DEBUG")
 
@@ -47,7 +46,7 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
         ConfigError: for any bad setting, before the model is built.
     """
 
-    known_keys = KNOWN_KEYS | {"save_adapter_weights_only"}
+    known_keys = abt.recipe_keys({"save_adapter_weights_only"})
 
     def __init__(self, cfg: DictConfig) -> None:
         if cfg.get("optimizer_in_bwd", False):

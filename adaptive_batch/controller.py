@@ -1,0 +1,494 @@
+"""The adaptive-batch decisions of a training run, behind a handful of calls a recipe makes.
+
+A recipe builds an :class:`AdaptiveBatchController` from :class:`AdaptiveBatchOptions` in its
+constructor (every setting is checked there, before anything expensive), then calls, in
+torchtune's order::
+
+    controller.load_state_dict(recipe_state)           # resume: probe result and batch state
+    controller.settle(dataset_size=..., probe=...)     # setup: probe (or not), the batch
+    sampler = controller.batch_sampler(dataset, shuffle=...)
+    controller.attach_lr(optimizer, lr_scheduler, read_lr)
+    for epoch in ...:
+        steps = controller.start_epoch(epoch, dataloader)   # growth
+        for batch in dataloader:
+            step = controller.run_step(forward_backward, batch, zero_grad=...)
+            lr = controller.before_optimizer_step(step)     # LR scaling
+            ...optimizer step...
+            controller.after_optimizer_step(step)           # scheduler, batch state
+    recipe_state.update(controller.state_dict())
+
+Whether batches hold a number of samples or a token budget is decided once, as a
+:mod:`adaptive_batch.batching` object.
+"""
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
+
+import torch
+
+from adaptive_batch.accumulation import accumulate_gradients, AccumulatedStep, batch_rows
+from adaptive_batch.batch_state import BATCH_STATE_KEY, BatchState
+from adaptive_batch.batching import SampleBatches, TokenBatches
+from adaptive_batch.growth import BatchIncreaseFunctionError, GrowthOptions, KEY as GROWTH_KEY
+from adaptive_batch.lr_progress import SampleProgressLR
+from adaptive_batch.lr_scaling import BatchLRScaler, LRScalingOptions
+from adaptive_batch.memory import address_space_limit, device_capacity, return_freed_memory_to_os
+from adaptive_batch.probe import PROBE_STATE_KEY
+from adaptive_batch.probing import ProbeOptions, save_probe_report
+from adaptive_batch.ranks import per_rank_increase, RankGroup
+from adaptive_batch.search import round_batch_size
+from adaptive_batch.token_batching import TokenBatchOptions
+from adaptive_batch.validation import check_positive_int, ConfigError
+
+Probe = Callable[..., Dict[str, Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveBatchOptions:
+    """Every adaptive-batch setting, one section per owner; each section checks itself.
+
+    Attributes:
+        probe: finding the largest batch before training.
+        growth: growing the batch during training.
+        tokens: token-budget batches.
+        lr_scaling: the LR following the batch.
+    """
+
+    probe: ProbeOptions = field(default_factory=ProbeOptions)
+    growth: GrowthOptions = field(default_factory=GrowthOptions)
+    tokens: TokenBatchOptions = field(default_factory=TokenBatchOptions)
+    lr_scaling: LRScalingOptions = field(default_factory=LRScalingOptions)
+
+    @classmethod
+    def keys(cls) -> FrozenSet[str]:
+        """The flat setting names (the config keys), from the sections' fields."""
+        return frozenset(f.name for section in fields(cls) for f in fields(section.default_factory))
+
+    @classmethod
+    def from_flat(cls, values: Dict[str, Any]) -> "AdaptiveBatchOptions":
+        """Builds the sections from flat ``key: value`` settings; missing keys keep defaults.
+
+        Raises:
+            ConfigError: for a bad value, or a key no section has.
+        """
+        unknown = set(values) - cls.keys()
+        if unknown:
+            raise ConfigError(f"unknown adaptive-batch setting {sorted(unknown)[0]!r}; known: {sorted(cls.keys())}")
+        sections = {}
+        for section in fields(cls):
+            names = {f.name for f in fields(section.default_factory)}
+            sections[section.name] = section.default_factory(**{k: v for k, v in values.items() if k in names})
+        return cls(**sections)
+
+
+@dataclass
+class StepOutcome:
+    """One optimizer step's forward and backward, summed over ranks.
+
+    Attributes:
+        accumulated: what ran on this rank (micro-batches, retries).
+        samples: this rank's samples.
+        global_samples: the samples of all ranks.
+        num_tokens: the tokens that carry a loss, all ranks.
+        padded_tokens: the batch's padded size in tokens, all ranks.
+        loss: the mean loss per counted token, all ranks.
+    """
+
+    accumulated: AccumulatedStep
+    samples: int
+    global_samples: int
+    num_tokens: float
+    padded_tokens: float
+    loss: float
+
+
+class AdaptiveBatchController:
+    """Owns the batch size of a run: probing, growth, micro-batches, LR coupling, state.
+
+    Args:
+        options: the settings.
+        batch_size: the configured batch (per rank): the starting batch with growth, the
+            batch without growth and probing.
+        gradient_accumulation_steps: micro-batches a configured step has.
+        device: where training runs.
+        output_dir: where the probe report goes.
+        max_seq_len: the tokenizer's longest sequence (what the probe's rows hold).
+        packed: whether the dataset is packed.
+        optimizer_in_bwd: whether the optimizer steps inside backward.
+        ranks: the data-parallel ranks (this process alone when ``None``).
+        log: where decisions are reported.
+        warn: where recoveries are reported (``log`` when ``None``).
+
+    Raises:
+        ConfigError: for the first setting, or combination of settings, the run cannot use.
+    """
+
+    def __init__(
+        self,
+        options: AdaptiveBatchOptions,
+        *,
+        batch_size: int,
+        gradient_accumulation_steps: int = 1,
+        device: torch.device,
+        output_dir: str,
+        max_seq_len: Optional[int] = None,
+        packed: bool = False,
+        optimizer_in_bwd: bool = False,
+        ranks: Optional[RankGroup] = None,
+        log: Callable[[str], None] = print,
+        warn: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        check_positive_int("batch_size", batch_size)
+        check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+        self.options = options
+        self.device = device
+        self.ranks = ranks or RankGroup(device)
+        self.output_dir = output_dir
+        self.max_seq_len = max_seq_len
+        self.log = log
+        self.warn = warn or log
+        self._batch_size = batch_size
+        self._accumulation = gradient_accumulation_steps
+        self._check_combinations(packed=packed, optimizer_in_bwd=optimizer_in_bwd)
+        self.mode = (
+            TokenBatches(options.tokens, options.probe.max_batch_size)
+            if options.tokens.max_tokens is not None
+            else SampleBatches()
+        )
+        self.probe_report: Optional[Dict[str, Any]] = None
+        self.batch: Optional[BatchState] = None
+        self._batch_state: Optional[Dict[str, Any]] = None
+        self._max_steps_per_epoch: Optional[int] = None
+        self._lr_progress: Optional[SampleProgressLR] = None
+        self._lr_scaler: Optional[BatchLRScaler] = None
+        self._lr_scheduler: Any = None
+        self._read_lr: Callable[[], float] = lambda: float("nan")
+        # Under an address-space limit glibc's cache of freed blocks would count against it.
+        if device.type == "cpu" and address_space_limit() is not None:
+            return_freed_memory_to_os()
+
+    def _check_combinations(self, *, packed: bool, optimizer_in_bwd: bool) -> None:
+        probe, growth, tokens = self.options.probe, self.options.growth, self.options.tokens
+        if self.device.type in ("cpu", "cuda"):
+            probe.max_memory_bytes(device_capacity(self.device).headroom_bytes)
+        if probe.max_batch_size is not None and tokens.min_batch_size > probe.max_batch_size:
+            raise ConfigError(
+                f"min_batch_size={tokens.min_batch_size} is larger than max_batch_size={probe.max_batch_size}: "
+                "lower min_batch_size or raise max_batch_size."
+            )
+        if tokens.max_tokens is not None and packed:
+            raise ConfigError(
+                f"max_tokens={tokens.max_tokens} with dataset.packed=True: packed samples are already "
+                "max_seq_len tokens each; set dataset.packed=False or max_tokens=null."
+            )
+        if tokens.max_tokens is not None and self._accumulation != 1:
+            raise ConfigError(
+                f"gradient_accumulation_steps={self._accumulation} with max_tokens={tokens.max_tokens}: "
+                "a token batch is one optimizer step (split into micro-batches only if it runs out "
+                "of memory); set gradient_accumulation_steps=1 and raise max_tokens instead."
+            )
+        growing = growth.batch_increase_function is not None
+        if optimizer_in_bwd and (growth.retry_on_oom or growing):
+            what, off = (
+                (f"{GROWTH_KEY}={growth.batch_increase_function!r}", f"{GROWTH_KEY}=null")
+                if growing
+                else ("retry_on_oom=True", "retry_on_oom=False")
+            )
+            raise ConfigError(
+                f"{what} with optimizer_in_bwd=True: both split steps into accumulated micro-batches, "
+                f"which an optimizer stepping inside backward cannot do; set optimizer_in_bwd=False or {off}."
+            )
+        if growing and tokens.max_tokens is not None:
+            raise ConfigError(
+                f"{GROWTH_KEY} with max_tokens={tokens.max_tokens}: token-budget batches change size with every "
+                f"step, so there is no batch size to grow; set max_tokens=null or {GROWTH_KEY}=null."
+            )
+        if self.needs_probe:
+            if self.device.type not in ("cpu", "cuda"):
+                raise ConfigError(
+                    f"use_maximum_batch_size=True (or a batch_increase_function without "
+                    f"max_batch_size) on device={self.device.type!r}: the probe measures memory on "
+                    "cpu and cuda only; set use_maximum_batch_size=False and max_batch_size."
+                )
+            if self.max_seq_len is None:
+                raise ConfigError(
+                    "probing the largest batch (use_maximum_batch_size=True, or a "
+                    "batch_increase_function without max_batch_size) with tokenizer.max_seq_len=null: the probe runs "
+                    "every sequence at that length so no longer batch can run out of memory "
+                    "later; set tokenizer.max_seq_len, e.g. tokenizer.max_seq_len=2048."
+                )
+
+    @property
+    def needs_probe(self) -> bool:
+        """Probing is asked for, or growth has no other bound than what fits."""
+        probe, growth = self.options.probe, self.options.growth
+        return probe.use_maximum_batch_size or (
+            growth.batch_increase_function is not None and probe.max_batch_size is None
+        )
+
+    @property
+    def uses_token_budget(self) -> bool:
+        return self.mode.uses_token_budget
+
+    @property
+    def global_step(self) -> int:
+        return 0 if self.batch is None else self.batch.global_step
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The batch state and the probe result, under their recipe-state keys."""
+        state: Dict[str, Any] = {BATCH_STATE_KEY: self.batch.state_dict()}
+        if self.probe_report is not None:
+            state[PROBE_STATE_KEY] = self.probe_report
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Takes a resumed run's probe result and batch state from the recipe state (other
+        keys are ignored); the batch state applies once :meth:`settle` has built the batch."""
+        self.probe_report = state.get(PROBE_STATE_KEY)
+        self._batch_state = state.get(BATCH_STATE_KEY)
+        if self.batch is not None and self._batch_state is not None:
+            self.batch.load_state_dict(self._batch_state)
+
+    # ------------------------------------------------------------------ setup
+
+    def settle(
+        self,
+        *,
+        dataset_size: int,
+        max_steps_per_epoch: Optional[int] = None,
+        probe: Optional[Probe] = None,
+        lengths: Optional[List[int]] = None,
+    ) -> BatchState:
+        """Decides the batch to start with and the largest micro-batch, probing if needed.
+
+        Without growth the micro-batch is the probed batch when probing, else ``batch_size``,
+        and a step ``gradient_accumulation_steps`` of them. With growth ``batch_size`` x
+        ``gradient_accumulation_steps`` is the starting step and the largest batch that fits
+        (or ``max_batch_size``) the largest micro-batch.
+
+        Args:
+            dataset_size: the samples of one rank.
+            max_steps_per_epoch: torchtune's cap on an epoch's steps, or ``None``.
+            probe: called as ``probe(options, dataset_size=, device=, ranks=, output_dir=,
+                log=)`` to find the batch (a partial of :func:`probe_batch_size`); needed
+                when probing.
+            lengths: every sample's length in tokens (token-budget batches only).
+
+        Returns:
+            The batch state.
+
+        Raises:
+            ConfigError: for a token budget the samples cannot use.
+            BatchSizeTooLargeError: when probing finds that batch 1 does not fit.
+        """
+        self._max_steps_per_epoch = max_steps_per_epoch
+        probe_options, growth = self.options.probe, self.options.growth
+        if self.probe_report is not None:
+            self.log(f"Resumed run: using the probed batch_size={self.probe_report['batch_size']} from the recipe state.")
+        elif self.needs_probe:
+            if not probe_options.use_maximum_batch_size:
+                self.log(
+                    "batch_increase_function without max_batch_size: probing for the largest batch "
+                    "that fits, as the bound of the growth."
+                )
+            if probe is None:
+                raise ValueError("settle() needs probe= to find the largest batch that fits.")
+            self.probe_report = probe(
+                probe_options,
+                dataset_size=dataset_size,
+                device=self.device,
+                ranks=self.ranks,
+                output_dir=self.output_dir,
+                log=self.log,
+            )
+        if self.probe_report is not None and self.mode.adopt_probe(self.probe_report, self.max_seq_len, self.log):
+            save_probe_report(self.probe_report, self.output_dir, self.ranks)
+        self.mode.prepare(lengths, self.log)
+
+        start, micro = self._starting_batch()
+        self.batch = BatchState(
+            batch_size=start,
+            max_micro_batch_size=self.mode.max_micro_batch_size(micro, dataset_size),
+            grow_with_accumulation=growth.grow_with_accumulation,
+            samples_per_epoch=self.mode.samples_per_epoch(dataset_size, start, max_steps_per_epoch),
+        )
+        if self._batch_state is not None:
+            self.batch.load_state_dict(self._batch_state)
+            self.log(f"Resumed run: batch state from the recipe state: {self.batch.state_dict()}")
+        return self.batch
+
+    def _starting_batch(self) -> "tuple[int, int]":
+        """The first step's samples and the largest micro-batch."""
+        accumulation, report = self._accumulation, self.probe_report
+        if self.options.growth.batch_increase_function is None:
+            if report is None:
+                return self._batch_size * accumulation, self._batch_size
+            micro = report["batch_size"]
+            self.log(f"use_maximum_batch_size: training with batch_size={micro}")
+            return micro * accumulation, micro
+        # Growth is bounded by the largest batch that fits, whatever batch the objective chose.
+        bound = (
+            round_batch_size(report["max_batch_size"], self.options.probe.batch_size_rounding)
+            if report is not None
+            else self.options.probe.max_batch_size
+        )
+        start = self._batch_size * accumulation
+        with_accumulation = self.options.growth.grow_with_accumulation
+        self.log(
+            f"batch_increase_function: starting at {start} samples a step, micro-batches of up to "
+            f"{bound}; growth " + ("may pass it by gradient accumulation." if with_accumulation else "stops there.")
+        )
+        if start > bound and not with_accumulation:
+            self.warn(
+                f"batch_size={self._batch_size} x gradient_accumulation_steps={accumulation} is over "
+                f"the largest batch that fits, {bound}: starting at {bound}."
+            )
+            start = bound
+        return start, bound
+
+    def batch_sampler(self, dataset: Any, *, shuffle: bool) -> Any:
+        """The batch sampler of this rank's share of ``dataset``, following the batch."""
+        return self.mode.batch_sampler(dataset, self.batch, self.ranks, shuffle)
+
+    def collate(self, collate_fn: Callable) -> Callable:
+        """``collate_fn`` as the batches need it (truncated to the token budget)."""
+        return self.mode.collate(collate_fn)
+
+    def lr_schedule_steps(self, epochs: int, num_batches: int) -> float:
+        """``num_training_steps`` for the LR scheduler, given the first epoch's batches."""
+        return self.mode.lr_schedule_steps(epochs, self.batch, self.mode.steps_per_epoch(num_batches, self._max_steps_per_epoch))
+
+    def lr_last_epoch(self) -> int:
+        """``last_epoch`` for the LR scheduler."""
+        return self.mode.lr_last_epoch(self.global_step)
+
+    def attach_lr(self, optimizer: Any, lr_scheduler: Any, read_lr: Callable[[], float]) -> None:
+        """Couples the LR to the batch: a schedule counted in samples (fixed-size batches), and
+        the scaling rule.
+
+        Args:
+            optimizer: whose param groups the scaling rule sets.
+            lr_scheduler: the run's scheduler, or ``None``.
+            read_lr: reads the LR a step uses, for the log.
+
+        Raises:
+            ConfigError: for a scheduler that cannot be counted in samples.
+        """
+        self._lr_scheduler, self._read_lr = lr_scheduler, read_lr
+        if lr_scheduler is not None and self.mode.counts_lr_in_samples:
+            try:
+                self._lr_progress = SampleProgressLR(lr_scheduler, self.batch.initial_batch_size)
+            except TypeError as e:
+                raise ConfigError(f"lr_scheduler: {e}") from None
+            self._lr_progress.set_progress(self.batch.samples_seen)
+        scaling = self.options.lr_scaling
+        if scaling.lr_scaling != "none":
+            reference = scaling.lr_scaling_reference
+            self._lr_scaler = BatchLRScaler(
+                optimizer,
+                rule=scaling.lr_scaling,
+                reference=float(reference if reference is not None else self._batch_size * self._accumulation),
+                unit=scaling.lr_scaling_unit,
+                lr_scheduler=self._lr_progress or lr_scheduler,
+            )
+
+    # ------------------------------------------------------------------ training
+
+    def start_epoch(self, epoch: int, dataloader: Any) -> int:
+        """Grows the batch for ``epoch`` and points the sampler at it; returns the epoch's steps.
+
+        Rank 0 calls the batch increase function (with global batch sizes) and every rank
+        takes its decision, so all ranks keep the same batch whatever the function does.
+
+        Raises:
+            BatchIncreaseFunctionError: on every rank, when the function fails.
+        """
+        growth = per_rank_increase(self.options.growth.batch_increase_function, self.ranks.world_size)
+        decision = self.ranks.decide_on_main(
+            lambda: self.batch.start_epoch(growth, epoch=epoch), errors=(BatchIncreaseFunctionError,)
+        )
+        if decision is not None:
+            self.batch.batch_size = decision.batch_size
+            if decision.requested != decision.previous:
+                self._log_growth(epoch, decision)
+        self.mode.start_epoch(dataloader.batch_sampler, self.batch, epoch, self.log)
+        return self.mode.steps_per_epoch(len(dataloader), self._max_steps_per_epoch)
+
+    def _log_growth(self, epoch: int, decision: Any) -> None:
+        note = ""
+        if decision.clamped:
+            why = "an epoch's samples" if decision.bound == self.batch.samples_per_epoch else "the largest micro-batch"
+            note = f" (clamped from {decision.requested} to {decision.bound}, {why})"
+        per_rank = f" per rank, x{self.ranks.world_size} ranks" if self.ranks.distributed else ""
+        self.log(f"Epoch {epoch}: batch_size {decision.previous} -> {decision.batch_size}{per_rank}{note}.")
+
+    def run_step(self, forward_backward: Callable, batch: Dict[str, torch.Tensor], *, zero_grad: Callable[[], None]) -> StepOutcome:
+        """Forward and backward of a step's batch in micro-batches of at most the largest that
+        fits; one that runs out of memory is rerun in halves (``retry_on_oom``).
+
+        Args:
+            forward_backward: one micro-batch's forward and backward; returns its summed loss
+                and counted tokens.
+            batch: the step's collated batch on the device.
+            zero_grad: drops gradients, to restart a step.
+
+        Raises:
+            MicroBatchOutOfMemoryError: when one-sample micro-batches run out of memory.
+        """
+        samples, padded = batch_rows(batch), batch["tokens"].numel()
+        if self._lr_progress is not None:
+            self._lr_progress.set_progress(self.batch.samples_seen)
+        step = accumulate_gradients(
+            forward_backward,
+            batch,
+            micro_batch_limit=self.batch.max_micro_batch_size,
+            zero_grad=zero_grad,
+            retry_on_oom=self.options.growth.retry_on_oom,
+            device=self.device,
+            log=self.warn,
+            agree_on_oom=self.ranks.any if self.ranks.distributed else None,
+        )
+        global_samples, tokens, padded, loss_sum = self.ranks.sums(samples, step.num_tokens, padded, step.loss_sum)
+        return StepOutcome(step, samples, int(global_samples), tokens, padded, loss_sum / tokens)
+
+    def before_optimizer_step(self, step: StepOutcome) -> float:
+        """Scales the LR for the step's batch; returns the LR the step uses."""
+        if self._lr_scaler is None:
+            return self._read_lr()
+        # Across ranks the LR scales with a rank's mean share, so it is the same on all.
+        world = self.ranks.world_size
+        return self._lr_scaler.apply(samples=step.global_samples / world, tokens=int(step.num_tokens / world))
+
+    def after_optimizer_step(self, step: StepOutcome) -> None:
+        """Puts the unscaled LR back, advances a step-counted scheduler and counts the step."""
+        if self._lr_scaler is not None:
+            self._lr_scaler.restore()
+        if self._lr_scheduler is not None and self._lr_progress is None:
+            self._lr_scheduler.step()
+        accumulated = step.accumulated
+        self.batch.record_step(
+            samples=step.samples, micro_batch_limit=accumulated.micro_batch_limit, oom_retries=accumulated.oom_retries
+        )
+        if accumulated.oom_retries:
+            self.warn(
+                f"Step {self.batch.global_step}: recovered from out of memory in micro-batches "
+                f"of {accumulated.micro_batch_sizes}; steps from now on use at most {self.batch.max_micro_batch_size}."
+            )
+
+    def step_metrics(self, step: StepOutcome, seconds: float) -> Dict[str, float]:
+        """The batch's per-step metrics, for the metric logger."""
+        world = self.ranks.world_size
+        return {
+            "batch_size": step.global_samples,
+            "micro_batch_size": max(step.accumulated.micro_batch_sizes),
+            "grad_accum_steps": len(step.accumulated.micro_batch_sizes),
+            "samples_seen": self.batch.samples_seen * world,
+            "oom_retries": step.accumulated.oom_retries,
+            "tokens_per_second_per_gpu": step.num_tokens / world / seconds,
+            "real_tokens": int(step.num_tokens),
+            "padded_tokens": int(step.padded_tokens),
+            "padding_fraction": 1 - step.num_tokens / step.padded_tokens,
+        }

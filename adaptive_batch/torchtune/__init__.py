@@ -1,0 +1,35 @@
+"""torchtune integration: the embedded tokenizer and data, random-init checkpoints, the config
+adapter, the planner for configs, and where the recipes live.
+
+Importing :mod:`adaptive_batch` does not import this sub-package (nor torchtune); recipes and
+the ``adaptive-batch`` command do.
+"""
+
+from adaptive_batch.torchtune.checkpoint import initial_checkpoint_filename, write_random_init_checkpoint
+from adaptive_batch.torchtune.config import (
+    adaptive_options,
+    check_profiler,
+    check_stock_recipe_options,
+    load_config,
+    recipe_keys,
+    TORCHTUNE_KEYS,
+)
+from adaptive_batch.torchtune.data import pydoc_paragraphs, pydoc_text_dataset
+from adaptive_batch.torchtune.loss import next_token_loss
+from adaptive_batch.torchtune.tokenizer import byte_tokenizer, ByteTokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "TORCHTUNE_KEYS",
+    "adaptive_options",
+    "byte_tokenizer",
+    "check_profiler",
+    "check_stock_recipe_options",
+    "initial_checkpoint_filename",
+    "load_config",
+    "next_token_loss",
+    "pydoc_paragraphs",
+    "pydoc_text_dataset",
+    "recipe_keys",
+    "write_random_init_checkpoint",
+]

@@ -1,0 +1,147 @@
+"""torchtune configs onto the library's options: the one place a ``DictConfig`` is read.
+
+:func:`adaptive_options` maps a recipe config's adaptive keys onto
+:class:`~adaptive_batch.controller.AdaptiveBatchOptions` (whose sections check themselves);
+:func:`recipe_keys` is every top-level key a recipe reads, derived from those options and the
+keys of torchtune's own recipe, so a typo (``batch_sise=8``) is caught.
+"""
+
+import argparse
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from adaptive_batch.controller import AdaptiveBatchOptions
+from adaptive_batch.validation import check_positive_int, ConfigError
+
+# The keys torchtune 0.6.1's full_finetune_single_device recipe reads.
+TORCHTUNE_KEYS = frozenset(
+    {
+        "output_dir", "model", "tokenizer", "dataset", "seed", "shuffle", "checkpointer",
+        "resume_from_checkpoint", "batch_size", "epochs", "optimizer", "loss", "lr_scheduler",
+        "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer_in_bwd",
+        "clip_grad_norm", "compile", "device", "enable_activation_checkpointing",
+        "enable_activation_offloading", "dtype", "metric_logger", "log_every_n_steps",
+        "log_peak_memory_stats", "profiler", "collate_fn", "cudnn_deterministic_mode",
+    }
+)
+
+
+def recipe_keys(extra: Iterable[str] = ()) -> frozenset:
+    """Every top-level key a recipe reads: torchtune's, the adaptive ones, and ``extra``."""
+    return TORCHTUNE_KEYS | AdaptiveBatchOptions.keys() | frozenset(extra)
+
+
+def _increase_function(node: Any) -> Any:
+    """A ``_component_`` node with arguments becomes the callable its factory builds; a node
+    with only ``_component_`` names the function itself; a path string stays as is."""
+    from torchtune import config
+
+    if not isinstance(node, DictConfig):
+        return node
+    if set(node.keys()) == {"_component_"}:
+        return node._component_
+    try:
+        return config.instantiate(node)
+    except Exception as e:
+        args = {k: v for k, v in node.items() if k != "_component_"}
+        raise ConfigError(f"batch_increase_function: building {node.get('_component_')!r} with {args} failed: {e}") from None
+
+
+def adaptive_options(cfg: DictConfig) -> AdaptiveBatchOptions:
+    """The config's adaptive keys as checked options; absent keys keep their defaults.
+
+    Raises:
+        ConfigError: for the first bad value.
+    """
+    values = {key: cfg[key] for key in AdaptiveBatchOptions.keys() if key in cfg}
+    if "batch_increase_function" in values:
+        values["batch_increase_function"] = _increase_function(values["batch_increase_function"])
+    return AdaptiveBatchOptions.from_flat(values)
+
+
+def check_stock_recipe_options(
+    *,
+    dtype: str,
+    device_type: str,
+    optimizer_in_bwd: bool,
+    gradient_accumulation_steps: Any,
+    clip_grad_norm: Any,
+    enable_activation_checkpointing: bool,
+    enable_activation_offloading: bool,
+    collate_fn: str,
+    compile_model: bool,
+    use_maximum_batch_size: bool,
+) -> None:
+    """The combinations torchtune's full-finetune recipe rejects, plus the probe's own.
+
+    Raises:
+        ConfigError: for the first bad combination.
+    """
+    if dtype == "fp16":
+        raise ConfigError("dtype='fp16': full fp16 training is not supported by this recipe; set dtype=bf16 or dtype=fp32.")
+    check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+    if optimizer_in_bwd and clip_grad_norm is not None:
+        raise ConfigError(
+            f"clip_grad_norm={clip_grad_norm!r} with optimizer_in_bwd=True: gradient clipping needs "
+            "the whole gradient; set clip_grad_norm=null or optimizer_in_bwd=False."
+        )
+    if optimizer_in_bwd and gradient_accumulation_steps > 1:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gradient_accumulation_steps} with optimizer_in_bwd=True: "
+            "set gradient_accumulation_steps=1 or optimizer_in_bwd=False."
+        )
+    if enable_activation_offloading and device_type != "cuda":
+        raise ConfigError(
+            f"enable_activation_offloading=True on device={device_type!r}: offloading moves "
+            "activations from CUDA to the CPU; set enable_activation_offloading=False."
+        )
+    if enable_activation_offloading and not enable_activation_checkpointing:
+        raise ConfigError(
+            "enable_activation_offloading=True needs enable_activation_checkpointing=True: "
+            "set both, or enable_activation_offloading=False."
+        )
+    if "left_pad_sequence" in collate_fn:
+        raise ConfigError(
+            f"collate_fn={collate_fn!r} is for inference only: use torchtune.data.padded_collate_sft."
+        )
+    if compile_model and device_type == "npu":
+        raise ConfigError("compile=True on device='npu': NPU cannot compile the model; set compile=False.")
+    if use_maximum_batch_size and optimizer_in_bwd:
+        raise ConfigError(
+            "use_maximum_batch_size=True with optimizer_in_bwd=True: the probe cannot yet save and "
+            "restore per-parameter optimizers; set optimizer_in_bwd=False."
+        )
+
+
+def check_profiler(cfg_profiler: Any, device_type: str) -> None:
+    """torchtune records a CUDA memory-history window for ``profile_memory``; there is none to
+    record off CUDA.
+
+    Raises:
+        ConfigError: for ``profiler.profile_memory=True`` on another device.
+    """
+    if cfg_profiler is not None and cfg_profiler.get("enabled", False) and cfg_profiler.get("profile_memory", False):
+        if device_type != "cuda":
+            raise ConfigError(
+                f"profiler.profile_memory=True on device={device_type!r}: the memory snapshot records "
+                "CUDA allocations only; set profiler.profile_memory=False."
+            )
+
+
+def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
+    """The config with ``key=value`` overrides merged the way ``tune run`` merges them.
+
+    Raises:
+        ConfigError: if the file is missing or an override is not ``key=value``.
+    """
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    if not Path(config_path).is_file():
+        raise ConfigError(f"--config {config_path!r}: no such file.")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value, e.g. batch_size=8.")
+    yaml_args = argparse.Namespace(**OmegaConf.to_container(OmegaConf.load(config_path), resolve=False))
+    return _merge_yaml_and_cli_args(yaml_args, list(overrides))
