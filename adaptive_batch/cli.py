@@ -7,110 +7,24 @@
 """
 
 import argparse
+import importlib
 import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 import torch
 from omegaconf import DictConfig
 
-from adaptive_batch.config_checks import ConfigError, default_safety_margin
 from adaptive_batch.memory import device_capacity, format_bytes, parse_memory
-from adaptive_batch.planner import CATEGORY_ORDER, MemoryPlan, plan_memory
+from adaptive_batch.planner import CATEGORY_ORDER, MemoryPlan
+from adaptive_batch.probing import default_safety_margin
 from adaptive_batch.search import BatchSizeTooLargeError
+from adaptive_batch.validation import ConfigError
 
-REPO_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-
-
-def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
-    """The config with ``key=value`` overrides merged the way ``tune run`` merges them.
-
-    Raises:
-        ConfigError: if the file is missing or an override is not ``key=value``.
-    """
-    from torchtune.config._utils import _merge_yaml_and_cli_args
-
-    if not Path(config_path).is_file():
-        raise ConfigError(f"--config {config_path!r}: no such file.")
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value, e.g. batch_size=8.")
-    yaml_args = argparse.Namespace(**_load_yaml(config_path))
-    return _merge_yaml_and_cli_args(yaml_args, list(overrides))
-
-
-def _load_yaml(path: str) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-
-
-# ---------------------------------------------------------------- plan
-
-
-def plan_from_config(
-    cfg: DictConfig,
-    *,
-    device_memory_bytes: Optional[int],
-    safety_margin: float,
-    max_batch_size: Optional[int] = None,
-) -> MemoryPlan:
-    """Plans the config's model, optimizer, loss, dtype, sequence length and activation
-    checkpointing with fake tensors.
-
-    Raises:
-        ConfigError: when the config leaves the sequence length open, or sets what the
-            planner cannot model (``optimizer_in_bwd``).
-    """
-    from torchtune import config, modules, training
-    from torchtune.modules.peft import get_adapter_params, set_trainable_params
-
-    from adaptive_batch.loss import next_token_loss
-
-    seq_len = cfg.tokenizer.get("max_seq_len", None)
-    if seq_len is None:
-        raise ConfigError(
-            "tokenizer.max_seq_len=null: the plan needs the longest sequence a batch can hold; "
-            "set tokenizer.max_seq_len, e.g. tokenizer.max_seq_len=2048."
-        )
-    if cfg.get("optimizer_in_bwd", False):
-        raise ConfigError(
-            "optimizer_in_bwd=True: the planner models a step that keeps all gradients until the "
-            "optimizer step; set optimizer_in_bwd=False (adaptive batching needs it off too)."
-        )
-    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))
-    loss_fn = config.instantiate(cfg.loss)
-    activation_checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
-
-    def build_model() -> torch.nn.Module:
-        with training.set_default_dtype(dtype):
-            model = config.instantiate(cfg.model)
-        adapters = get_adapter_params(model)
-        if adapters:  # LoRA: only the adapters train
-            set_trainable_params(model, adapters)
-        if activation_checkpointing:
-            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-        if hasattr(loss_fn, "num_output_chunks"):
-            model.set_num_output_chunks(loss_fn.num_output_chunks)
-        return model
-
-    def build_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-        return config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
-
-    def forward_backward(model: torch.nn.Module, batch: dict) -> None:
-        next_token_loss(model, loss_fn, dict(batch)).backward()
-
-    return plan_memory(
-        build_model=build_model,
-        build_optimizer=build_optimizer,
-        forward_backward=forward_backward,
-        seq_len=int(seq_len),
-        device_memory_bytes=device_memory_bytes,
-        safety_margin=safety_margin,
-        max_batch_size=max_batch_size,
-    )
+# The repository's `recipes/` folder, installed as this package (see pyproject.toml).
+RECIPES_PACKAGE = "adaptive_batch_recipes"
 
 
 def plan_table(plan: MemoryPlan) -> str:
@@ -154,6 +68,9 @@ def plan_json(plan: MemoryPlan) -> dict:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
+    from adaptive_batch.torchtune.config import load_config
+    from adaptive_batch.torchtune.planning import plan_from_config
+
     cfg = load_config(args.config, args.overrides)
     device_type = args.device or str(cfg.get("device", "cpu"))
     if args.device_memory is not None:
@@ -206,31 +123,43 @@ def plan_report(plan: MemoryPlan) -> dict:
 def load_recipe_class(cfg: DictConfig, recipe: Optional[str]) -> Callable:
     """The recipe class for ``cfg``: the LoRA recipe for a LoRA model, else full finetuning.
 
+    Args:
+        cfg: the config.
+        recipe: a recipe file to load instead of the installed recipes.
+
     Raises:
-        ConfigError: if the recipe file is not there (the recipes ship with the repository).
+        ConfigError: if the recipe file is not there.
     """
     if recipe is None:
         name = "lora" if "lora" in str(cfg.model.get("_component_", "")) else "full"
-        recipe = str(REPO_RECIPES / f"{name}_finetune_single_device.py")
-    path = Path(recipe)
+        module = importlib.import_module(f"{RECIPES_PACKAGE}.{name}_finetune_single_device")
+    else:
+        module = _load_recipe_file(Path(recipe))
+    classes = [
+        v for v in vars(module).values()
+        if isinstance(v, type) and v.__module__ == module.__name__ and hasattr(v, "setup") and hasattr(v, "train")
+    ]
+    return classes[-1]
+
+
+def _load_recipe_file(path: Path) -> object:
+    """A recipe file of a ``recipes/`` folder, imported as ``recipes.<name>`` so its relative
+    imports of sibling recipes work; that folder's parent goes first on ``sys.path``, before
+    the ``recipes`` package torchtune's wheel installs."""
     if not path.is_file():
-        raise ConfigError(f"--recipe {recipe!r}: no such file; point --recipe at recipes/<recipe>.py in the repository.")
-    # This repository's `recipes` package must win over the one torchtune's wheel installs.
+        raise ConfigError(f"--recipe {str(path)!r}: no such file; point --recipe at recipes/<recipe>.py.")
     root = str(path.resolve().parents[1])
     if root not in sys.path:
         sys.path.insert(0, root)
     if "recipes" in sys.modules and not str(getattr(sys.modules["recipes"], "__file__", "")).startswith(root):
-        del sys.modules["recipes"]
+        for name in [m for m in sys.modules if m == "recipes" or m.startswith("recipes.")]:
+            del sys.modules[name]
     module_name = f"recipes.{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
-    classes = [
-        v for v in vars(module).values()
-        if isinstance(v, type) and v.__module__ == module_name and hasattr(v, "setup") and hasattr(v, "train")
-    ]
-    return classes[-1]
+    return module
 
 
 def probe_table(report: dict) -> str:
@@ -264,12 +193,14 @@ def _probe_command(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, "use_maximum_batch_size=True"]
     if args.no_cache:
         overrides.append("probe_cache=False")
+    from adaptive_batch.torchtune.config import load_config
+
     cfg = load_config(args.config, overrides)
     recipe_cls = load_recipe_class(cfg, args.recipe)
     # The recipe's own constructor and setup: the same checks and the same probe as `tune run`.
     recipe = recipe_cls(cfg=cfg)
     recipe.setup(cfg=cfg)
-    report = recipe._probe_report
+    report = recipe.probe_report
     recipe.cleanup()
     print(probe_table(report))
     if args.plot:
@@ -300,7 +231,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "probe", help="run only the recipe's offline probe: no training, no checkpoint", epilog=overrides_note
     )
     probe.add_argument("--config", required=True)
-    probe.add_argument("--recipe", help="recipe file (default: the repository's LoRA or full single-device recipe)")
+    probe.add_argument("--recipe", help="recipe file (default: the installed LoRA or full single-device recipe)")
     probe.add_argument("--no-cache", action="store_true", help="probe again even if a cached result matches")
     probe.add_argument("--plot", metavar="PATH", help="draw memory against batch size to PATH (needs matplotlib)")
     probe.set_defaults(run=_probe_command)

@@ -6,10 +6,10 @@ from torchtune import config
 
 from adaptive_batch import (
     BatchIncreaseFunctionError,
-    check_growth_options,
     ConfigError,
     double_every_epoch,
     grow_batch_size,
+    GrowthOptions,
     linear_ramp,
     multiply_every,
     resolve_batch_increase_function,
@@ -154,13 +154,10 @@ def test_component_node_builds_a_parameterised_built_in():
 
 
 def test_growth_options():
-    opts = check_growth_options(
-        batch_increase_function="adaptive_batch.double_every_epoch",
-        grow_with_accumulation=True, retry_on_oom=True, max_tokens=None,
-    )
-    assert opts.batch_increase_function is double_every_epoch and opts.grow_with_accumulation
-    off = check_growth_options(batch_increase_function=None, grow_with_accumulation=False, retry_on_oom=False, max_tokens=512)
-    assert off.batch_increase_function is None and not off.retry_on_oom
+    opts = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch", grow_with_accumulation=True)
+    assert opts.batch_increase_function is double_every_epoch and opts.grow_with_accumulation and opts.retry_on_oom
+    off = GrowthOptions(retry_on_oom=False)
+    assert off.batch_increase_function is None and not off.retry_on_oom and not off.grow_with_accumulation
 
 
 @pytest.mark.parametrize(
@@ -168,16 +165,11 @@ def test_growth_options():
     [
         (dict(grow_with_accumulation="yes"), "grow_with_accumulation='yes' must be true or false"),
         (dict(retry_on_oom=1), "retry_on_oom=1 must be true or false"),
-        (dict(max_tokens=2048), "with max_tokens=2048: token-budget batches"),
-        (dict(optimizer_in_bwd=True), "with optimizer_in_bwd=True"),
-        (dict(batch_increase_function=None, optimizer_in_bwd=True), "retry_on_oom=True with optimizer_in_bwd=True"),
+        (dict(batch_increase_function="nosuch_module.grow"), "no module 'nosuch_module' can be imported"),
+        (dict(batch_increase_function=5), "is a int, not a function"),
     ],
 )
 def test_bad_growth_options(changes, message):
-    good = dict(
-        batch_increase_function="adaptive_batch.double_every_epoch",
-        grow_with_accumulation=False, retry_on_oom=True, max_tokens=None,
-    )
     with pytest.raises(ConfigError) as info:
-        check_growth_options(**{**good, **changes})
+        GrowthOptions(**changes)
     assert message in str(info.value)

@@ -4,7 +4,8 @@ from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from adaptive_batch import measure_peak_bytes, next_token_loss, plan_memory
+from adaptive_batch import measure_peak_bytes, plan_memory
+from adaptive_batch.torchtune import next_token_loss
 
 SEQ = 128
 VOCAB = 259

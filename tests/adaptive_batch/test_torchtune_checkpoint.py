@@ -4,7 +4,7 @@ import pytest
 import torch
 from torchtune.training import FullModelTorchTuneCheckpointer, MODEL_KEY
 
-from adaptive_batch import write_random_init_checkpoint
+from adaptive_batch.torchtune import write_random_init_checkpoint
 
 
 def build():

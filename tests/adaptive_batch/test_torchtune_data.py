@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from adaptive_batch import ByteTokenizer, pydoc_paragraphs, pydoc_text_dataset
-from adaptive_batch.data import write_pydoc_jsonl
+from adaptive_batch.torchtune import ByteTokenizer, pydoc_paragraphs, pydoc_text_dataset
+from adaptive_batch.torchtune.data import write_pydoc_jsonl
 
 
 def test_paragraphs_are_real_uneven_text():

@@ -1,8 +1,8 @@
 import pytest
 from torchtune.data import Message
 
-from adaptive_batch import ByteTokenizer
-from adaptive_batch.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from adaptive_batch.torchtune import ByteTokenizer
+from adaptive_batch.torchtune.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 
 
 def test_encode_decode_round_trip_with_unicode():
