@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from adaptive_batch.memory import device_capacity, parse_memory
+from adaptive_batch.memory import address_space_limit, device_capacity, parse_memory, return_freed_memory_to_os
 from adaptive_batch.probe import memory_budget, probe_max_batch_size, training_state_bytes
 from adaptive_batch.probing import default_safety_margin, MemorySpec
 from adaptive_batch.validation import check_fraction, check_positive_int, ConfigError
@@ -76,6 +76,9 @@ def find_max_batch_size(
     if safety_margin is None:
         safety_margin = default_safety_margin(device.type)
     check_fraction("safety_margin", safety_margin, "0.05 keeps 5% of the budget back")
+    if device.type == "cpu" and address_space_limit() is not None:
+        # Otherwise glibc keeps freed blocks mapped, and they count against the limit.
+        return_freed_memory_to_os()
     capacity = device_capacity(device)
     try:
         limit = parse_memory(max_memory, capacity_bytes=capacity.headroom_bytes)

@@ -90,7 +90,7 @@ class TrainingStateSnapshot:
         if self._path is None or self._rng is None:
             raise RuntimeError("TrainingStateSnapshot.restore() called before save().")
         # mmap keeps the load from holding a second full copy of the weights in memory.
-        state = torch.load(self._path, mmap=True, weights_only=False)
+        state = torch.load(self._path, mmap=True, weights_only=True)
         self.model.load_state_dict(state["model"])
         for p in self.model.parameters():
             p.grad = None
@@ -98,6 +98,7 @@ class TrainingStateSnapshot:
             # Drop the probe's optimizer state before loading: load_state_dict replaces it.
             self.optimizer.state.clear()
             self.optimizer.load_state_dict(state["optimizer"])
+            _own_memory(self.optimizer)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         del state
@@ -116,3 +117,16 @@ class TrainingStateSnapshot:
         tb: Optional[TracebackType],
     ) -> None:
         self.restore()
+
+
+def _own_memory(optimizer: torch.optim.Optimizer) -> None:
+    """Copies optimizer state that still points into the memory-mapped snapshot.
+
+    ``Optimizer.load_state_dict`` keeps a loaded CPU tensor as it is when dtype and device
+    already match, so the state would live in a mapping of the (deleted) snapshot file, and
+    keep the whole file mapped: address space a later step under a limit cannot use.
+    """
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                state[key] = value.clone()

@@ -72,3 +72,20 @@ def test_restore_before_save_is_an_error():
     model, opt, _ = make()
     with pytest.raises(RuntimeError, match="before save"):
         TrainingStateSnapshot(model, opt).restore()
+
+
+def test_restored_optimizer_state_owns_its_memory(tmp_path):
+    """The restore reads a memory-mapped file; optimizer state left pointing into it kept the
+    whole file mapped after the probe (32 MiB of address space here), and the found batch then
+    ran out of memory under a process limit."""
+    from adaptive_batch.memory import proc_status_bytes
+
+    model = torch.nn.Linear(2048, 2048)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2048)).sum().backward()
+    optimizer.step()
+    before = proc_status_bytes("VmSize")
+    with TrainingStateSnapshot(model, optimizer, directory=str(tmp_path)):
+        pass
+    assert proc_status_bytes("VmSize") - before < 8 * 2**20
+    assert list(tmp_path.iterdir()) == []
