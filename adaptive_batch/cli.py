@@ -247,3 +247,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, BatchSizeTooLargeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,14 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.conftest import REPO, tune_env
+from adaptive_batch.cli import main
+from tests.recipes.conftest import REPO, run_in_process, tune_env
 
 CLI = str(Path(sys.executable).with_name("adaptive-batch"))
 TINY = "configs/tiny/full_single_device.yaml"
 
 
-def cli(*args, timeout=600):
-    return subprocess.run([CLI, *args], cwd=REPO, env=tune_env(), capture_output=True, text=True, timeout=timeout)
+def cli(*args):
+    """The command in this process, from the repository root."""
+    return run_in_process(main, ["adaptive-batch", *args])
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +138,7 @@ def test_plan_of_the_1b_config_needs_no_weights_and_no_gpu():
 
 
 def test_probe_of_the_lora_config_from_another_directory(tmp_path):
-    """The console script finds the repository's LoRA recipe by itself: no PYTHONPATH, any cwd."""
+    """The console script finds the installed LoRA recipe by itself: no PYTHONPATH, any cwd."""
     env = {k: v for k, v in tune_env().items() if k != "PYTHONPATH"}
     proc = subprocess.run(
         [CLI, "probe", "--config", str(REPO / "configs/tiny/lora_single_device.yaml"), f"output_dir={tmp_path}",
@@ -146,3 +148,44 @@ def test_probe_of_the_lora_config_from_another_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "batch_probe.json").read_text())
     assert report["max_batch_size"] >= 2 and "adapter tensors train, the base weights are frozen" in proc.stderr
+
+
+@pytest.mark.slow
+def test_an_ordinary_install_plans_and_probes_from_another_directory(tmp_path):
+    """`pip install .` (not editable): the wheel carries the recipes as `adaptive_batch_recipes`
+    and no top-level `recipes`, and the command works from anywhere."""
+    wheels = tmp_path / "wheels"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(REPO)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = wheels.glob("adaptive_batch-*.whl")
+    site = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin") == [
+        "adaptive_batch", "adaptive_batch_recipes"
+    ]
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = dict(tune_env(), PYTHONPATH=str(site))
+    where = subprocess.run(
+        [sys.executable, "-c", "import adaptive_batch, adaptive_batch_recipes; print(adaptive_batch.__file__, adaptive_batch_recipes.__file__)"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert where.stdout.split() and all(path.startswith(str(site)) for path in where.stdout.split()), where
+    config = str(REPO / "configs/tiny/lora_single_device.yaml")
+    command = [sys.executable, "-m", "adaptive_batch.cli"]
+    probe = subprocess.run(
+        [*command, "probe", "--config", config, f"output_dir={work / 'out'}", "max_memory=256MiB", "--no-cache"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert "largest batch that fits" in probe.stdout and (work / "out" / "batch_probe.json").is_file()
+    plan = subprocess.run([*command, "plan", "--config", config, "--device-memory", "1GiB", "--json"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert plan.returncode == 0 and json.loads(plan.stdout)["max_batch_size"] >= 1, plan.stderr[-3000:]

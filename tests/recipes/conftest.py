@@ -1,10 +1,14 @@
+import contextlib
+import io
+import logging
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import traceback
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -35,13 +39,17 @@ def run_tune(
     env=None,
     nproc=None,
 ) -> subprocess.CompletedProcess:
-    """`tune run` of a recipe on a tiny config, optionally under a real address-space limit.
+    """`tune run` of a recipe on a tiny config.
 
-    ``extra_path`` goes on PYTHONPATH (a user's own modules); ``env`` adds variables; ``nproc``
-    launches that many processes through torchrun (`tune run --nproc_per_node`).
+    In this process, as torchtune's own recipe tests run it, unless the run needs a process of
+    its own: a real address-space limit (``headroom_bytes``) or several ranks (``nproc``
+    processes through torchrun). ``extra_path`` goes on the path (a user's own modules);
+    ``env`` adds variables. Either way the answer is the process's exit code and output.
     """
     launch = [] if nproc is None else ["--nproc_per_node", str(nproc)]
     args = ["run", *launch, recipe, "--config", config, f"output_dir={output_dir}", *overrides]
+    if headroom_bytes is None and nproc is None:
+        return run_tune_in_process(args, extra_path=extra_path, env=env)
     if headroom_bytes is None:
         cmd = [TUNE, *args]
     else:
@@ -49,6 +57,91 @@ def run_tune(
     return subprocess.run(
         cmd, cwd=REPO, env=tune_env(extra_path, env), capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_tune_in_process(args: List[str], extra_path=None, env=None) -> subprocess.CompletedProcess:
+    """torchtune's CLI in this process: the same path as `tune run` without its start-up."""
+    from torchtune._cli.tune import main
+
+    return run_in_process(main, ["tune", *args], extra_path=extra_path, env=env)
+
+
+def run_in_process(main, argv: List[str], extra_path=None, env=None) -> subprocess.CompletedProcess:
+    """``main()`` with ``sys.argv = argv`` in this process, from the repository root, answered
+    as a process would answer: exit code, stdout, stderr.
+
+    The process state the run may change (argv, path, environment, working directory, the
+    user's modules) is put back afterwards.
+    """
+    saved_argv, saved_path, saved_env, saved_cwd = list(sys.argv), list(sys.path), dict(os.environ), os.getcwd()
+    sys.argv = list(argv)
+    if extra_path is not None:
+        sys.path.insert(0, str(extra_path))
+    os.environ.update(env or {})
+    os.chdir(REPO)
+    try:
+        with _captured_output() as (out, err):
+            try:
+                code = _exit_code(main(), err)
+            except SystemExit as e:
+                code = _exit_code(e.code, err)
+            except Exception:  # what a process would print before exiting with 1
+                traceback.print_exc(file=err)
+                code = 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        if extra_path is not None:
+            _forget_modules_under(Path(extra_path))
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
+def _exit_code(code, err: io.StringIO) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=err)  # SystemExit("error: ...") prints its message and exits with 1
+    return 1
+
+
+@contextlib.contextmanager
+def _captured_output() -> Iterator[Tuple[io.StringIO, io.StringIO]]:
+    """stdout and stderr, including logging handlers that kept a stream from earlier."""
+    out, err = io.StringIO(), io.StringIO()
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    handlers = [
+        h for lg in loggers for h in lg.handlers
+        if type(h) is logging.StreamHandler
+    ]
+    streams = [(h, h.stream) for h in handlers]
+    for h, _ in streams:
+        h.setStream(err)
+    # Under pytest torchtune's logger gets no handler of its own (the root has pytest's), so
+    # its records reach only the root: show them there, as a process's stderr would.
+    root_handler = None if logging.getLogger("torchtune.utils._logging").handlers else logging.StreamHandler(err)
+    if root_handler is not None:
+        logging.getLogger().addHandler(root_handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield out, err
+    finally:
+        for h, stream in streams:
+            h.setStream(stream)
+        if root_handler is not None:
+            logging.getLogger().removeHandler(root_handler)
+
+
+def _forget_modules_under(path: Path) -> None:
+    """Drops the user's modules imported from ``path``, so another test's copy is imported."""
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and Path(file).resolve().is_relative_to(path.resolve()):
+            del sys.modules[name]
 
 
 def read_metric_log(output_dir, logs="logs") -> List[Dict[str, float]]:

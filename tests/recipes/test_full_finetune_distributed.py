@@ -6,6 +6,9 @@ import pytest
 
 from tests.recipes.conftest import FIXED, read_metric_log, run_tune
 
+# Each test launches torchrun with 2 worker processes.
+pytestmark = pytest.mark.slow
+
 DIST = dict(recipe="recipes/full_finetune_distributed.py", config="configs/tiny/full_distributed.yaml", nproc=2)
 PROBE = ["use_maximum_batch_size=True", "max_batch_size=12", FIXED, "max_steps_per_epoch=2"]
 COSINE = [

@@ -1,11 +1,9 @@
 """The LoRA recipe through the real `tune run` on the tiny LoRA config, on CPU."""
 
 import json
-import sys
 
 import pytest
 import torch
-from torchtune._cli.tune import main
 
 from tests.recipes.conftest import read_metric_log, run_tune
 
@@ -36,15 +34,13 @@ def test_probe_bounds_growth_and_only_adapters_train(tmp_path):
     assert not torch.equal(merged["layers.0.attn.q_proj.weight"], base["layers.0.attn.q_proj.weight"])
 
 
-def test_lora_bad_input_fails_before_the_model_is_built(monkeypatch, tmp_path):
+def test_lora_bad_input_fails_before_the_model_is_built(tmp_path):
     for overrides, message in [
         (["optimizer_in_bwd=True"], "optimizer_in_bwd=True: the LoRA recipe"),
         (["save_adapter_weights_only=maybe"], "save_adapter_weights_only='maybe' must be true or false"),
         (["batch_increase_function=my_growth.nope"], "no module 'my_growth' can be imported"),
     ]:
         out = tmp_path / overrides[0].split("=")[0]
-        monkeypatch.setattr(sys, "argv", ["tune", "run", RECIPE, "--config", CONFIG, f"output_dir={out}", *overrides])
-        with pytest.raises(SystemExit) as info:
-            main()
-        assert str(info.value.code).startswith("error: ") and message in str(info.value.code)
+        proc = run_tune(out, *overrides, recipe=RECIPE, config=CONFIG)
+        assert proc.returncode == 1 and "error: " in proc.stderr and message in proc.stderr
         assert not (out / "init").exists()
