@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test bench bench-plan venv clean
+.PHONY: run run-distributed test test-fast bench bench-plan venv clean
 
 venv: $(STAMP)
 
@@ -29,8 +29,13 @@ run-distributed: $(STAMP)
 	$(BIN)/tune run --nproc_per_node $(or $(NPROC),2) recipes/full_finetune_distributed.py \
 		--config configs/tiny/full_distributed.yaml use_maximum_batch_size=True max_memory=512MiB epochs=3 $(ARGS)
 
+# Everything, as CI runs it (.ci/run).
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Without the tests that need processes of their own (real memory limits, torchrun, an install).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test,bench]"

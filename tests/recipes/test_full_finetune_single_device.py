@@ -26,6 +26,7 @@ BAD_INPUTS = [
     (["optimizer_in_bwd=True", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=2 with optimizer_in_bwd=True"),
     (["enable_activation_offloading=True"], "enable_activation_offloading=True on device='cpu'"),
     (["use_maximum_batch_size=True", "tokenizer.max_seq_len=null"], "tokenizer.max_seq_len=null"),
+    (["profiler.enabled=True", "profiler.profile_memory=True"], "profiler.profile_memory=True on device='cpu'"),
     (["batch_increase_function=nosuch_module.grow"], "no module 'nosuch_module' can be imported"),
     (["batch_increase_function=adaptive_batch.growth.nope"], "has no attribute 'nope'"),
     (["batch_increase_function=adaptive_batch.growth.KEY"], "is a str, not a function"),
