@@ -21,7 +21,6 @@ Whether batches hold a number of samples or a token budget is decided once, as a
 :mod:`adaptive_batch.batching` object.
 """
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
 

@@ -8,7 +8,7 @@ import sys
 import textwrap
 import traceback
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 

@@ -3,11 +3,10 @@
 import json
 import math
 import os
-import sys
 
 import pytest
 
-from tests.recipes.conftest import CONFIG, FIXED, read_metric_log, RECIPE, run_tune
+from tests.recipes.conftest import FIXED, read_metric_log, run_tune
 
 
 BAD_INPUTS = [

@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 import torch
 
 from tests.recipes.conftest import read_metric_log, run_tune
