@@ -1,8 +1,9 @@
-"""The memory-delta linear estimator: ``peak(b) = fixed + per_sample * b``."""
+"""The memory-delta estimators: one line ``peak(b) = fixed + per_sample * b`` through a step's
+peaks, or the largest of one line per phase of the step."""
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,79 @@ class LinearMemoryEstimate:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class PhaseMemoryEstimate:
+    """A step's peak as the largest of its phases' lines: ``max_i(fixed_i + per_sample_i * b)``.
+
+    One line through step peaks fails when a phase that does not grow with the batch (the
+    optimizer step over a large embedding, a chunked loss's fp32 buffers) sets the peak at
+    batch 1 and 2: the line comes out nearly flat and predicts far too large a batch. A line
+    per phase keeps the growing phase's slope.
+
+    Attributes:
+        phases: each phase's line, by name.
+    """
+
+    phases: Dict[str, LinearMemoryEstimate]
+
+    @classmethod
+    def fit(cls, points: Sequence[Tuple[int, Mapping[str, int]]]) -> "PhaseMemoryEstimate":
+        """A line per phase through ``(batch_size, {phase: peak_bytes})`` points; a phase
+        takes part when every point measured it.
+
+        Raises:
+            ValueError: with fewer than two distinct batch sizes, or no phase in every point.
+        """
+        names = set.intersection(*(set(peaks) for _, peaks in points)) if points else set()
+        if not names:
+            raise ValueError("the phase estimate needs the same phases measured at every batch size")
+        return cls({name: LinearMemoryEstimate.fit([(b, peaks[name]) for b, peaks in points]) for name in sorted(names)})
+
+    def peak_bytes(self, batch_size: int) -> int:
+        """Predicted peak of a step at ``batch_size``: its largest phase."""
+        return max(line.peak_bytes(batch_size) for line in self.phases.values())
+
+    def binding_phase(self, batch_size: int) -> str:
+        """The phase whose line is highest at ``batch_size``."""
+        return max(self.phases, key=lambda name: self.phases[name].peak_bytes(batch_size))
+
+    def max_batch_size(self, budget_bytes: int) -> Optional[int]:
+        """Largest batch whose every phase is predicted within ``budget_bytes``.
+
+        Returns:
+            The batch size (0 when not even batch 1 fits), or ``None`` when no phase grows
+            with the batch and all fit, so the lines set no bound.
+        """
+        bounds = []
+        for line in self.phases.values():
+            bound = line.max_batch_size(budget_bytes)
+            if bound is None and line.fixed_bytes > budget_bytes:
+                bound = 0
+            if bound is not None:
+                bounds.append(bound)
+        return min(bounds) if bounds else None
+
+    @property
+    def fixed_bytes(self) -> int:
+        """The line that binds far out: the steepest phase's (for reports and plots)."""
+        return self._binding_line().fixed_bytes
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return self._binding_line().bytes_per_sample
+
+    def _binding_line(self) -> LinearMemoryEstimate:
+        growing = [line for line in self.phases.values() if line.bytes_per_sample > 0]
+        if not growing:
+            return max(self.phases.values(), key=lambda line: line.fixed_bytes)
+        # Far out, the steepest phase is the highest one.
+        return max(growing, key=lambda line: (line.bytes_per_sample, line.fixed_bytes))
+
+    def to_dict(self) -> dict:
+        return {
+            "fixed_bytes": self.fixed_bytes,
+            "bytes_per_sample": self.bytes_per_sample,
+            "phases": {name: line.to_dict() for name, line in self.phases.items()},
+        }

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 from adaptive_batch.memory import DeviceCapacity, format_bytes
 from adaptive_batch.search import SearchResult, search_max_batch_size
 from adaptive_batch.snapshot import TrainingStateSnapshot
-from adaptive_batch.tracker import live_tensor_bytes, measure_peak_bytes
+from adaptive_batch.tracker import live_tensor_bytes, measure_phase_peaks
 from adaptive_batch.oom import release_memory
 
 PROBE_FILENAME = "batch_probe.json"
@@ -127,7 +127,8 @@ def probe_max_batch_size(
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
     Each trial builds a batch with ``make_batch(b)`` and runs ``train_step(batch)`` (forward,
-    loss, backward, optimizer step, zero grad) while measuring the peak. Model, optimizer, LR
+    loss, backward, optimizer step, zero grad) while measuring the peak of each phase of the
+    step; the estimate is a line per phase. Model, optimizer, LR
     scheduler and RNG state are saved before the first trial and restored after the last, also
     when a trial raises.
 
@@ -152,13 +153,13 @@ def probe_max_batch_size(
         BatchSizeTooLargeError: when batch size 1 does not fit.
     """
 
-    def run_trial(batch_size: int) -> int:
+    def run_trial(batch_size: int) -> Dict[str, int]:
         batch = make_batch(batch_size)
         baseline = list(_state_tensors(model, optimizer)) + [
             t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)
         ]
         try:
-            return measure_peak_bytes(lambda: train_step(batch), device, baseline)
+            return measure_phase_peaks(lambda: train_step(batch), device, baseline, model=model, optimizer=optimizer)
         finally:
             # A step that failed half-way leaves gradients behind.
             if optimizer is not None:

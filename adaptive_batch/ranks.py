@@ -16,7 +16,7 @@ the largest batch that fits on all of them: the minimum over ranks.
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,14 @@ import torch.distributed as dist
 from adaptive_batch.growth import BatchIncreaseFunction, call_batch_increase_function, function_name
 from adaptive_batch.memory import parse_memory
 from adaptive_batch.oom import is_oom_error, release_memory
+from adaptive_batch.tracker import STEP_PHASES
 
 MAX_MEMORY_ENV = "ADAPTIVE_BATCH_MAX_MEMORY"
 
-# Marks a rank that ran out of memory in the all-reduced overshoot (far above any real peak).
+# Marks a rank that ran out of memory in the all-reduced overshoot (far above any real peak),
+# and a phase a rank did not measure (far below).
 _OUT_OF_MEMORY = 1 << 62
+_NOT_MEASURED = -(1 << 62)
 
 
 class PeerOutOfMemoryError(MemoryError):
@@ -105,6 +108,14 @@ class RankGroup:
         t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
+
+    def max_each(self, values: List[int]) -> List[int]:
+        """Each of ``values`` maximised over ranks, in one all-reduce."""
+        if not self.distributed:
+            return [int(v) for v in values]
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
 
     def sums(self, *values: Any) -> List[float]:
         """Each of ``values`` (numbers or one-element tensors) summed over ranks, in one
@@ -183,24 +194,45 @@ class LockstepTrial:
         self.common_budget_bytes = common_budget_bytes
         self.trials: List[RankTrial] = []
 
-    def __call__(self, batch_size: int) -> int:
-        peak: Optional[int] = None
+    def __call__(self, batch_size: int) -> Union[int, Dict[str, int]]:
+        """Runs the trial on this rank; returns the peak every rank agrees on.
+
+        That is ``common_budget_bytes`` plus the largest overshoot of any rank over its own
+        budget (for the step, and for each phase when phases are measured): not a peak any
+        rank measured, but one that is within the common budget exactly when the step fits
+        on every rank.
+
+        Raises:
+            PeerOutOfMemoryError: on every rank, when any rank ran out of memory.
+        """
+        measured: Union[None, int, Mapping[str, int]] = None
         failure: Optional[str] = None
         try:
-            peak = int(self.run_trial(batch_size))
+            measured = self.run_trial(batch_size)
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
             if not is_oom_error(exc):
                 raise
             failure = str(exc).splitlines()[0]
         if failure is not None:
             release_memory()
-        overshoot = _OUT_OF_MEMORY if peak is None else peak - self.budget_bytes
-        self.trials.append(RankTrial(batch_size, peak, failure is not None, peak is not None and overshoot <= 0))
-        worst = self.ranks.max(overshoot)
-        if worst >= _OUT_OF_MEMORY:
+        phases = dict(measured) if isinstance(measured, Mapping) else {}
+        peak = None if measured is None else (max(phases.values()) if phases else int(measured))
+        if peak is None:
+            overshoots = [_OUT_OF_MEMORY] * (1 + len(STEP_PHASES))
+        else:
+            overshoots = [peak - self.budget_bytes] + [
+                phases[name] - self.budget_bytes if name in phases else _NOT_MEASURED for name in STEP_PHASES
+            ]
+        self.trials.append(RankTrial(batch_size, peak, failure is not None, peak is not None and overshoots[0] <= 0))
+        worst = self.ranks.max_each(overshoots)
+        if worst[0] >= _OUT_OF_MEMORY:
             here = f"this rank: {failure}" if failure is not None else "another rank"
             raise PeerOutOfMemoryError(f"batch_size={batch_size} ran out of memory ({here})")
-        return self.common_budget_bytes + worst
+        if not phases:
+            return self.common_budget_bytes + worst[0]
+        return {
+            name: self.common_budget_bytes + w for name, w in zip(STEP_PHASES, worst[1:]) if w > _NOT_MEASURED
+        }
 
     def report(self) -> Dict[str, Any]:
         """This rank's budget and trials, for the probe report."""

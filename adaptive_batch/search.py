@@ -9,9 +9,9 @@ with the size above it tried and failed (or at the cap).
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Union
 
-from adaptive_batch.estimator import LinearMemoryEstimate
+from adaptive_batch.estimator import LinearMemoryEstimate, PhaseMemoryEstimate
 from adaptive_batch.memory import format_bytes
 from adaptive_batch.oom import is_oom_error, release_memory
 
@@ -43,7 +43,17 @@ class BatchSizeTooLargeError(RuntimeError):
 
 @dataclass
 class Trial:
-    """One real step of the search."""
+    """One real step of the search.
+
+    Attributes:
+        batch_size: the size tried.
+        fits: it ran, and its peak is within the budget.
+        peak_bytes: the step's peak, or ``None`` when it ran out of memory.
+        seconds: how long the trial took.
+        oom: it ran out of memory.
+        phase: the search's phase (``warmup``, ``estimate``, ``search``).
+        phase_peak_bytes: the peak of each phase of the step, when measured.
+    """
 
     batch_size: int
     fits: bool
@@ -51,6 +61,10 @@ class Trial:
     seconds: float
     oom: bool
     phase: str
+    phase_peak_bytes: Optional[Dict[str, int]] = None
+
+
+Estimate = Union[LinearMemoryEstimate, PhaseMemoryEstimate]
 
 
 @dataclass
@@ -59,7 +73,7 @@ class SearchResult:
 
     max_batch_size: int
     budget_bytes: int
-    estimate: Optional[LinearMemoryEstimate]
+    estimate: Optional[Estimate]
     predicted_max_batch_size: Optional[int]
     trials: List[Trial] = field(default_factory=list)
     total_seconds: float = 0.0
@@ -103,7 +117,7 @@ def powers_of_two(up_to: int) -> List[int]:
 
 
 def search_max_batch_size(
-    run_trial: Callable[[int], int],
+    run_trial: Callable[[int], Union[int, Mapping[str, int]]],
     *,
     budget_bytes: int,
     max_batch_size: Optional[int] = None,
@@ -114,13 +128,15 @@ def search_max_batch_size(
 ) -> SearchResult:
     """Finds the largest batch size whose step fits in ``budget_bytes``.
 
-    Steps at batch sizes 1 and 2 fit ``peak(b) = fixed + per_sample * b``; the predicted largest
-    size is tried, then its neighbour; if the prediction was off, the search gallops (steps 1,
-    2, 4, ...) away from it until the answer is bracketed, then bisects.
+    Steps at batch sizes 1 and 2 fit ``peak(b) = fixed + per_sample * b``, one line per phase of
+    the step when ``run_trial`` measures phases (the step's peak is the largest phase's); the
+    predicted largest size is tried, then its neighbour; if the prediction was off, the search
+    gallops (steps 1, 2, 4, ...) away from it until the answer is bracketed, then bisects.
 
     Args:
-        run_trial: runs one real step at a batch size and returns its peak bytes; raises an
-            out-of-memory error when the step cannot allocate.
+        run_trial: runs one real step at a batch size and returns its peak bytes, or the peak
+            of each of its phases (``{"forward": ..., "backward": ..., "optimizer": ...}``);
+            raises an out-of-memory error when the step cannot allocate.
         budget_bytes: the most a step's peak may be.
         max_batch_size: the largest size worth trying (e.g. the dataset size); ``None``: no cap.
         warmup: run one step at batch 1 first and leave it out of the estimate, so one-time
@@ -155,17 +171,23 @@ def search_max_batch_size(
             )
         t0 = time.perf_counter()
         peak: Optional[int] = None
+        phases: Optional[Dict[str, int]] = None
         oom = False
         try:
-            peak = int(run_trial(batch_size))
+            measured = run_trial(batch_size)
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is an OOM
             if not is_oom_error(exc):
                 raise
             oom = True
         if oom:
             release()
+        elif isinstance(measured, Mapping):
+            phases = {name: int(value) for name, value in measured.items()}
+            peak = max(phases.values())
+        else:
+            peak = int(measured)
         fits = not oom and peak is not None and peak <= budget_bytes
-        trial = Trial(batch_size, fits, peak, time.perf_counter() - t0, oom, phase)
+        trial = Trial(batch_size, fits, peak, time.perf_counter() - t0, oom, phase, phases)
         trials.append(trial)
         if log is not None:
             outcome = "fits" if fits else ("out of memory" if oom else "over budget")
@@ -196,8 +218,11 @@ def search_max_batch_size(
     if max_batch_size == 1 or not run(2, "estimate"):
         return result(None, None)
 
-    points = [(t.batch_size, t.peak_bytes) for t in trials if t.phase == "estimate"]
-    estimate = LinearMemoryEstimate.fit(points)
+    measured = [t for t in trials if t.phase == "estimate"]
+    if all(t.phase_peak_bytes for t in measured):
+        estimate: Estimate = PhaseMemoryEstimate.fit([(t.batch_size, t.phase_peak_bytes) for t in measured])
+    else:
+        estimate = LinearMemoryEstimate.fit([(t.batch_size, t.peak_bytes) for t in measured])
     predicted = estimate.max_batch_size(budget_bytes)
     if predicted is not None and max_batch_size is not None:
         predicted = min(predicted, max_batch_size)

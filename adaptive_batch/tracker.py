@@ -7,10 +7,12 @@ that fails with an out-of-memory error leaves nothing alive behind it (torch's `
 keeps the failed step's tensors, and every later trial then fails).
 """
 
+import contextlib
 import weakref
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Iterator, Optional
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -46,9 +48,17 @@ class LiveTensorCounter(TorchDispatchMode):
         self.device_type = device_type
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.phase = STEP_PHASES[0]
+        self.phase_peak_bytes: Dict[str, int] = {}
         self._refs: Dict[int, weakref.ref] = {}
         for t in baseline:
             self._track(t)
+        self.start_phase(self.phase)
+
+    def start_phase(self, phase: str) -> None:
+        """From now on the bytes count towards ``phase``'s peak; what is alive counts at once."""
+        self.phase = phase
+        self.phase_peak_bytes[phase] = max(self.phase_peak_bytes.get(phase, 0), self.live_bytes)
 
     def _release(self, key: int, nbytes: int, _ref: weakref.ref) -> None:
         if self._refs.pop(key, None) is not None:
@@ -66,6 +76,8 @@ class LiveTensorCounter(TorchDispatchMode):
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
+        if self.live_bytes > self.phase_peak_bytes.get(self.phase, 0):
+            self.phase_peak_bytes[self.phase] = self.live_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -103,6 +115,92 @@ def measure_peak_bytes(
     with counter:
         fn()
     return counter.peak_bytes
+
+
+# A training step's phases, in order: the model's forward; the loss and backward; the optimizer
+# step (and zeroing the gradients).
+STEP_PHASES = ("forward", "backward", "optimizer")
+
+
+class _CudaPhases:
+    """Per-phase peaks from CUDA's allocator: the peak statistic is read and reset at each
+    phase change."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phase = STEP_PHASES[0]
+        self.phase_peak_bytes: Dict[str, int] = {}
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def start_phase(self, phase: str) -> None:
+        self.close()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.phase = phase
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes.get(self.phase, 0), peak)
+
+
+@contextlib.contextmanager
+def _phase_hooks(
+    model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer], start_phase: Callable[[str], None]
+) -> Iterator[None]:
+    """Marks the phases of a step with the model's forward hooks and the optimizer's step hooks."""
+    handles = []
+    if model is not None:
+        handles.append(model.register_forward_pre_hook(lambda module, args: start_phase("forward")))
+        handles.append(model.register_forward_hook(lambda module, args, out: start_phase("backward")))
+    if optimizer is not None:
+        handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: start_phase("optimizer")))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def measure_phase_peaks(
+    fn: Callable[[], None],
+    device: torch.device,
+    baseline: Iterable[torch.Tensor] = (),
+    *,
+    model: Optional[nn.Module] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+) -> Dict[str, int]:
+    """Runs one training step and returns the peak bytes of each of its :data:`STEP_PHASES`.
+
+    The forward starts and ends with ``model``'s forward; the backward phase holds the loss and
+    the backward; the optimizer phase starts with ``optimizer.step()``. At small batches the
+    step's peak is often set by the optimizer step (temporaries over a large embedding), which
+    does not grow with the batch, while the backward does: a line per phase predicts what one
+    line through the step's peaks cannot.
+
+    Args:
+        fn: one full training step.
+        device: where the step runs.
+        baseline: tensors alive before ``fn`` (CPU only).
+        model: the model the step runs (its forward marks the forward phase).
+        optimizer: the optimizer the step steps.
+
+    Returns:
+        Peak bytes per phase that ran, baseline included; the step's peak is their maximum.
+
+    Raises:
+        Whatever ``fn`` raises, out-of-memory errors included.
+    """
+    if device.type == "cuda":
+        phases = _CudaPhases(device)
+        with _phase_hooks(model, optimizer, phases.start_phase):
+            fn()
+        phases.close()
+        return dict(phases.phase_peak_bytes)
+    counter = LiveTensorCounter(baseline, device_type=device.type)
+    with _phase_hooks(model, optimizer, counter.start_phase), counter:
+        fn()
+    return dict(counter.phase_peak_bytes)
 
 
 def reset_peak_rss() -> bool:
