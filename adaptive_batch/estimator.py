@@ -132,3 +132,85 @@ class PhaseMemoryEstimate:
             "bytes_per_sample": self.bytes_per_sample,
             "phases": {name: line.to_dict() for name, line in self.phases.items()},
         }
+
+
+@dataclass(frozen=True)
+class OperatorMemoryEstimate:
+    """A step's peak as the largest of one line per operator of the step.
+
+    A step runs the same operators in the same order at every batch size, and what is alive
+    after each of them grows linearly with the batch. So the live bytes after operator ``i``
+    at two batch sizes give ``line_i``, and ``peak(b) = max_i line_i(b)`` wherever the peak of
+    the step falls: at batch 1 it may be the optimizer step, at batch 10 the start of the
+    backward through a large vocabulary's logits. Exact when every tensor's size is affine in
+    the batch; refused when the two steps did not run the same number of operators.
+
+    Attributes:
+        fixed: each operator's line at batch 0.
+        per_sample: each operator's bytes per sample.
+    """
+
+    fixed: Tuple[int, ...]
+    per_sample: Tuple[int, ...]
+
+    @classmethod
+    def fit(
+        cls,
+        first: Tuple[int, Sequence[int]],
+        second: Tuple[int, Sequence[int]],
+        operators: Optional[Tuple[Sequence[object], Sequence[object]]] = None,
+    ) -> "OperatorMemoryEstimate":
+        """Lines through two ``(batch_size, timeline)`` measurements.
+
+        Args:
+            first: a batch size and the live bytes after each operator of its step.
+            second: the same at another batch size.
+            operators: the two steps' operators, when known, which must be the same.
+
+        Raises:
+            ValueError: when the batch sizes are equal or the steps ran different operators.
+        """
+        (b1, t1), (b2, t2) = first, second
+        same = len(t1) == len(t2) and (operators is None or list(operators[0]) == list(operators[1]))
+        if b1 == b2 or not same or not t1:
+            raise ValueError(
+                f"operator lines need two batch sizes with the same operators, got batch {b1} with "
+                f"{len(t1)} operators and batch {b2} with {len(t2)}"
+            )
+        per_sample = tuple(int(round((y2 - y1) / (b2 - b1))) for y1, y2 in zip(t1, t2))
+        fixed = tuple(int(y1 - s * b1) for y1, s in zip(t1, per_sample))
+        return cls(fixed, per_sample)
+
+    def peak_bytes(self, batch_size: int) -> int:
+        return max(f + s * batch_size for f, s in zip(self.fixed, self.per_sample))
+
+    def max_batch_size(self, budget_bytes: int) -> Optional[int]:
+        """Largest batch whose every operator is predicted within ``budget_bytes``; ``None``
+        when nothing grows with the batch and all fits."""
+        bound: Optional[int] = None
+        for f, s in zip(self.fixed, self.per_sample):
+            if s > 0:
+                here = max(0, math.floor((budget_bytes - f) / s))
+            elif f > budget_bytes:
+                here = 0
+            else:
+                continue
+            bound = here if bound is None else min(bound, here)
+        return bound
+
+    def _binding(self, batch_size: int) -> int:
+        return max(range(len(self.fixed)), key=lambda i: self.fixed[i] + self.per_sample[i] * batch_size)
+
+    def line_at(self, batch_size: int) -> LinearMemoryEstimate:
+        """The line of the operator whose memory is highest at ``batch_size``."""
+        i = self._binding(batch_size)
+        return LinearMemoryEstimate(self.fixed[i], self.per_sample[i])
+
+    def to_dict(self, batch_size: int = 1) -> dict:
+        line = self.line_at(batch_size)
+        return {
+            "fixed_bytes": line.fixed_bytes,
+            "bytes_per_sample": line.bytes_per_sample,
+            "operators": len(self.fixed),
+            "binding_operator": self._binding(batch_size),
+        }

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 from adaptive_batch.memory import DeviceCapacity, format_bytes
 from adaptive_batch.search import SearchResult, search_max_batch_size
 from adaptive_batch.snapshot import TrainingStateSnapshot
-from adaptive_batch.tracker import live_tensor_bytes, measure_phase_peaks
+from adaptive_batch.tracker import live_tensor_bytes, measure_phase_peaks, StepMemory
 from adaptive_batch.oom import release_memory
 
 PROBE_FILENAME = "batch_probe.json"
@@ -128,7 +128,8 @@ def probe_max_batch_size(
 
     Each trial builds a batch with ``make_batch(b)`` and runs ``train_step(batch)`` (forward,
     loss, backward, optimizer step, zero grad) while measuring the peak of each phase of the
-    step; the estimate is a line per phase. Model, optimizer, LR
+    step and, on CPU, its memory after each operator; the estimate is a line per operator (per
+    phase where operators are not measured). Model, optimizer, LR
     scheduler and RNG state are saved before the first trial and restored after the last, also
     when a trial raises.
 
@@ -153,7 +154,7 @@ def probe_max_batch_size(
         BatchSizeTooLargeError: when batch size 1 does not fit.
     """
 
-    def run_trial(batch_size: int) -> Dict[str, int]:
+    def run_trial(batch_size: int) -> StepMemory:
         batch = make_batch(batch_size)
         baseline = list(_state_tensors(model, optimizer)) + [
             t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)
@@ -218,7 +219,7 @@ def describe_result(result: SearchResult, budget: MemoryBudget) -> str:
     predicted = result.predicted_max_batch_size
     return (
         f"use_maximum_batch_size: largest batch that fits is {result.max_batch_size} "
-        f"(linear estimate predicted {predicted}), budget {format_bytes(budget.budget_bytes)} "
+        f"(estimate predicted {predicted}), budget {format_bytes(budget.budget_bytes)} "
         f"= {format_bytes(budget.limit_bytes)} from {budget.source} less a "
         f"{budget.safety_margin:.0%} safety margin; {result.num_trials} trial steps in "
         f"{result.total_seconds:.1f}s"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from adaptive_batch.growth import BatchIncreaseFunction, call_batch_increase_function, function_name
 from adaptive_batch.memory import parse_memory
 from adaptive_batch.oom import is_oom_error, release_memory
-from adaptive_batch.tracker import STEP_PHASES
+from adaptive_batch.tracker import STEP_PHASES, StepMemory
 
 MAX_MEMORY_ENV = "ADAPTIVE_BATCH_MAX_MEMORY"
 
@@ -194,7 +194,7 @@ class LockstepTrial:
         self.common_budget_bytes = common_budget_bytes
         self.trials: List[RankTrial] = []
 
-    def __call__(self, batch_size: int) -> Union[int, Dict[str, int]]:
+    def __call__(self, batch_size: int) -> Union[int, Dict[str, int], StepMemory]:
         """Runs the trial on this rank; returns the peak every rank agrees on.
 
         That is ``common_budget_bytes`` plus the largest overshoot of any rank over its own
@@ -215,6 +215,11 @@ class LockstepTrial:
             failure = str(exc).splitlines()[0]
         if failure is not None:
             release_memory()
+        if isinstance(measured, StepMemory):
+            if not self.ranks.distributed:
+                self.trials.append(RankTrial(batch_size, measured.peak_bytes, False, measured.peak_bytes <= self.budget_bytes))
+                return measured  # one rank: its own measurement, timeline and all
+            measured = measured.phase_peak_bytes  # ranks agree on phases; each has its own timeline
         phases = dict(measured) if isinstance(measured, Mapping) else {}
         peak = None if measured is None else (max(phases.values()) if phases else int(measured))
         if peak is None:

@@ -11,9 +11,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Union
 
-from adaptive_batch.estimator import LinearMemoryEstimate, PhaseMemoryEstimate
+from adaptive_batch.estimator import LinearMemoryEstimate, OperatorMemoryEstimate, PhaseMemoryEstimate
 from adaptive_batch.memory import format_bytes
 from adaptive_batch.oom import is_oom_error, release_memory
+from adaptive_batch.tracker import StepMemory
 
 ROUNDING_MODES = ("none", "power_of_two")
 
@@ -64,7 +65,7 @@ class Trial:
     phase_peak_bytes: Optional[Dict[str, int]] = None
 
 
-Estimate = Union[LinearMemoryEstimate, PhaseMemoryEstimate]
+Estimate = Union[LinearMemoryEstimate, PhaseMemoryEstimate, OperatorMemoryEstimate]
 
 
 @dataclass
@@ -83,7 +84,12 @@ class SearchResult:
         return len(self.trials)
 
     def to_dict(self) -> dict:
-        estimate = self.estimate.to_dict() if self.estimate is not None else {}
+        estimate = {}
+        if isinstance(self.estimate, OperatorMemoryEstimate):
+            estimate = self.estimate.to_dict(self.predicted_max_batch_size or 1)
+        elif self.estimate is not None:
+            estimate = self.estimate.to_dict()
+        estimate["kind"] = _ESTIMATE_KINDS.get(type(self.estimate))
         estimate["predicted_max_batch_size"] = self.predicted_max_batch_size
         return {
             "max_batch_size": self.max_batch_size,
@@ -92,6 +98,9 @@ class SearchResult:
             "trials": [asdict(t) for t in self.trials],
             "total_seconds": self.total_seconds,
         }
+
+
+_ESTIMATE_KINDS = {LinearMemoryEstimate: "step", PhaseMemoryEstimate: "phases", OperatorMemoryEstimate: "operators"}
 
 
 def round_batch_size(batch_size: int, mode: str) -> int:
@@ -128,15 +137,17 @@ def search_max_batch_size(
 ) -> SearchResult:
     """Finds the largest batch size whose step fits in ``budget_bytes``.
 
-    Steps at batch sizes 1 and 2 fit ``peak(b) = fixed + per_sample * b``, one line per phase of
-    the step when ``run_trial`` measures phases (the step's peak is the largest phase's); the
+    Steps at batch sizes 1 and 2 fit ``peak(b) = fixed + per_sample * b``: one line per operator
+    of the step when ``run_trial`` gives the step's memory after each operator, else one line per
+    phase when it gives phases, else one line (the step's peak is the largest line's); the
     predicted largest size is tried, then its neighbour; if the prediction was off, the search
     gallops (steps 1, 2, 4, ...) away from it until the answer is bracketed, then bisects.
 
     Args:
-        run_trial: runs one real step at a batch size and returns its peak bytes, or the peak
-            of each of its phases (``{"forward": ..., "backward": ..., "optimizer": ...}``);
-            raises an out-of-memory error when the step cannot allocate.
+        run_trial: runs one real step at a batch size and returns its peak bytes, the peak
+            of each of its phases (``{"forward": ..., "backward": ..., "optimizer": ...}``),
+            or a :class:`StepMemory` (phases and the memory after each operator); raises an
+            out-of-memory error when the step cannot allocate.
         budget_bytes: the most a step's peak may be.
         max_batch_size: the largest size worth trying (e.g. the dataset size); ``None``: no cap.
         warmup: run one step at batch 1 first and leave it out of the estimate, so one-time
@@ -161,6 +172,7 @@ def search_max_batch_size(
     trials: List[Trial] = []
     lo = 0  # largest size seen to fit
     hi: Optional[int] = None  # smallest size seen to fail
+    steps: Dict[int, StepMemory] = {}  # the estimate steps' memory after each operator
 
     def run(batch_size: int, phase: str) -> bool:
         nonlocal lo, hi
@@ -181,6 +193,10 @@ def search_max_batch_size(
             oom = True
         if oom:
             release()
+        elif isinstance(measured, StepMemory):
+            phases, peak = dict(measured.phase_peak_bytes), measured.peak_bytes
+            if phase == "estimate" and measured.timeline:
+                steps[batch_size] = measured
         elif isinstance(measured, Mapping):
             phases = {name: int(value) for name, value in measured.items()}
             peak = max(phases.values())
@@ -218,11 +234,14 @@ def search_max_batch_size(
     if max_batch_size == 1 or not run(2, "estimate"):
         return result(None, None)
 
-    measured = [t for t in trials if t.phase == "estimate"]
-    if all(t.phase_peak_bytes for t in measured):
-        estimate: Estimate = PhaseMemoryEstimate.fit([(t.batch_size, t.phase_peak_bytes) for t in measured])
-    else:
-        estimate = LinearMemoryEstimate.fit([(t.batch_size, t.peak_bytes) for t in measured])
+    if len(steps) == 2 and not _same_operators(steps[1], steps[2]) and max_batch_size != 2:
+        # Batch 1 often runs other operators (a view where larger batches copy): measure at 3.
+        if log is not None:
+            log("probe: batch 1 and 2 ran different operators; one more estimate step at batch 3")
+        if not run(3, "estimate"):
+            return result(None, None)
+        del steps[1]
+    estimate = _fit_estimate([t for t in trials if t.phase == "estimate"], steps)
     predicted = estimate.max_batch_size(budget_bytes)
     if predicted is not None and max_batch_size is not None:
         predicted = min(predicted, max_batch_size)
@@ -279,3 +298,20 @@ def search_max_batch_size(
             candidate = clamp(hi - step)
             step *= 2
     return result(estimate, predicted)
+
+
+def _same_operators(a: StepMemory, b: StepMemory) -> bool:
+    return a.operators is not None and b.operators is not None and a.operators == b.operators
+
+
+def _fit_estimate(measured: List[Trial], steps: Dict[int, StepMemory]) -> Estimate:
+    """The most detailed estimate the measurements allow: per operator, per phase, per step."""
+    if len(steps) == 2:
+        (b1, s1), (b2, s2) = sorted(steps.items())
+        try:
+            return OperatorMemoryEstimate.fit((b1, s1.timeline), (b2, s2.timeline), (s1.operators, s2.operators))
+        except ValueError:
+            pass  # the two steps ran different operators
+    if all(t.phase_peak_bytes for t in measured):
+        return PhaseMemoryEstimate.fit([(t.batch_size, t.phase_peak_bytes) for t in measured])
+    return LinearMemoryEstimate.fit([(t.batch_size, t.peak_bytes) for t in measured])

@@ -9,7 +9,8 @@ keeps the failed step's tensors, and every later trial then fails).
 
 import contextlib
 import weakref
-from typing import Callable, Dict, Iterable, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -50,6 +51,9 @@ class LiveTensorCounter(TorchDispatchMode):
         self.peak_bytes = 0
         self.phase = STEP_PHASES[0]
         self.phase_peak_bytes: Dict[str, int] = {}
+        # Live bytes right after each operator's outputs exist: the step's memory over time.
+        self.timeline: List[int] = []
+        self.operators: List[object] = []
         self._refs: Dict[int, weakref.ref] = {}
         for t in baseline:
             self._track(t)
@@ -84,6 +88,8 @@ class LiveTensorCounter(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._track(leaf)
+        self.timeline.append(self.live_bytes)
+        self.operators.append(func)
         return out
 
 
@@ -115,6 +121,27 @@ def measure_peak_bytes(
     with counter:
         fn()
     return counter.peak_bytes
+
+
+@dataclass
+class StepMemory:
+    """What one measured training step held.
+
+    Attributes:
+        phase_peak_bytes: the peak of each phase that ran (see :data:`STEP_PHASES`).
+        timeline: on CPU, the live bytes after each operator of the step, in order; the same
+            step at another batch size usually runs the same operators, and then two timelines
+            give a line per operator (:class:`~adaptive_batch.estimator.OperatorMemoryEstimate`).
+        operators: the operators the timeline follows, to check that two steps ran the same.
+    """
+
+    phase_peak_bytes: Dict[str, int]
+    timeline: Optional[List[int]] = field(default=None, repr=False)
+    operators: Optional[List[object]] = field(default=None, repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.phase_peak_bytes.values())
 
 
 # A training step's phases, in order: the model's forward; the loss and backward; the optimizer
@@ -169,8 +196,9 @@ def measure_phase_peaks(
     *,
     model: Optional[nn.Module] = None,
     optimizer: Optional[torch.optim.Optimizer] = None,
-) -> Dict[str, int]:
-    """Runs one training step and returns the peak bytes of each of its :data:`STEP_PHASES`.
+) -> StepMemory:
+    """Runs one training step and returns the peak bytes of each of its :data:`STEP_PHASES`
+    (and, on CPU, the step's memory after each operator).
 
     The forward starts and ends with ``model``'s forward; the backward phase holds the loss and
     the backward; the optimizer phase starts with ``optimizer.step()``. At small batches the
@@ -186,7 +214,8 @@ def measure_phase_peaks(
         optimizer: the optimizer the step steps.
 
     Returns:
-        Peak bytes per phase that ran, baseline included; the step's peak is their maximum.
+        Peak bytes per phase that ran, baseline included (the step's peak is their maximum),
+        and the timeline on CPU.
 
     Raises:
         Whatever ``fn`` raises, out-of-memory errors included.
@@ -196,11 +225,11 @@ def measure_phase_peaks(
         with _phase_hooks(model, optimizer, phases.start_phase):
             fn()
         phases.close()
-        return dict(phases.phase_peak_bytes)
+        return StepMemory(dict(phases.phase_peak_bytes))
     counter = LiveTensorCounter(baseline, device_type=device.type)
     with _phase_hooks(model, optimizer, counter.start_phase), counter:
         fn()
-    return dict(counter.phase_peak_bytes)
+    return StepMemory(dict(counter.phase_peak_bytes), counter.timeline, counter.operators)
 
 
 def reset_peak_rss() -> bool:

@@ -168,7 +168,7 @@ def test_result_serialises_with_every_trial():
     step = LinearStep(fixed=1_000, per_sample=100)
     d = search_max_batch_size(step, budget_bytes=3_000, release=no_release).to_dict()
     assert d["max_batch_size"] == 20
-    assert d["estimate"] == {"fixed_bytes": 1_000, "bytes_per_sample": 100, "predicted_max_batch_size": 20}
+    assert d["estimate"] == {"fixed_bytes": 1_000, "bytes_per_sample": 100, "kind": "step", "predicted_max_batch_size": 20}
     assert {"batch_size", "fits", "peak_bytes", "seconds"} <= set(d["trials"][0])
 
 
@@ -194,3 +194,49 @@ def test_powers_of_two():
 
     assert powers_of_two(0) == [] and powers_of_two(1) == [1]
     assert powers_of_two(8) == [1, 2, 4, 8] and powers_of_two(15) == [1, 2, 4, 8]
+
+
+class StepWithOperators:
+    """A fake step whose memory after each operator is affine in the batch; at batch 1 one
+    operator is a view where larger batches copy (as a reshape of a non-contiguous tensor is)."""
+
+    def __init__(self, oom_above=None):
+        self.oom_above, self.calls = oom_above, []
+
+    def timeline(self, b):
+        # embedding optimizer temporaries (flat, 1_300), logits (400 a sample), the copy
+        return [200 + 10 * b, 250 + 400 * b, 1_300] + ([] if b == 1 else [260 + 400 * b])
+
+    def __call__(self, b):
+        from adaptive_batch.tracker import StepMemory
+
+        self.calls.append(b)
+        if self.oom_above is not None and b > self.oom_above:
+            raise RuntimeError(CPU_OOM)
+        line = self.timeline(b)
+        ops = ["mm", "logits", "adamw"] + ([] if b == 1 else ["clone"])
+        return StepMemory({"forward": max(line[:2]), "backward": max([line[1]] + line[3:]), "optimizer": line[2]}, line, ops)
+
+
+def test_operator_lines_land_on_the_answer_with_one_failure_and_batch_three_when_one_differs():
+    step = StepWithOperators()
+    lines = []
+    result = search_max_batch_size(step, budget_bytes=3_000, release=no_release, log=lines.append)
+    # 260 + 400 * 6 = 2_660 fits, 7 gives 3_060
+    assert step.calls == [1, 1, 2, 3, 6, 7]
+    assert result.max_batch_size == result.predicted_max_batch_size == 6
+    assert sum(not t.fits for t in result.trials) == 1
+    assert "batch 1 and 2 ran different operators" in " ".join(lines)
+    d = result.to_dict()
+    assert d["estimate"]["kind"] == "operators" and d["estimate"]["bytes_per_sample"] == 400
+    assert d["trials"][1]["phase_peak_bytes"] == {"forward": 650, "backward": 650, "optimizer": 1_300}
+
+
+def test_phase_lines_where_a_step_gives_phases_only():
+    def step(b):
+        return {"forward": 300 + 160 * b, "backward": 700 + 300 * b, "optimizer": 1_300}
+
+    result = search_max_batch_size(step, budget_bytes=3_000, release=no_release)
+    assert result.predicted_max_batch_size == result.max_batch_size == 7
+    assert result.to_dict()["estimate"]["kind"] == "phases"
+    assert [t.batch_size for t in result.trials] == [1, 1, 2, 7, 8]

@@ -1,3 +1,4 @@
+import pytest
 import gc
 
 import torch
@@ -67,3 +68,44 @@ def test_a_failed_step_leaves_nothing_alive(limited_address_space):
     gc.collect()
     assert counter.peak_bytes == 4 * 1024**2
     assert counter.live_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "vocab_size,tie",
+    [(259, False), (151_936, True)],  # the tiny config's byte vocabulary; Qwen2.5's, tied
+    ids=["vocab259", "vocab152k"],
+)
+def test_operator_lines_from_batch_2_and_3_predict_the_peak_at_8(vocab_size, tie):
+    from torchtune.models.qwen2 import qwen2
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    from adaptive_batch import worst_case_text_batch
+    from adaptive_batch.estimator import OperatorMemoryEstimate
+    from adaptive_batch.torchtune import next_token_loss
+    from adaptive_batch.tracker import measure_phase_peaks
+
+    torch.manual_seed(0)
+    model = qwen2(vocab_size=vocab_size, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64,
+                  intermediate_dim=128, max_seq_len=64, tie_word_embeddings=tie)
+    loss_fn = CEWithChunkedOutputLoss()
+    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=False)
+
+    def measure(b):
+        batch = worst_case_text_batch(b, seq_len=64, vocab_size=vocab_size, device=torch.device("cpu"))
+
+        def step():
+            next_token_loss(model, loss_fn, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        state = [t for t in list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values()]
+                 if isinstance(t, torch.Tensor)]
+        return measure_phase_peaks(step, torch.device("cpu"), state + list(batch.values()), model=model, optimizer=optimizer)
+
+    measure(1)  # the optimizer state exists from here on
+    two, three, eight = measure(2), measure(3), measure(8)
+    assert set(eight.phase_peak_bytes) == {"forward", "backward", "optimizer"}
+    assert eight.peak_bytes == max(eight.phase_peak_bytes.values()) and max(eight.timeline) <= eight.peak_bytes
+    lines = OperatorMemoryEstimate.fit((2, two.timeline), (3, three.timeline), (two.operators, three.operators))
+    assert abs(lines.peak_bytes(8) - eight.peak_bytes) / eight.peak_bytes < 0.01
