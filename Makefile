@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test test-fast bench bench-plan venv clean
+.PHONY: run run-distributed test test-fast bench bench-plan bench-estimate venv clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,9 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
 	$(BIN)/python benchmarks/bench_probe.py $(ARGS)
+
+bench-estimate: $(STAMP)
+	$(BIN)/python benchmarks/bench_estimate.py $(ARGS)
 
 bench-plan: $(STAMP)
 	$(BIN)/python benchmarks/bench_plan.py $(ARGS)

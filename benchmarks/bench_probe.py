@@ -42,7 +42,7 @@ def _setup(seed: int = 0):
 
     import adaptive_batch as ab
 
-    cfg = OmegaConf.load(CONFIG)
+    cfg = OmegaConf.load(os.environ.get("BENCH_PROBE_CONFIG", CONFIG))
     torch.manual_seed(seed)
     model = config.instantiate(cfg.model)
     loss_fn = config.instantiate(cfg.loss)
@@ -93,7 +93,15 @@ def _run_ours(headroom: int, margin: float) -> dict:
             train_step=train_step, make_batch=make_batch, model=model, optimizer=opt,
             device=torch.device("cpu"), budget_bytes=budget.budget_bytes, snapshot_dir=d,
         )
-    return {"found": result.max_batch_size, "trial_steps": result.num_trials}
+    search = [t for t in result.trials if t.phase == "search"]
+    return {
+        "found": result.max_batch_size,
+        "trial_steps": result.num_trials,
+        "predicted": result.predicted_max_batch_size,
+        "first_search": search[0].batch_size if search else None,
+        "failed_trials": sum(not t.fits for t in result.trials),
+        "estimate": type(result.estimate).__name__,
+    }
 
 
 def _run_lightning(headroom: int, mode: str) -> dict:
@@ -195,7 +203,7 @@ def _spawn(args, worker_name, batch_size=0) -> dict:
         sys.executable, __file__, "--worker", worker_name, "--headroom", str(args.headroom),
         "--batch-size", str(batch_size), "--truth-steps", str(args.truth_steps),
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), BENCH_PROBE_CONFIG=str(args.config))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     m = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
     if not m:
@@ -222,27 +230,32 @@ def render(rows, truth, args) -> str:
     lightning_bin = next((r for r in rows if r["method"] == "lightning_binsearch"), None)
     lines = [
         f"Headroom {format_bytes(args.headroom)} of address space over each process's size "
-        f"(RLIMIT_AS), tiny config (Llama-3.2 architecture, 4 layers, dim 256), seq_len 256, "
+        f"(RLIMIT_AS), `{Path(args.config).relative_to(REPO)}` ({args.describe}), seq_len 256, "
         f"AdamW, fp32, CPU. True max: **{truth}** (largest batch that trains "
         f"{args.truth_steps} full-length steps in a fresh process under the limit).",
         "",
-        "| method | found batch | found/true | trial steps | steps vs Lightning binsearch | seconds |",
-        "|---|---|---|---|---|---|",
+        "| method | predicted | first search trial | found batch | found/true | trial steps | failed trials "
+        "| steps vs Lightning binsearch | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs = f"{r['trial_steps'] / lightning_bin['trial_steps']:.2f}" if lightning_bin else "-"
         lines.append(
-            f"| {r['method']} | {r['found']} | {r['found'] / truth:.3f} | {r['trial_steps']} "
-            f"| {vs} | {r['seconds']:.1f} |"
+            f"| {r['method']} | {r.get('predicted', '-')} | {r.get('first_search', '-')} | {r['found']} "
+            f"| {r['found'] / truth:.3f} | {r['trial_steps']} | {r.get('failed_trials', '-')} | {vs} "
+            f"| {r['seconds']:.1f} |"
         )
-    lines += ["", f"Made by `python benchmarks/bench_probe.py --headroom {args.headroom_text}` "
-              f"on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores."]
+    config_arg = "" if Path(args.config) == CONFIG else f" --config {Path(args.config).relative_to(REPO)}"
+    lines += ["", f"Made by `python benchmarks/bench_probe.py --headroom {args.headroom_text}{config_arg}` "
+              f"on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores. Failed trials: out of memory or "
+              "over the budget; ours counts only its own trials, the peers report found sizes and steps."]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--headroom", default="1.5GiB")
+    parser.add_argument("--config", default=str(CONFIG), help="a single-device config (default: the tiny one)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--truth-steps", type=int, default=3)
     parser.add_argument("--no-readme", action="store_true")
@@ -255,6 +268,14 @@ def main() -> None:
         return
     args.headroom_text = args.headroom
     args.headroom = _parse_size(args.headroom)
+    args.config = str(Path(args.config).resolve())
+    from omegaconf import OmegaConf
+
+    model = OmegaConf.load(args.config).model
+    args.describe = (
+        f"{model._component_.rsplit('.', 1)[-1]} architecture, {model.num_layers} layers, dim {model.embed_dim}, "
+        f"vocabulary {model.vocab_size:,}"
+    )
     rows = []
     for method in args.methods.split(","):
         out = _spawn(args, method)
@@ -266,7 +287,8 @@ def main() -> None:
     table = render(rows, truth, args)
     print(table)
     if not args.no_readme:
-        write_readme_table("bench_probe", table)
+        name = "bench_probe" if Path(args.config) == CONFIG else f"bench_probe_{Path(args.config).stem}"
+        write_readme_table(name, table)
 
 
 if __name__ == "__main__":

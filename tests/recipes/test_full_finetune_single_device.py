@@ -78,7 +78,13 @@ def test_probe_result_is_logged_written_and_used(probed_run):
     trials = {t["batch_size"]: t for t in report["trials"] if t["phase"] != "warmup"}
     assert trials[found]["fits"] and trials[found]["peak_bytes"] <= report["budget_bytes"]
     assert not trials[found + 1]["fits"] and trials[found + 1]["peak_bytes"] > report["budget_bytes"]
-    assert set(report["estimate"]) == {"fixed_bytes", "bytes_per_sample", "predicted_max_batch_size"}
+    assert set(report["estimate"]) == {
+        "fixed_bytes", "bytes_per_sample", "predicted_max_batch_size", "kind", "operators", "binding_operator"
+    }
+    # the byte vocabulary's batch 1 runs other operators than batch 2: lines from batch 2 and 3
+    assert report["estimate"]["kind"] == "operators" and report["estimate"]["predicted_max_batch_size"] == found
+    assert [t["batch_size"] for t in report["trials"]] == [1, 1, 2, 3, found, found + 1]
+    assert {"forward", "backward", "optimizer"} == set(report["trials"][2]["phase_peak_bytes"])
     assert f"training with batch_size={found}" in proc.stderr + proc.stdout
     rows = read_metric_log(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -167,3 +173,26 @@ def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     assert f"using the probed batch_size={found} from the recipe state" in resumed.stderr
     assert "probe trial" not in resumed.stderr
     assert not (tmp_path / "batch_probe.json").exists()
+
+
+@pytest.mark.slow
+def test_real_vocabulary_under_a_real_limit_first_trial_on_the_answer_one_failure(tmp_path):
+    """Qwen2.5's 151,936-token vocabulary, tied: at batch 1-2 the optimizer step over the
+    embedding sets the peak, so one line through step peaks predicted twice the answer and the
+    search ran out of memory 5 times before finding it. Operator lines start on it."""
+    config = "configs/tiny/qwen2_5_vocab152k_full_single_device.yaml"
+    proc = run_tune(
+        tmp_path, "use_maximum_batch_size=True", "retry_on_oom=False", "probe_cache=False",
+        config=config, headroom_bytes=int(2.7 * 2**30),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "batch_probe.json").read_text())
+    found = report["max_batch_size"]
+    search = [t for t in report["trials"] if t["phase"] == "search"]
+    assert report["estimate"]["kind"] == "operators" and found >= 3
+    assert abs(report["estimate"]["predicted_max_batch_size"] - found) <= 1
+    assert abs(search[0]["batch_size"] - found) <= 1
+    assert sum(not t["fits"] for t in report["trials"]) <= 1
+    # the found batch then trains under the same limit, with no split steps
+    rows = read_metric_log(tmp_path)
+    assert [r["batch_size"] for r in rows] == [found] * 3 and all(r["oom_retries"] == 0 for r in rows)
