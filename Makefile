@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test test-fast bench bench-plan bench-estimate venv clean
+.PHONY: run run-distributed test test-fast test-unit bench bench-plan bench-estimate venv clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,10 @@ test: $(STAMP)
 # Without the tests that need processes of their own (real memory limits, torchrun, an install).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The library's unit tests alone (tests/adaptive_batch), in-process.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/adaptive_batch -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
