@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from adaptive_batch.estimator import LinearMemoryEstimate
-from adaptive_batch.search import powers_of_two
+from adaptive_batch.search import BatchSizeTooLargeError, powers_of_two, search_max_batch_size
 
 # MemTracker's categories, as the table names them; temporaries of backward count as activations.
 CATEGORIES = {
@@ -56,11 +56,13 @@ class MemoryPlan:
 
     Attributes:
         seq_len: the sequence length every sample was planned at.
-        measured: the fake-measured steps the line goes through.
-        estimate: the line ``peak(b) = fixed + per_sample * b``.
+        measured: every fake-measured step (batch 1 and 2, and the search's), by batch size.
+        estimate: the line ``peak(b) = fixed + per_sample * b`` through batch 1 and 2: where the
+            search starts, and the table's rows between measured steps.
         device_memory_bytes: the memory planned for, or ``None``.
         budget_bytes: that memory less the safety margin, or ``None``.
-        max_batch_size: the largest batch within the budget (``None`` without a budget).
+        max_batch_size: the largest batch whose own fake step is within the budget, the size
+            above it over (or the cap); ``None`` without a budget, 0 when batch 1 is over.
         rows: predicted peaks for the table's batch sizes.
         seconds: how long planning took.
     """
@@ -175,21 +177,27 @@ def plan_memory(
             tokens = torch.zeros(b, seq_len, dtype=torch.long)
             return {"tokens": tokens, "labels": torch.zeros(b, seq_len, dtype=torch.long)}
 
+        def step(b: int) -> PlanRow:
+            return fake_step_peak(model, optimizer, forward_backward, batch(b))
+
         # The first step creates the optimizer state: later steps are the steady state.
-        fake_step_peak(model, optimizer, forward_backward, batch(1))
-        measured = [fake_step_peak(model, optimizer, forward_backward, batch(b)) for b in (1, 2)]
-    estimate = LinearMemoryEstimate.fit([(r.batch_size, r.peak_bytes) for r in measured])
+        step(1)
+        measured = {b: step(b) for b in (1, 2)}
+    estimate = LinearMemoryEstimate.fit([(r.batch_size, r.peak_bytes) for r in measured.values()])
 
     budget = None if device_memory_bytes is None else int(device_memory_bytes * (1 - safety_margin))
-    best = None if budget is None else estimate.max_batch_size(budget)
-    if best is not None and max_batch_size is not None:
-        best = min(best, max_batch_size)
+    best = None
+    if budget is not None:
+        best = _search_in_fake_steps(step, measured, fake_mode, budget, max_batch_size)
     if table_batch_sizes is None:
         table_batch_sizes = _default_table(best)
-    rows = [_predict_row(measured, b) for b in sorted(set(table_batch_sizes) | ({best} if best else set()))]
+    rows = [
+        measured.get(b) or _predict_row(measured[1], measured[2], b)
+        for b in sorted(set(table_batch_sizes) | ({best} if best else set()))
+    ]
     return MemoryPlan(
         seq_len=seq_len,
-        measured=measured,
+        measured=[measured[b] for b in sorted(measured)],
         estimate=estimate,
         device_memory_bytes=device_memory_bytes,
         budget_bytes=budget,
@@ -199,9 +207,35 @@ def plan_memory(
     )
 
 
-def _predict_row(measured: List[PlanRow], batch_size: int) -> PlanRow:
-    """Each category on its own line through the two measured steps."""
-    one, two = measured
+def _search_in_fake_steps(
+    step: Callable[[int], PlanRow],
+    measured: Dict[int, PlanRow],
+    fake_mode: FakeTensorMode,
+    budget: int,
+    max_batch_size: Optional[int],
+) -> int:
+    """The probe's search, over fake steps: the line through batch 1 and 2 is where it starts,
+    never the answer, which is a batch whose own fake step was within the budget. (On a large
+    vocabulary the optimizer step sets the peak at batch 1 and 2, the line is nearly flat, and
+    answering with it overstated the batch.)"""
+
+    def run_trial(b: int) -> int:
+        if b not in measured:
+            with fake_mode:
+                measured[b] = step(b)
+        return measured[b].peak_bytes
+
+    try:
+        result = search_max_batch_size(
+            run_trial, budget_bytes=budget, max_batch_size=max_batch_size, warmup=False, release=lambda: None
+        )
+    except BatchSizeTooLargeError:
+        return 0
+    return result.max_batch_size
+
+
+def _predict_row(one: PlanRow, two: PlanRow, batch_size: int) -> PlanRow:
+    """Each category on its own line through the steps at batch 1 and 2."""
     categories = {
         name: one.categories[name] + (two.categories[name] - one.categories[name]) * (batch_size - 1)
         for name in CATEGORY_ORDER

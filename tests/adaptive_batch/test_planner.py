@@ -116,3 +116,53 @@ def test_bad_arguments():
         plan_memory(**parts, seq_len=0)
     with pytest.raises(ValueError, match="safety_margin=1.0"):
         plan_memory(**parts, seq_len=SEQ, safety_margin=1.0)
+
+
+def test_real_vocabulary_plan_answers_with_a_fake_step_within_the_budget():
+    """Qwen2.5's 151,936-token vocabulary, tied: at batch 1 and 2 the optimizer step over the
+    embedding sets the peak, so the line through them is nearly flat and overstated the batch.
+    The plan searches in fake steps, and its peak at the answer is the real step's."""
+    from torchtune.models.qwen2 import qwen2
+
+    from adaptive_batch import worst_case_text_batch
+    from adaptive_batch.tracker import measure_phase_peaks
+
+    def build():
+        return qwen2(vocab_size=151_936, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64,
+                     intermediate_dim=128, max_seq_len=64, tie_word_embeddings=True)
+
+    def set_chunks(model):
+        model.set_num_output_chunks(loss_fn.num_output_chunks)
+        return model
+
+    loss_fn = CEWithChunkedOutputLoss()
+    torch.manual_seed(0)
+    model = set_chunks(build())
+    optimizer = torch.optim.AdamW(model.parameters(), fused=False)
+
+    def real_peak(b):
+        batch = worst_case_text_batch(b, seq_len=64, vocab_size=151_936, device=torch.device("cpu"))
+
+        def step():
+            next_token_loss(model, loss_fn, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        state = list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return measure_phase_peaks(step, torch.device("cpu"), state + list(batch.values()), model=model, optimizer=optimizer).peak_bytes
+
+    real_peak(1)
+    six, seven = real_peak(6), real_peak(7)
+    budget = (six + seven) // 2
+    plan = plan_memory(
+        build_model=lambda: set_chunks(build()),
+        build_optimizer=lambda m: torch.optim.AdamW(m.parameters(), fused=False),
+        forward_backward=lambda m, b: next_token_loss(m, loss_fn, dict(b)).backward(),
+        seq_len=64,
+        device_memory_bytes=budget,
+    )
+    assert plan.estimate.max_batch_size(budget) > 7  # the line alone overstates it
+    assert plan.max_batch_size == 6
+    (row,) = [r for r in plan.measured if r.batch_size == 6]
+    assert abs(row.peak_bytes - six) / six < 0.03
+    assert any(r.batch_size == 7 and r.peak_bytes > budget for r in plan.measured)
