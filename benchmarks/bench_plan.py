@@ -21,6 +21,8 @@ from readme_table import write_readme_table
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("adaptive-batch"))
 TINY = ["configs/tiny/full_single_device.yaml", "configs/tiny/lora_single_device.yaml"]
+# A real vocabulary (151,936 tokens): batch 1 alone needs about 1 GiB.
+LARGE_VOCABULARY = {"configs/tiny/qwen2_5_vocab152k_full_single_device.yaml": ["1.5GiB", "2.5GiB", "4GiB"]}
 REAL = [
     "configs/llama3_2/1B_full_single_device.yaml",
     "configs/llama3_2/1B_lora_single_device.yaml",
@@ -64,14 +66,17 @@ def main():
         "|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as d:
-        for config in TINY:
-            for i, memory in enumerate(args.budgets):
+        runs = [(config, budgets) for config in TINY for budgets in [args.budgets]] + list(LARGE_VOCABULARY.items())
+        for config, budgets in runs:
+            for i, memory in enumerate(budgets):
                 planned, plan_s = plan(config, memory)
                 report, probe_s = probe(config, memory, f"{d}/{Path(config).stem}_{i}")
                 found = report["max_batch_size"]
                 measured = next(t["peak_bytes"] for t in report["trials"] if t["batch_size"] == found and t["fits"])
+                # the plan's own fake step at that batch where it ran one, else its table's line
+                steps = {r["batch_size"]: r["peak_bytes"] for r in planned["rows"] + planned["measured"]}
                 line = planned["estimate"]
-                predicted = line["fixed_bytes"] + line["bytes_per_sample"] * found
+                predicted = steps.get(found, line["fixed_bytes"] + line["bytes_per_sample"] * found)
                 lines.append(
                     f"| `{config}` | {memory} | {planned['max_batch_size']} | {found} "
                     f"| {(predicted - measured) / measured:+.2%} | {plan_s:.1f} | {probe_s:.1f} |"
