@@ -26,10 +26,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from adaptive_batch.memory import address_space_limit, device_capacity, parse_memory, return_freed_memory_to_os
-from adaptive_batch.probe import memory_budget, probe_max_batch_size, training_state_bytes
-from adaptive_batch.probing import default_safety_margin, MemorySpec
-from adaptive_batch.validation import check_fraction, check_positive_int, ConfigError
+from adaptive_batch.probe import probe_max_batch_size
+from adaptive_batch.probing import MemorySpec, ProbeOptions, step_budget
+from adaptive_batch.validation import check_fraction
 
 
 def find_max_batch_size(
@@ -70,26 +69,12 @@ def find_max_batch_size(
         ConfigError: for a bad ``max_memory``, ``safety_margin`` or ``max_batch_size``.
         BatchSizeTooLargeError: when batch 1 does not fit.
     """
-    check_positive_int("max_batch_size", max_batch_size, allow_none=True)
+    if safety_margin is not None:
+        check_fraction("safety_margin", safety_margin, "0.05 keeps 5% of the budget back")
+    options = ProbeOptions(max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size)
     if device is None:
         device = next(model.parameters()).device
-    if safety_margin is None:
-        safety_margin = default_safety_margin(device.type)
-    check_fraction("safety_margin", safety_margin, "0.05 keeps 5% of the budget back")
-    if device.type == "cpu" and address_space_limit() is not None:
-        # Otherwise glibc keeps freed blocks mapped, and they count against the limit.
-        return_freed_memory_to_os()
-    capacity = device_capacity(device)
-    try:
-        limit = parse_memory(max_memory, capacity_bytes=capacity.headroom_bytes)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    budget = memory_budget(
-        max_memory_bytes=limit,
-        capacity=capacity,
-        live_bytes=training_state_bytes(model, optimizer),
-        safety_margin=safety_margin,
-    )
+    budget, _ = step_budget(options, device=device, model=model, optimizer=optimizer)
     result = probe_max_batch_size(
         train_step=train_step,
         make_batch=make_batch,

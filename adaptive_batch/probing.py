@@ -13,10 +13,19 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Union
 import torch
 from torch import nn
 
-from adaptive_batch.memory import device_capacity, device_name, format_bytes, parse_memory
+from adaptive_batch.memory import (
+    address_space_limit,
+    device_capacity,
+    device_name,
+    DeviceCapacity,
+    format_bytes,
+    parse_memory,
+    return_freed_memory_to_os,
+)
 from adaptive_batch.probe import (
     describe_result,
     memory_budget,
+    MemoryBudget,
     PROBE_FILENAME,
     probe_max_batch_size,
     probe_report,
@@ -129,6 +138,32 @@ class ProbeOptions:
         return float(self.memory_safety_margin)
 
 
+def step_budget(
+    options: ProbeOptions,
+    *,
+    device: torch.device,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+) -> "tuple[MemoryBudget, DeviceCapacity]":
+    """The budget for a step's peak on ``device`` (``max_memory`` or the device, less the
+    margin), and the capacity it was read from.
+
+    Raises:
+        ConfigError: for a ``max_memory`` the device cannot give.
+    """
+    if device.type == "cpu" and address_space_limit() is not None:
+        # Otherwise glibc keeps freed blocks mapped, and they count against the limit.
+        return_freed_memory_to_os()
+    capacity = device_capacity(device)
+    budget = memory_budget(
+        max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes),
+        capacity=capacity,
+        live_bytes=training_state_bytes(model, optimizer),
+        safety_margin=options.safety_margin(device.type),
+    )
+    return budget, capacity
+
+
 def probe_batch_size(
     options: ProbeOptions,
     *,
@@ -169,13 +204,7 @@ def probe_batch_size(
         ConfigError: for a ``max_memory`` the device cannot give.
     """
     ranks = ranks or RankGroup(device)
-    capacity = device_capacity(device)
-    budget = memory_budget(
-        max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes),
-        capacity=capacity,
-        live_bytes=training_state_bytes(model, optimizer),
-        safety_margin=options.safety_margin(device.type),
-    )
+    budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
     # Every rank searches against the smallest budget; each measures against its own.
     rank_budgets = ranks.gather(budget.budget_bytes)
     common_budget = min(rank_budgets)
