@@ -198,6 +198,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 ckpt_dict[training.OPT_KEY] if self._resume_from_checkpoint else None
             ),
         )
+        # torchtune's checkpointer memory-maps the file: released here, not after setup, so the
+        # probe below measures the memory training will have.
+        del ckpt_dict
 
         self._loss_fn = config.instantiate(cfg.loss)
         if self._compile:
