@@ -21,8 +21,13 @@ from readme_table import write_readme_table
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("adaptive-batch"))
 TINY = ["configs/tiny/full_single_device.yaml", "configs/tiny/lora_single_device.yaml"]
-# A real vocabulary (151,936 tokens): batch 1 alone needs about 1 GiB.
-LARGE_VOCABULARY = {"configs/tiny/qwen2_5_vocab152k_full_single_device.yaml": ["1.5GiB", "2.5GiB", "4GiB"]}
+# Real vocabularies (Qwen2.5's 151,936 and Llama 3.2's 128,256 tokens): batch 1 alone needs
+# about 1 GiB with full finetuning.
+LARGE_VOCABULARY = {
+    "configs/tiny/qwen2_5_vocab152k_full_single_device.yaml": ["1.5GiB", "2.5GiB", "4GiB"],
+    "configs/tiny/qwen2_5_vocab152k_lora_single_device.yaml": ["1GiB", "2GiB", "3GiB"],
+    "configs/tiny/llama3_2_vocab128k_full_single_device.yaml": ["1.5GiB", "2.5GiB", "4GiB"],
+}
 REAL = [
     "configs/llama3_2/1B_full_single_device.yaml",
     "configs/llama3_2/1B_lora_single_device.yaml",
