@@ -110,6 +110,29 @@ def training_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optim
     return live_tensor_bytes(_state_tensors(model, optimizer))
 
 
+def measure_training_step(
+    train_step: Callable[[Any], None],
+    batch: Any,
+    *,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    device: torch.device,
+) -> StepMemory:
+    """Runs ``train_step(batch)`` once and measures it: the peak of each phase and, on CPU,
+    the memory after each operator, with the training state and the batch counted.
+
+    Raises:
+        Whatever the step raises, out-of-memory errors included (its gradients are dropped).
+    """
+    baseline = list(_state_tensors(model, optimizer)) + [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    try:
+        return measure_phase_peaks(lambda: train_step(batch), device, baseline, model=model, optimizer=optimizer)
+    finally:
+        # A step that failed half-way leaves gradients behind.
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+
+
 def probe_max_batch_size(
     *,
     train_step: Callable[[Any], None],
@@ -155,16 +178,7 @@ def probe_max_batch_size(
     """
 
     def run_trial(batch_size: int) -> StepMemory:
-        batch = make_batch(batch_size)
-        baseline = list(_state_tensors(model, optimizer)) + [
-            t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)
-        ]
-        try:
-            return measure_phase_peaks(lambda: train_step(batch), device, baseline, model=model, optimizer=optimizer)
-        finally:
-            # A step that failed half-way leaves gradients behind.
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
+        return measure_training_step(train_step, make_batch(batch_size), model=model, optimizer=optimizer, device=device)
 
     with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir):
         result = search_max_batch_size(

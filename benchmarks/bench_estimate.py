@@ -21,7 +21,7 @@ from torchtune import config
 import adaptive_batch as ab
 from adaptive_batch.estimator import OperatorMemoryEstimate, PhaseMemoryEstimate
 from adaptive_batch.torchtune import next_token_loss
-from adaptive_batch.tracker import measure_phase_peaks
+from adaptive_batch.probe import measure_training_step
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ["configs/tiny/full_single_device.yaml", "configs/tiny/qwen2_5_vocab152k_full_single_device.yaml"]
@@ -36,16 +36,14 @@ def measure_config(path: str, large: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)
     seq_len, vocab = cfg.tokenizer.max_seq_len, cfg.model.vocab_size
 
-    def measure(b: int) -> ab.tracker.StepMemory:
+    def step(batch) -> None:
+        next_token_loss(model, loss_fn, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def measure(b: int):
         batch = ab.worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab, device=torch.device("cpu"))
-
-        def step() -> None:
-            next_token_loss(model, loss_fn, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        state = list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return measure_phase_peaks(step, torch.device("cpu"), state + list(batch.values()), model=model, optimizer=optimizer)
+        return measure_training_step(step, batch, model=model, optimizer=optimizer, device=torch.device("cpu"))
 
     measure(1)  # warm-up: the optimizer state
     m = {b: measure(b) for b in (1, 2, 3, large)}

@@ -125,7 +125,7 @@ def test_real_vocabulary_plan_answers_with_a_fake_step_within_the_budget():
     from torchtune.models.qwen2 import qwen2
 
     from adaptive_batch import worst_case_text_batch
-    from adaptive_batch.tracker import measure_phase_peaks
+    from adaptive_batch.probe import measure_training_step
 
     def build():
         return qwen2(vocab_size=151_936, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64,
@@ -140,16 +140,14 @@ def test_real_vocabulary_plan_answers_with_a_fake_step_within_the_budget():
     model = set_chunks(build())
     optimizer = torch.optim.AdamW(model.parameters(), fused=False)
 
+    def step(batch):
+        next_token_loss(model, loss_fn, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     def real_peak(b):
         batch = worst_case_text_batch(b, seq_len=64, vocab_size=151_936, device=torch.device("cpu"))
-
-        def step():
-            next_token_loss(model, loss_fn, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        state = list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return measure_phase_peaks(step, torch.device("cpu"), state + list(batch.values()), model=model, optimizer=optimizer).peak_bytes
+        return measure_training_step(step, batch, model=model, optimizer=optimizer, device=torch.device("cpu")).peak_bytes
 
     real_peak(1)
     six, seven = real_peak(6), real_peak(7)

@@ -82,7 +82,7 @@ def test_operator_lines_from_batch_2_and_3_predict_the_peak_at_8(vocab_size, tie
     from adaptive_batch import worst_case_text_batch
     from adaptive_batch.estimator import OperatorMemoryEstimate
     from adaptive_batch.torchtune import next_token_loss
-    from adaptive_batch.tracker import measure_phase_peaks
+    from adaptive_batch.probe import measure_training_step
 
     torch.manual_seed(0)
     model = qwen2(vocab_size=vocab_size, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64,
@@ -91,17 +91,14 @@ def test_operator_lines_from_batch_2_and_3_predict_the_peak_at_8(vocab_size, tie
     model.set_num_output_chunks(loss_fn.num_output_chunks)
     optimizer = torch.optim.AdamW(model.parameters(), fused=False)
 
+    def step(batch):
+        next_token_loss(model, loss_fn, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     def measure(b):
         batch = worst_case_text_batch(b, seq_len=64, vocab_size=vocab_size, device=torch.device("cpu"))
-
-        def step():
-            next_token_loss(model, loss_fn, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        state = [t for t in list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values()]
-                 if isinstance(t, torch.Tensor)]
-        return measure_phase_peaks(step, torch.device("cpu"), state + list(batch.values()), model=model, optimizer=optimizer)
+        return measure_training_step(step, batch, model=model, optimizer=optimizer, device=torch.device("cpu"))
 
     measure(1)  # the optimizer state exists from here on
     two, three, eight = measure(2), measure(3), measure(8)
