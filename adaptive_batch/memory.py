@@ -6,10 +6,12 @@ the cgroup memory limit and the RAM the kernel reports available.
 """
 
 import ctypes
+import math
 import re
 import resource
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -30,6 +32,12 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+# No training step fits in less; a smaller byte count is a unit left out ("512" for "512MiB").
+MIN_MEMORY_BYTES = 1024**2
+# Without max_memory or a hard limit, the CPU budget leaves this much of the machine's RAM
+# (at least CPU_RESERVE_MIN_BYTES) to everything else running on it.
+CPU_RESERVE_FRACTION = 0.10
+CPU_RESERVE_MIN_BYTES = 1024**3
 
 MemorySpec = Union[int, float, str, None]
 
@@ -65,8 +73,9 @@ def parse_memory(
         The number of bytes, or ``None`` when ``value`` is ``None``.
 
     Raises:
-        ValueError: if the value cannot be parsed, is zero or negative, is a fraction without a
-            known capacity, or is larger than ``capacity_bytes``.
+        ValueError: if the value cannot be parsed, is not finite, is zero or negative, is under
+            1 MiB (a unit left out), is a fraction without a known capacity, or is larger than
+            ``capacity_bytes``.
     """
     if value is None:
         return None
@@ -75,6 +84,8 @@ def parse_memory(
         raise ValueError(f"{key}={value!r} is a boolean, not a memory size: {fix}.")
     fraction: Optional[float] = None
     num_bytes: Optional[float] = None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key}={value!r} is not a finite number: {fix}.")
     if isinstance(value, (int, float)):
         if value <= 0:
             raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
@@ -93,8 +104,12 @@ def parse_memory(
                 raise ValueError(f"{key}={value!r} must be a percentage in (0, 100]: {fix}.")
         elif size and size.group(2).lower() in _UNITS:
             number = float(size.group(1))
+            if not math.isfinite(number * _UNITS[size.group(2).lower()]):
+                raise ValueError(f"{key}={value!r} is not a finite size: {fix}.")
             if size.group(2) == "" and 0 < number <= 1 and "." in size.group(1):
                 fraction = number
+            elif size.group(2) == "" and not number.is_integer():
+                raise ValueError(f"{key}={value!r} is neither a fraction in (0, 1] nor whole bytes: {fix}.")
             else:
                 num_bytes = number * _UNITS[size.group(2).lower()]
         else:
@@ -103,6 +118,11 @@ def parse_memory(
             raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
     else:
         raise ValueError(f"{key}={value!r} has type {type(value).__name__}: {fix}.")
+    if num_bytes is not None and num_bytes < MIN_MEMORY_BYTES:
+        raise ValueError(
+            f"{key}={value!r} is {int(num_bytes)} bytes, too small for any training step: set {key} "
+            f"with a unit (e.g. '{value}GiB'), or to a fraction such as 0.8 for a share of the device."
+        )
 
     if fraction is not None:
         if capacity_bytes is None:
@@ -181,11 +201,11 @@ def _cgroup_headroom() -> Optional[int]:
     return None
 
 
-def _mem_available() -> Optional[int]:
+def _meminfo_bytes(field: str) -> Optional[int]:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -194,6 +214,9 @@ def _mem_available() -> Optional[int]:
 
 def cpu_capacity() -> DeviceCapacity:
     """Headroom of this process on the CPU: the tightest of its limits.
+
+    Those are the address-space limit, the cgroup's memory limit, and the RAM available less a
+    reserve for the rest of the machine (10% of RAM, at least 1 GiB).
 
     Raises:
         RuntimeError: if no limit can be read at all.
@@ -205,10 +228,13 @@ def cpu_capacity() -> DeviceCapacity:
         candidates.append((max(0, limit - vm_size), "RLIMIT_AS", True))
     cgroup = _cgroup_headroom()
     if cgroup is not None:
-        candidates.append((cgroup, "cgroup memory.max", True))
-    available = _mem_available()
+        # Crossing it wakes the cgroup's OOM killer: no allocation fails first.
+        candidates.append((cgroup, "cgroup memory.max", False))
+    available = _meminfo_bytes("MemAvailable")
     if available is not None:
-        candidates.append((available, "MemAvailable", False))
+        total = _meminfo_bytes("MemTotal") or available
+        reserve = max(CPU_RESERVE_MIN_BYTES, int(CPU_RESERVE_FRACTION * total))
+        candidates.append((max(0, available - reserve), "MemAvailable less a reserve", False))
     if not candidates:
         raise RuntimeError("cannot read any memory limit of this process: set max_memory explicitly.")
     headroom, source, hard = min(candidates, key=lambda c: c[0])
@@ -241,6 +267,29 @@ def device_capacity(device: torch.device) -> DeviceCapacity:
         f"device={device.type!r} has no memory backend here: use device=cpu or device=cuda, "
         "or set use_maximum_batch_size=False."
     )
+
+
+@contextmanager
+def address_space_limit_at(limit_bytes: int) -> Iterator[Optional[int]]:
+    """Holds this process to a soft ``RLIMIT_AS`` of ``limit_bytes`` inside the block.
+
+    An allocation past it fails with an error the probe catches, where past a soft figure
+    (available RAM, a cgroup) the kernel's OOM killer ends the process. A tighter limit already
+    in place stays; the previous one is back on exit.
+
+    Yields:
+        The limit in force inside the block, or ``None`` when the platform has none.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    wanted = int(limit_bytes) if hard == resource.RLIM_INFINITY else min(int(limit_bytes), hard)
+    if soft != resource.RLIM_INFINITY and soft <= wanted:
+        yield int(soft)
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (wanted, hard))
+    try:
+        yield wanted
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 _M_MMAP_THRESHOLD = -3

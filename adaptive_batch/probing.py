@@ -7,19 +7,22 @@ all ranks), reuses a cached result with the same key, else runs the real-step se
 the candidates for the throughput objective, and writes ``batch_probe.json`` (and the plot).
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
 import torch
 from torch import nn
 
 from adaptive_batch.memory import (
     address_space_limit,
+    address_space_limit_at,
     device_capacity,
     device_name,
     DeviceCapacity,
     format_bytes,
     parse_memory,
+    proc_status_bytes,
     return_freed_memory_to_os,
 )
 from adaptive_batch.probe import (
@@ -151,8 +154,9 @@ def step_budget(
     Raises:
         ConfigError: for a ``max_memory`` the device cannot give.
     """
-    if device.type == "cpu" and address_space_limit() is not None:
-        # Otherwise glibc keeps freed blocks mapped, and they count against the limit.
+    if device.type == "cpu":
+        # Trials run under an address-space limit (the process's or trial_memory_limit's);
+        # otherwise glibc keeps freed blocks mapped, and they count against it.
         return_freed_memory_to_os()
     capacity = device_capacity(device)
     budget = memory_budget(
@@ -162,6 +166,41 @@ def step_budget(
         safety_margin=options.safety_margin(device.type),
     )
     return budget, capacity
+
+
+@contextmanager
+def trial_memory_limit(
+    budget: MemoryBudget,
+    *,
+    device: torch.device,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    log: Optional[Callable[[str], None]] = None,
+) -> Iterator[Optional[int]]:
+    """On CPU, holds the probe's trials to the budget's limit with a soft ``RLIMIT_AS``.
+
+    Available RAM and a cgroup limit are soft: a trial past them is ended by the kernel's OOM
+    killer, not refused. Under this limit (the address space now plus the budget's limit less
+    the training state already in it: what ``prlimit --as`` would give for that headroom) a
+    trial that overshoots fails to allocate, which the search catches. A tighter limit already
+    set stays; the previous one is back on exit. Elsewhere (CUDA) nothing changes.
+
+    Yields:
+        The address-space limit the trials run under, or ``None`` (not on CPU).
+    """
+    vm_size = proc_status_bytes("VmSize") if device.type == "cpu" else None
+    if vm_size is None:
+        yield None
+        return
+    headroom = max(0, budget.limit_bytes - training_state_bytes(model, optimizer))
+    with address_space_limit_at(vm_size + headroom) as limit:
+        if log is not None and limit == vm_size + headroom:
+            log(
+                f"probe: trials run under a soft RLIMIT_AS of {format_bytes(limit)} ({format_bytes(headroom)} over "
+                "what the process maps now), so a trial past the budget fails to allocate instead of "
+                "waking the kernel's OOM killer; lifted after probing."
+            )
+        yield limit
 
 
 def probe_batch_size(
@@ -254,10 +293,13 @@ def probe_batch_size(
         lockstep.append(ranks.lockstep_trial(run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget))
         return lockstep[-1]
 
-    result = probe_max_batch_size(budget_bytes=common_budget, max_batch_size=cap, wrap_trial=agree_on_outcomes, **steps)
+    limit = dict(budget=budget, device=device, model=model, optimizer=optimizer)
+    with trial_memory_limit(log=log, **limit) as address_space:
+        result = probe_max_batch_size(budget_bytes=common_budget, max_batch_size=cap, wrap_trial=agree_on_outcomes, **steps)
     batch_size = round_batch_size(result.max_batch_size, options.batch_size_rounding)
     extra: Dict[str, Any] = {
         "capacity": capacity.to_dict(),
+        "trial_address_space_limit": address_space,
         "batch_size_cap": cap,
         "batch_size_objective": options.batch_size_objective,
         "world_size": ranks.world_size,
@@ -266,9 +308,9 @@ def probe_batch_size(
     }
     if options.batch_size_objective == "throughput":
         # Ranks time the same steps; rank 0's choice holds for all.
-        choice = ranks.broadcast(
-            probe_throughput(max_batch_size=batch_size, tolerance=options.throughput_tolerance, **steps)
-        )
+        with trial_memory_limit(**limit):
+            timed = probe_throughput(max_batch_size=batch_size, tolerance=options.throughput_tolerance, **steps)
+        choice = ranks.broadcast(timed)
         extra["throughput"] = choice.to_dict()
         log(
             f"batch_size_objective=throughput: batch {choice.batch_size} is within "

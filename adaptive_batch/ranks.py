@@ -241,9 +241,12 @@ class LockstepTrial:
 
     def report(self) -> Dict[str, Any]:
         """This rank's budget and trials, for the probe report."""
+        peaks = [t.peak_bytes for t in self.trials if t.peak_bytes is not None]
         return {
             "rank": self.ranks.rank,
             "budget_bytes": self.budget_bytes,
+            # The largest peak this rank measured, as a multiple of its own budget.
+            "max_overshoot": max(peaks) / self.budget_bytes if peaks else None,
             "trials": [asdict(t) for t in self.trials],
         }
 

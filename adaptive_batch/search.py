@@ -17,6 +17,9 @@ from adaptive_batch.oom import is_oom_error, release_memory
 from adaptive_batch.tracker import StepMemory
 
 ROUNDING_MODES = ("none", "power_of_two")
+# No trial is launched whose peak could exceed the budget by more than this factor, judged from
+# the largest fit so far (see ``search_max_batch_size``).
+MAX_TRIAL_OVERSHOOT = 1.25
 
 
 class BatchSizeTooLargeError(RuntimeError):
@@ -54,6 +57,7 @@ class Trial:
         oom: it ran out of memory.
         phase: the search's phase (``warmup``, ``estimate``, ``search``).
         phase_peak_bytes: the peak of each phase of the step, when measured.
+        start_bytes: what was live when the step began, when measured.
     """
 
     batch_size: int
@@ -63,6 +67,7 @@ class Trial:
     oom: bool
     phase: str
     phase_peak_bytes: Optional[Dict[str, int]] = None
+    start_bytes: Optional[int] = None
 
 
 Estimate = Union[LinearMemoryEstimate, PhaseMemoryEstimate, OperatorMemoryEstimate]
@@ -83,6 +88,13 @@ class SearchResult:
     def num_trials(self) -> int:
         return len(self.trials)
 
+    @property
+    def max_overshoot(self) -> Optional[float]:
+        """The largest measured trial peak as a multiple of the budget (``None``: none measured).
+        Trials that ran out of memory have no peak; they count in ``trials``."""
+        ratios = [t.peak_bytes / self.budget_bytes for t in self.trials if t.peak_bytes is not None]
+        return max(ratios) if ratios else None
+
     def to_dict(self) -> dict:
         estimate = {}
         if isinstance(self.estimate, OperatorMemoryEstimate):
@@ -96,6 +108,7 @@ class SearchResult:
             "budget_bytes": self.budget_bytes,
             "estimate": estimate,
             "trials": [asdict(t) for t in self.trials],
+            "max_overshoot": self.max_overshoot,
             "total_seconds": self.total_seconds,
         }
 
@@ -134,6 +147,7 @@ def search_max_batch_size(
     release: Callable[[], None] = release_memory,
     log: Optional[Callable[[str], None]] = None,
     max_trials: int = 64,
+    max_overshoot: float = MAX_TRIAL_OVERSHOOT,
 ) -> SearchResult:
     """Finds the largest batch size whose step fits in ``budget_bytes``.
 
@@ -142,6 +156,15 @@ def search_max_batch_size(
     phase when it gives phases, else one line (the step's peak is the largest line's); the
     predicted largest size is tried, then its neighbour; if the prediction was off, the search
     gallops (steps 1, 2, 4, ...) away from it until the answer is bracketed, then bisects.
+
+    Every trial past the estimate steps is bounded by the worst case the largest fit so far
+    allows: what a step adds to the memory it starts with (``peak - start``, ``start`` being the
+    training state and the batch, or 0 when not measured) growing in proportion to the batch.
+    The next size is at most ``lo * (max_overshoot * budget - start) / (peak(lo) - start)``, so
+    no trial's peak passes ``max_overshoot`` x budget unless a step's memory grows faster than
+    in proportion to its batch, however wrong the line is. Where the line is right it allows
+    the jump to the prediction; where it is untrusted (peaks nearly flat at batch 1-2 while
+    a hidden term grows, as under FSDP2) the search grows geometrically from the largest fit.
 
     Args:
         run_trial: runs one real step at a batch size and returns its peak bytes, the peak
@@ -155,19 +178,23 @@ def search_max_batch_size(
         release: frees what a failed step left behind.
         log: called with one line per trial.
         max_trials: a guard against a step that never runs out of memory with no cap.
+        max_overshoot: the bound on a trial's peak, as a multiple of the budget, that limits
+            how far past the largest fit the next trial may go.
 
     Returns:
         The result, with every trial.
 
     Raises:
         BatchSizeTooLargeError: when batch size 1 does not fit.
-        ValueError: for a budget or cap below 1.
+        ValueError: for a budget or cap below 1, or ``max_overshoot`` below 1.
         RuntimeError: when ``max_trials`` trials did not settle the answer.
     """
     if budget_bytes < 1:
         raise ValueError(f"budget_bytes={budget_bytes} must be positive.")
     if max_batch_size is not None and max_batch_size < 1:
         raise ValueError(f"max_batch_size={max_batch_size} must be at least 1.")
+    if not max_overshoot >= 1:
+        raise ValueError(f"max_overshoot={max_overshoot} must be at least 1.")
     start = time.perf_counter()
     trials: List[Trial] = []
     lo = 0  # largest size seen to fit
@@ -184,6 +211,7 @@ def search_max_batch_size(
         t0 = time.perf_counter()
         peak: Optional[int] = None
         phases: Optional[Dict[str, int]] = None
+        start_bytes: Optional[int] = None
         oom = False
         try:
             measured = run_trial(batch_size)
@@ -194,7 +222,7 @@ def search_max_batch_size(
         if oom:
             release()
         elif isinstance(measured, StepMemory):
-            phases, peak = dict(measured.phase_peak_bytes), measured.peak_bytes
+            phases, peak, start_bytes = dict(measured.phase_peak_bytes), measured.peak_bytes, measured.start_bytes
             if phase == "estimate" and measured.timeline:
                 steps[batch_size] = measured
         elif isinstance(measured, Mapping):
@@ -203,7 +231,7 @@ def search_max_batch_size(
         else:
             peak = int(measured)
         fits = not oom and peak is not None and peak <= budget_bytes
-        trial = Trial(batch_size, fits, peak, time.perf_counter() - t0, oom, phase, phases)
+        trial = Trial(batch_size, fits, peak, time.perf_counter() - t0, oom, phase, phases, start_bytes)
         trials.append(trial)
         if log is not None:
             outcome = "fits" if fits else ("out of memory" if oom else "over budget")
@@ -249,8 +277,30 @@ def search_max_batch_size(
     def upper() -> Optional[int]:
         return hi - 1 if hi is not None else max_batch_size
 
+    def fit_trial(size: int) -> Optional[Trial]:
+        return next((t for t in reversed(trials) if t.batch_size == size and t.fits), None)
+
+    def fit_peak(size: int) -> Optional[int]:
+        trial = fit_trial(size)
+        return None if trial is None else trial.peak_bytes
+
+    def bounded() -> Optional[int]:
+        """The largest size whose peak stays within ``max_overshoot`` x budget if what a step
+        adds grew in proportion to the batch from the largest fit (see the docstring)."""
+        trial = fit_trial(lo)
+        if trial is None or trial.peak_bytes is None:
+            return None
+        start = min(trial.start_bytes or 0, trial.peak_bytes)
+        added = trial.peak_bytes - start
+        if added <= 0:
+            return None
+        return int(lo * (max_overshoot * budget_bytes - start) // added)
+
     def clamp(candidate: int) -> int:
         top = upper()
+        bound = bounded()
+        if bound is not None:
+            candidate = min(candidate, bound)
         candidate = max(candidate, lo + 1)
         return min(candidate, top) if top is not None else candidate
 
@@ -258,7 +308,7 @@ def search_max_batch_size(
         """Where the line through the measured peaks at ``lo`` and ``hi`` meets the budget."""
         if lo < 1 or hi is None or hi - lo < 2:
             return None
-        p_lo = next((t.peak_bytes for t in reversed(trials) if t.batch_size == lo and t.fits), None)
+        p_lo = fit_peak(lo)
         p_hi = next((t.peak_bytes for t in reversed(trials) if t.batch_size == hi and not t.oom), None)
         if p_lo is None or p_hi is None or p_hi <= p_lo:
             return None
@@ -289,6 +339,9 @@ def search_max_batch_size(
         from_interpolation = guess is not None
         if guess is not None:
             candidate = clamp(guess)
+        elif fits and predicted is not None and lo < predicted and not bracketed:
+            # The bound stopped short of the prediction: go on towards it.
+            candidate = clamp(predicted)
         elif bracketed or halve:
             candidate = clamp((lo + upper() + 1) // 2)
         elif fits:

@@ -133,11 +133,14 @@ class StepMemory:
             step at another batch size usually runs the same operators, and then two timelines
             give a line per operator (:class:`~adaptive_batch.estimator.OperatorMemoryEstimate`).
         operators: the operators the timeline follows, to check that two steps ran the same.
+        start_bytes: what was live when the step began (training state and batch), which the
+            step holds throughout; ``None`` when not measured.
     """
 
     phase_peak_bytes: Dict[str, int]
     timeline: Optional[List[int]] = field(default=None, repr=False)
     operators: Optional[List[object]] = field(default=None, repr=False)
+    start_bytes: Optional[int] = None
 
     @property
     def peak_bytes(self) -> int:
@@ -221,15 +224,17 @@ def measure_phase_peaks(
         Whatever ``fn`` raises, out-of-memory errors included.
     """
     if device.type == "cuda":
+        start = torch.cuda.memory_allocated(device)
         phases = _CudaPhases(device)
         with _phase_hooks(model, optimizer, phases.start_phase):
             fn()
         phases.close()
-        return StepMemory(dict(phases.phase_peak_bytes))
+        return StepMemory(dict(phases.phase_peak_bytes), start_bytes=start)
     counter = LiveTensorCounter(baseline, device_type=device.type)
+    start = counter.live_bytes
     with _phase_hooks(model, optimizer, counter.start_phase), counter:
         fn()
-    return StepMemory(dict(counter.phase_peak_bytes), counter.timeline, counter.operators)
+    return StepMemory(dict(counter.phase_peak_bytes), counter.timeline, counter.operators, start)
 
 
 def reset_peak_rss() -> bool:

@@ -105,3 +105,53 @@ def test_under_a_real_process_limit(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["found"] > 1 and result["unchanged"] and result["over_fails"], result
+
+
+# A step whose memory jumps past the line: batch 7 and up allocates 3 GiB at once (touched).
+# The "machine" is a MemAvailable of 2 GiB (1 GiB budget after the reserve) with no limit
+# set: without the probe's own RLIMIT_AS the trial at the line's prediction would take 3 GiB.
+OVERSHOOT_SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    from torch import nn
+    import adaptive_batch.memory as memory
+    from adaptive_batch import find_max_batch_size
+
+    memory._meminfo_bytes = lambda field: {"MemAvailable": 2 * 2**30, "MemTotal": 4 * 2**30}[field]
+    memory._cgroup_headroom = lambda: None
+    assert resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(batch):
+        b = batch.shape[0]
+        extra = torch.ones(3 * 2**30 // 4 if b >= 7 else b * 10 * 2**20 // 4)
+        model(batch).sum().mul(extra.sum() * 0).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    lines = []
+    found = find_max_batch_size(step, make_batch=lambda b: torch.randn(b, 64), model=model,
+                                optimizer=optimizer, max_memory=None, log=lines.append)
+    hwm = memory.proc_status_bytes("VmHWM")
+    limit_after = resource.getrlimit(resource.RLIMIT_AS)[0]
+    print(json.dumps({"found": found, "peak_rss": hwm, "lines": lines,
+                      "lifted": limit_after == resource.RLIM_INFINITY}))
+    """
+)
+
+
+def test_an_overshooting_trial_fails_to_allocate_under_the_probes_own_limit(tmp_path):
+    script = tmp_path / "overshoot.py"
+    script.write_text(OVERSHOOT_SCRIPT)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["found"] == 6, result
+    assert any("soft RLIMIT_AS" in line for line in result["lines"]), result["lines"]
+    assert any("out of memory" in line for line in result["lines"]), result["lines"]
+    # The 3 GiB trial never got its memory, and the limit is gone after probing.
+    assert result["peak_rss"] < 2 * 2**30, result
+    assert result["lifted"]

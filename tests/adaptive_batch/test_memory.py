@@ -15,7 +15,7 @@ GiB = 1024**3
         ("512MB", 512 * 1000**2),
         ("512MiB", 512 * 1024**2),
         ("1.5GiB", int(1.5 * GiB)),
-        ("1000", 1000),
+        ("1000000000", 1_000_000_000),
         (2e9, 2_000_000_000),
         (0.5, 8 * GiB),
         ("0.25", 4 * GiB),
@@ -41,6 +41,14 @@ def test_parse_memory_accepts(spec, expected):
         (2.5, "neither a fraction"),
         ([1], "has type list"),
         ("32GiB", "larger than the device"),
+        ("1e400", "not a finite size"),
+        ("1e400GiB", "not a finite size"),
+        (float("inf"), "not a finite number"),
+        (float("nan"), "not a finite number"),
+        (1, "too small for any training step"),
+        ("1.5", "neither a fraction"),
+        ("512", "too small for any training step"),
+        ("100KiB", "too small for any training step"),
     ],
 )
 def test_parse_memory_rejects_with_key_value_and_fix(spec, message):
@@ -66,7 +74,7 @@ def test_format_bytes():
 def test_cpu_capacity_without_limit_is_available_ram_or_cgroup():
     cap = cpu_capacity()
     assert cap.device == "cpu" and cap.headroom_bytes > 0
-    assert cap.source in ("MemAvailable", "cgroup memory.max", "RLIMIT_AS")
+    assert cap.source in ("MemAvailable less a reserve", "cgroup memory.max", "RLIMIT_AS")
 
 
 def test_cpu_capacity_follows_an_address_space_limit(limited_address_space):
@@ -82,3 +90,39 @@ def test_unsupported_device_type_is_rejected():
 
     with pytest.raises(ValueError, match="device='meta'"):
         device_capacity(torch.device("meta"))
+
+
+def test_cpu_capacity_leaves_a_reserve_of_available_ram(monkeypatch):
+    import adaptive_batch.memory as memory
+
+    monkeypatch.setattr(memory, "_cgroup_headroom", lambda: None)
+    monkeypatch.setattr(memory, "address_space_limit", lambda: None)
+    monkeypatch.setattr(memory, "_meminfo_bytes", lambda f: {"MemAvailable": 20 * GiB, "MemTotal": 24 * GiB}[f])
+    cap = cpu_capacity()
+    assert cap.headroom_bytes == 20 * GiB - int(0.1 * 24 * GiB)
+    assert not cap.hard_limit and "reserve" in cap.source
+    monkeypatch.setattr(memory, "_meminfo_bytes", lambda f: {"MemAvailable": 3 * GiB, "MemTotal": 4 * GiB}[f])
+    assert cpu_capacity().headroom_bytes == 2 * GiB  # at least 1 GiB stays with the machine
+
+
+def test_a_cgroup_limit_is_not_a_catchable_one(monkeypatch):
+    import adaptive_batch.memory as memory
+
+    monkeypatch.setattr(memory, "address_space_limit", lambda: None)
+    monkeypatch.setattr(memory, "_cgroup_headroom", lambda: 1 * GiB)
+    cap = cpu_capacity()
+    assert cap.source == "cgroup memory.max" and not cap.hard_limit
+
+
+def test_address_space_limit_at_sets_keeps_a_tighter_one_and_restores():
+    import resource
+
+    from adaptive_batch.memory import address_space_limit_at, proc_status_bytes
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    wanted = proc_status_bytes("VmSize") + 8 * GiB
+    with address_space_limit_at(wanted) as limit:
+        assert limit == wanted == resource.getrlimit(resource.RLIMIT_AS)[0]
+        with address_space_limit_at(wanted + GiB) as looser:
+            assert looser == wanted  # the tighter one stays
+    assert resource.getrlimit(resource.RLIMIT_AS) == before

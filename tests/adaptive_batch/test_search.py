@@ -1,16 +1,19 @@
 import pytest
 
 from adaptive_batch import BatchSizeTooLargeError, round_batch_size, search_max_batch_size
+from adaptive_batch.tracker import StepMemory
 
 CPU_OOM = "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"
 
 
 class LinearStep:
-    """A fake step: peak = fixed + per_sample * b; real OOM above ``oom_above``."""
+    """A fake step: peak = fixed + per_sample * b; real OOM above ``oom_above``. With
+    ``start=True`` it says, as the probe's measured steps do, that ``fixed`` was live at its start."""
 
-    def __init__(self, fixed, per_sample, oom_above=None, first_call_extra=0):
+    def __init__(self, fixed, per_sample, oom_above=None, first_call_extra=0, start=False):
         self.fixed, self.per_sample, self.oom_above = fixed, per_sample, oom_above
         self.first_call_extra = first_call_extra
+        self.start = start
         self.calls = []
 
     def __call__(self, b):
@@ -18,7 +21,8 @@ class LinearStep:
         if self.oom_above is not None and b > self.oom_above:
             raise RuntimeError(CPU_OOM)
         extra = self.first_call_extra if len(self.calls) == 1 else 0
-        return self.fixed + self.per_sample * b - extra
+        peak = self.fixed + self.per_sample * b - extra
+        return StepMemory({"backward": peak}, start_bytes=self.fixed) if self.start else peak
 
 
 def no_release():
@@ -34,13 +38,39 @@ def check_bracket(result, cap=None):
 
 
 def test_accurate_estimate_settles_in_five_trial_steps():
-    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=50)
+    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=50, start=True)
     result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release)
     assert result.max_batch_size == 37
     assert result.predicted_max_batch_size == 37
     assert step.calls == [1, 1, 2, 37, 38]
-    assert result.estimate.bytes_per_sample == 100
+    assert result.estimate.to_dict()["bytes_per_sample"] == 100
     check_bracket(result)
+
+
+def test_without_the_start_of_a_step_the_jump_is_bounded_as_if_all_memory_were_per_sample():
+    # The same step, but nothing says 1_000 of it is held at every size: the search may not
+    # trust the line's jump from 2 to 37 (1_200 x 37/2 would be 4.7x the budget).
+    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=50)
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release)
+    assert result.max_batch_size == 37
+    assert step.calls[:4] == [1, 1, 2, 9]  # 2 x 1.25 x 4_700 / 1_200
+    check_bracket(result)
+    assert result.max_overshoot <= 1.25
+
+
+@pytest.mark.parametrize("start", [False, True])
+def test_no_trial_peaks_above_the_overshoot_bound_when_the_line_is_badly_wrong(start):
+    # Flat at batch 1-2, then a hidden term 12x as steep takes over: the line says 250.
+    def step(b):
+        peak = max(4_000 + 20 * b, 1_000 + 240 * b)
+        return StepMemory({"backward": peak}, start_bytes=1_000) if start else peak
+
+    result = search_max_batch_size(step, budget_bytes=10_000, release=no_release)
+    assert result.predicted_max_batch_size == 300
+    assert result.max_batch_size == 37  # 1_000 + 240 x 37 = 9_880
+    check_bracket(result)
+    assert result.max_overshoot <= 1.25
+    assert result.to_dict()["max_overshoot"] == result.max_overshoot
 
 
 def test_warmup_step_is_left_out_of_the_estimate():
@@ -53,7 +83,7 @@ def test_warmup_step_is_left_out_of_the_estimate():
 
 def test_real_oom_below_the_budget_walks_down_then_bisects():
     # The line says 90 fits, but allocations fail above 61 (memory the counter cannot see).
-    step = LinearStep(fixed=1_000, per_sample=100, oom_above=61)
+    step = LinearStep(fixed=1_000, per_sample=100, oom_above=61, start=True)
     result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 90, release=no_release)
     assert result.max_batch_size == 61
     check_bracket(result)
@@ -82,7 +112,9 @@ def test_flat_small_batches_are_corrected_by_interpolating_measured_peaks():
     assert result.predicted_max_batch_size == 500
     assert result.max_batch_size == 29
     check_bracket(result)
-    assert len(result.trials) <= 8  # galloping down from 500 and bisecting took 21
+    # galloping down from 500 and bisecting took 21; trying 500 peaked at 12x the budget
+    assert len(result.trials) <= 9
+    assert result.max_overshoot <= 1.25
 
 
 def test_nothing_fits_names_the_bytes_needed_and_available():
@@ -239,4 +271,5 @@ def test_phase_lines_where_a_step_gives_phases_only():
     result = search_max_batch_size(step, budget_bytes=3_000, release=no_release)
     assert result.predicted_max_batch_size == result.max_batch_size == 7
     assert result.to_dict()["estimate"]["kind"] == "phases"
-    assert [t.batch_size for t in result.trials] == [1, 1, 2, 7, 8]
+    # Without the step's start, the jump from 2 is bounded: 2 x 1.25 x 3_000 / 1_300 = 5.
+    assert [t.batch_size for t in result.trials] == [1, 1, 2, 5, 7, 8]
