@@ -180,7 +180,7 @@ def probe_max_batch_size(
     def run_trial(batch_size: int) -> StepMemory:
         return measure_training_step(train_step, make_batch(batch_size), model=model, optimizer=optimizer, device=device)
 
-    with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir):
+    with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir, log=log):
         result = search_max_batch_size(
             run_trial if wrap_trial is None else wrap_trial(run_trial),
             budget_bytes=budget_bytes,

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from adaptive_batch import is_oom_error
@@ -21,3 +22,22 @@ def test_oom_types_and_other_errors():
     assert is_oom_error(MemoryError())
     assert not is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_oom_error(ValueError("DefaultCPUAllocator: can't allocate memory"))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call",
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "CUDA out of memory. Tried to allocate 20.00 MiB",
+    ],
+)
+def test_cuda_and_cudnn_forms_of_out_of_memory(message):
+    assert is_oom_error(RuntimeError(message))
+
+
+def test_other_cuda_errors_are_not_out_of_memory():
+    assert not is_oom_error(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not is_oom_error(RuntimeError("cuDNN error: CUDNN_STATUS_BAD_PARAM"))

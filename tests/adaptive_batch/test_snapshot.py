@@ -88,3 +88,53 @@ def test_restored_optimizer_state_owns_its_memory(tmp_path):
         assert not [line for line in maps if ".probe_snapshot_" in line]
     assert all(v.untyped_storage().resizable() for s in optimizer.state.values() for v in s.values())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_snapshot_file_has_no_name_while_it_is_held(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with TrainingStateSnapshot(model, None, directory=str(tmp_path)):
+        assert os.listdir(tmp_path) == []
+        torch.nn.init.zeros_(model.weight)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_stale_snapshot_is_removed_with_a_message(tmp_path):
+    stale = tmp_path / ".probe_snapshot_abc123.pt"
+    stale.write_bytes(b"x" * 100)
+    lines = []
+    with TrainingStateSnapshot(torch.nn.Linear(2, 2), None, directory=str(tmp_path), log=lines.append):
+        pass
+    assert not stale.exists()
+    assert "snapshot a killed run left behind" in lines[0] and str(stale) in lines[0]
+
+
+KILLED_SCRIPT = """
+import os, signal, sys
+import torch
+from adaptive_batch import find_max_batch_size
+
+model = torch.nn.Linear(16, 16)
+optimizer = torch.optim.AdamW(model.parameters())
+
+def step(batch):
+    if batch.shape[0] == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed in the middle of probing
+    model(batch).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+find_max_batch_size(step, make_batch=lambda b: torch.randn(b, 16), model=model, optimizer=optimizer,
+                    max_memory="1GiB", snapshot_dir=sys.argv[1])
+"""
+
+
+def test_a_run_killed_while_probing_leaves_no_snapshot(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_SCRIPT)
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == -9, run.stderr[-2000:]
+    assert out.is_dir() and os.listdir(out) == []
