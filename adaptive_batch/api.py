@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from adaptive_batch.probe import probe_max_batch_size
-from adaptive_batch.probing import MemorySpec, ProbeOptions, step_budget, trial_memory_limit
+from adaptive_batch.probing import MemorySpec, ProbeOptions, step_budget, trial_address_space, trial_memory_limit
 from adaptive_batch.validation import check_fraction
 
 
@@ -75,17 +75,18 @@ def find_max_batch_size(
     if device is None:
         device = next(model.parameters()).device
     budget, _ = step_budget(options, device=device, model=model, optimizer=optimizer)
-    with trial_memory_limit(budget, device=device, model=model, optimizer=optimizer, log=log):
-        result = probe_max_batch_size(
-            train_step=train_step,
-            make_batch=make_batch,
-            model=model,
-            optimizer=optimizer,
-            device=device,
-            budget_bytes=budget.budget_bytes,
-            lr_scheduler=lr_scheduler,
-            max_batch_size=max_batch_size,
-            snapshot_dir=snapshot_dir,
-            log=log,
-        )
+    address_space = trial_address_space(budget, device=device, model=model, optimizer=optimizer)
+    result = probe_max_batch_size(
+        train_step=train_step,
+        make_batch=make_batch,
+        model=model,
+        optimizer=optimizer,
+        device=device,
+        budget_bytes=budget.budget_bytes,
+        lr_scheduler=lr_scheduler,
+        max_batch_size=max_batch_size,
+        snapshot_dir=snapshot_dir,
+        log=log,
+        trial_limit=lambda: trial_memory_limit(address_space, log=log),
+    )
     return result.max_batch_size

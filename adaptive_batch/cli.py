@@ -21,7 +21,7 @@ from adaptive_batch.memory import device_capacity, format_bytes, parse_memory
 from adaptive_batch.planner import CATEGORY_ORDER, MemoryPlan
 from adaptive_batch.probing import default_safety_margin
 from adaptive_batch.search import BatchSizeTooLargeError
-from adaptive_batch.validation import ConfigError
+from adaptive_batch.validation import check_fraction, ConfigError
 
 # The repository's `recipes/` folder, installed as this package (see pyproject.toml).
 RECIPES_PACKAGE = "adaptive_batch_recipes"
@@ -71,23 +71,29 @@ def _plan_command(args: argparse.Namespace) -> int:
     from adaptive_batch.torchtune.config import load_config
     from adaptive_batch.torchtune.planning import plan_from_config
 
+    from adaptive_batch.torchtune.checks import check_finite_numbers, check_writable_file
+
     cfg = load_config(args.config, args.overrides)
+    check_finite_numbers(cfg)
+    if args.plot:
+        check_writable_file("--plot", args.plot)
     device_type = args.device or str(cfg.get("device", "cpu"))
-    if args.device_memory is not None:
-        try:
+    try:
+        if args.device_memory is not None:
             memory = parse_memory(args.device_memory, key="--device-memory")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    elif cfg.get("max_memory", None) is not None:
-        memory = parse_memory(cfg.max_memory, capacity_bytes=device_capacity(torch.device("cpu")).headroom_bytes)
-    else:
-        local = torch.device("cuda" if device_type == "cuda" and torch.cuda.is_available() else "cpu")
-        memory = device_capacity(local).headroom_bytes
+        elif cfg.get("max_memory", None) is not None:
+            memory = parse_memory(cfg.max_memory, capacity_bytes=device_capacity(torch.device("cpu")).headroom_bytes)
+        else:
+            local = torch.device("cuda" if device_type == "cuda" and torch.cuda.is_available() else "cpu")
+            memory = device_capacity(local).headroom_bytes
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     margin = args.safety_margin
     if margin is None:
         margin = cfg.get("memory_safety_margin", None)
     if margin is None:
         margin = default_safety_margin(device_type)
+    check_fraction("--safety-margin" if args.safety_margin is not None else "memory_safety_margin", margin, "0.05")
     plan = plan_from_config(
         cfg, device_memory_bytes=memory, safety_margin=float(margin), max_batch_size=cfg.get("max_batch_size", None)
     )
@@ -196,6 +202,10 @@ def _probe_command(args: argparse.Namespace) -> int:
     from adaptive_batch.torchtune.config import load_config
 
     cfg = load_config(args.config, overrides)
+    if args.plot:
+        from adaptive_batch.torchtune.checks import check_writable_file
+
+        check_writable_file("--plot", args.plot)
     recipe_cls = load_recipe_class(cfg, args.recipe)
     # The recipe's own constructor and setup: the same checks and the same probe as `tune run`.
     recipe = recipe_cls(cfg=cfg)

@@ -34,6 +34,7 @@ from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.lr_scaling import BatchLRScaler, LRScalingOptions
 from adaptive_batch.memory import address_space_limit, device_capacity, return_freed_memory_to_os
 from adaptive_batch.probe import PROBE_STATE_KEY
+from adaptive_batch.probe_cache import default_cache_dir
 from adaptive_batch.probing import ProbeOptions, save_probe_report
 from adaptive_batch.ranks import per_rank_increase, RankGroup
 from adaptive_batch.search import round_batch_size
@@ -225,6 +226,14 @@ class AdaptiveBatchController:
         return probe.use_maximum_batch_size or (
             growth.batch_increase_function is not None and probe.max_batch_size is None
         )
+
+    @property
+    def probe_cache_dir(self) -> Optional[str]:
+        """The directory the probe cache will be read and written in, or ``None`` when unused."""
+        probe = self.options.probe
+        if not (self.needs_probe and probe.probe_cache):
+            return None
+        return probe.probe_cache_dir or default_cache_dir()
 
     @property
     def uses_token_budget(self) -> bool:

@@ -14,6 +14,7 @@ The built-ins are factories, so a config can parameterise them with a ``_compone
 
 import importlib
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Union
 
@@ -249,12 +250,13 @@ def multiply_every(factor: float, every_n_epochs: int = 1) -> BatchIncreaseFunct
     Smith et al., "Don't decay the learning rate, increase the batch size".
 
     Raises:
-        ValueError: for a factor under 1 or an interval under 1.
+        ValueError: for a factor under 1 (or NaN, or infinite) or an interval under 1.
     """
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1 or _bad_int(every_n_epochs, 1):
+    bad_factor = isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor)
+    if bad_factor or factor < 1 or _bad_int(every_n_epochs, 1):
         raise ValueError(
             f"multiply_every(factor={factor!r}, every_n_epochs={every_n_epochs!r}): the factor must "
-            "be a number >= 1 and the interval an int >= 1."
+            "be a finite number >= 1 and the interval an int >= 1."
         )
 
     def multiply(epoch: int, current_batch_size: int) -> int:

@@ -1,4 +1,10 @@
-"""Token length of every sample, computed once per dataset and tokenizer and cached on disk."""
+"""Token length of every sample, computed once per dataset and tokenizer and cached on disk.
+
+A cached file is used only when it is a list of positive integers, one per sample, and a
+spot check of some samples (first, last, and evenly spread ones) tokenizes to the stored
+lengths; otherwise it is recomputed with a warning. Batches are cut from these lengths, so a
+wrong file would silently break the token budget.
+"""
 
 import hashlib
 import json
@@ -21,6 +27,7 @@ def sample_lengths(
     cache_dir: Optional[str] = None,
     key: Any = None,
     log: Optional[Callable[[str], None]] = None,
+    warn: Optional[Callable[[str], None]] = None,
 ) -> List[int]:
     """``len(dataset[i]["tokens"])`` for every sample, read from the cache when it is there.
 
@@ -30,22 +37,23 @@ def sample_lengths(
         key: anything JSON-serialisable that identifies the dataset and tokenizer (their
             config); it is hashed with the dataset's size and first and last samples.
         log: called with one line saying whether the cache was used.
+        warn: called with one line when a cached file is ignored (``log`` when ``None``).
 
     Returns:
         The lengths, in dataset order.
     """
+    warn = warn or log
     path = None
     if cache_dir is not None:
         path = os.path.join(cache_dir, f"seqlen_{_fingerprint(dataset, key)}.json")
-        try:
-            with open(path) as f:
-                lengths = json.load(f)
-            if isinstance(lengths, list) and len(lengths) == len(dataset):
+        if os.path.exists(path):
+            cached, problem = _read_lengths(path, dataset)
+            if cached is not None:
                 if log:
                     log(f"sample lengths read from {path}")
-                return lengths
-        except (OSError, ValueError):
-            pass
+                return cached
+            if warn:
+                warn(f"sample length cache {path} ignored ({problem}); computing the lengths again.")
     lengths = [len(dataset[i]["tokens"]) for i in range(len(dataset))]
     if path is not None:
         os.makedirs(cache_dir, exist_ok=True)
@@ -56,3 +64,26 @@ def sample_lengths(
         if log:
             log(f"sample lengths computed for {len(lengths)} samples and cached in {path}")
     return lengths
+
+
+SPOT_CHECKS = 16
+
+
+def _read_lengths(path: str, dataset: Sequence[Any]) -> "tuple[Optional[List[int]], str]":
+    """The cached lengths if they are sound for ``dataset``, else ``None`` and why not."""
+    try:
+        with open(path) as f:
+            lengths = json.load(f)
+    except (OSError, ValueError) as e:
+        return None, f"unreadable: {type(e).__name__}"
+    if not isinstance(lengths, list) or len(lengths) != len(dataset):
+        size = len(lengths) if isinstance(lengths, list) else type(lengths).__name__
+        return None, f"{size} lengths for {len(dataset)} samples"
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
+        return None, "not all lengths are positive integers"
+    n = len(dataset)
+    for i in sorted({0, n - 1, *(k * n // SPOT_CHECKS for k in range(SPOT_CHECKS))}):
+        actual = len(dataset[i]["tokens"])
+        if lengths[i] != actual:
+            return None, f"sample {i} has {actual} tokens, the file says {lengths[i]}"
+    return lengths, ""

@@ -97,9 +97,10 @@ class BatchLRScaler:
         lr_scale_factor(1, 1, rule)
         if unit not in LR_SCALING_UNITS:
             raise ValueError(f"lr_scaling_unit={unit!r} is not one of {list(LR_SCALING_UNITS)}.")
-        if rule != "none" and (isinstance(reference, bool) or not reference or reference <= 0):
+        bad = isinstance(reference, bool) or not isinstance(reference, (int, float)) or not math.isfinite(reference)
+        if rule != "none" and (bad or reference <= 0):
             raise ValueError(
-                f"lr_scaling_reference={reference!r} must be a positive number of {unit}: the batch "
+                f"lr_scaling_reference={reference!r} must be a positive finite number of {unit}: the batch "
                 "the configured LR was tuned for."
             )
         self.optimizer = optimizer

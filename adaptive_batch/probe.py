@@ -14,8 +14,9 @@ any loop, not only the recipes in this repository::
 import json
 import os
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
 import torch
 from torch import nn
@@ -146,6 +147,7 @@ def probe_max_batch_size(
     snapshot_dir: Optional[str] = None,
     log: Optional[Callable[[str], None]] = None,
     wrap_trial: Optional[Callable[[Callable[[int], int]], Callable[[int], int]]] = None,
+    trial_limit: Optional[Callable[[], ContextManager]] = None,
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
@@ -169,6 +171,8 @@ def probe_max_batch_size(
         log: called with one line per trial.
         wrap_trial: wraps the measured trial before the search calls it, e.g.
             :meth:`RankGroup.lockstep_trial` so data-parallel ranks agree on every outcome.
+        trial_limit: a context the trials (not the snapshot's save and restore) run in, e.g.
+            :func:`adaptive_batch.probing.trial_memory_limit`.
 
     Returns:
         The search result with every trial.
@@ -180,7 +184,9 @@ def probe_max_batch_size(
     def run_trial(batch_size: int) -> StepMemory:
         return measure_training_step(train_step, make_batch(batch_size), model=model, optimizer=optimizer, device=device)
 
-    with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir, log=log):
+    with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir, log=log), (
+        trial_limit() if trial_limit is not None else nullcontext()
+    ):
         result = search_max_batch_size(
             run_trial if wrap_trial is None else wrap_trial(run_trial),
             budget_bytes=budget_bytes,

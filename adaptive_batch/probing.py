@@ -168,37 +168,42 @@ def step_budget(
     return budget, capacity
 
 
-@contextmanager
-def trial_memory_limit(
+def trial_address_space(
     budget: MemoryBudget,
     *,
     device: torch.device,
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
-    log: Optional[Callable[[str], None]] = None,
-) -> Iterator[Optional[int]]:
-    """On CPU, holds the probe's trials to the budget's limit with a soft ``RLIMIT_AS``.
+) -> Optional[int]:
+    """The soft ``RLIMIT_AS`` the probe's trials run under on CPU, ``None`` elsewhere.
 
     Available RAM and a cgroup limit are soft: a trial past them is ended by the kernel's OOM
     killer, not refused. Under this limit (the address space now plus the budget's limit less
     the training state already in it: what ``prlimit --as`` would give for that headroom) a
-    trial that overshoots fails to allocate, which the search catches. A tighter limit already
-    set stays; the previous one is back on exit. Elsewhere (CUDA) nothing changes.
-
-    Yields:
-        The address-space limit the trials run under, or ``None`` (not on CPU).
+    trial that overshoots fails to allocate, which the search catches.
     """
     vm_size = proc_status_bytes("VmSize") if device.type == "cpu" else None
     if vm_size is None:
+        return None
+    return vm_size + max(0, budget.limit_bytes - training_state_bytes(model, optimizer))
+
+
+@contextmanager
+def trial_memory_limit(limit_bytes: Optional[int], log: Optional[Callable[[str], None]] = None) -> Iterator[Optional[int]]:
+    """Holds the block to ``limit_bytes`` of address space (see :func:`trial_address_space`);
+    a tighter limit already set stays, and the previous one is back on exit.
+
+    Yields:
+        The limit in force, or ``None`` when ``limit_bytes`` is ``None``.
+    """
+    if limit_bytes is None:
         yield None
         return
-    headroom = max(0, budget.limit_bytes - training_state_bytes(model, optimizer))
-    with address_space_limit_at(vm_size + headroom) as limit:
-        if log is not None and limit == vm_size + headroom:
+    with address_space_limit_at(limit_bytes) as limit:
+        if log is not None and limit == limit_bytes:
             log(
-                f"probe: trials run under a soft RLIMIT_AS of {format_bytes(limit)} ({format_bytes(headroom)} over "
-                "what the process maps now), so a trial past the budget fails to allocate instead of "
-                "waking the kernel's OOM killer; lifted after probing."
+                f"probe: trials run under a soft RLIMIT_AS of {format_bytes(limit)}, so a trial past the "
+                "budget fails to allocate instead of waking the kernel's OOM killer; lifted after them."
             )
         yield limit
 
@@ -293,9 +298,14 @@ def probe_batch_size(
         lockstep.append(ranks.lockstep_trial(run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget))
         return lockstep[-1]
 
-    limit = dict(budget=budget, device=device, model=model, optimizer=optimizer)
-    with trial_memory_limit(log=log, **limit) as address_space:
-        result = probe_max_batch_size(budget_bytes=common_budget, max_batch_size=cap, wrap_trial=agree_on_outcomes, **steps)
+    address_space = trial_address_space(budget, device=device, model=model, optimizer=optimizer)
+    result = probe_max_batch_size(
+        budget_bytes=common_budget,
+        max_batch_size=cap,
+        wrap_trial=agree_on_outcomes,
+        trial_limit=lambda: trial_memory_limit(address_space, log=log),
+        **steps,
+    )
     batch_size = round_batch_size(result.max_batch_size, options.batch_size_rounding)
     extra: Dict[str, Any] = {
         "capacity": capacity.to_dict(),
@@ -308,8 +318,12 @@ def probe_batch_size(
     }
     if options.batch_size_objective == "throughput":
         # Ranks time the same steps; rank 0's choice holds for all.
-        with trial_memory_limit(**limit):
-            timed = probe_throughput(max_batch_size=batch_size, tolerance=options.throughput_tolerance, **steps)
+        timed = probe_throughput(
+            max_batch_size=batch_size,
+            tolerance=options.throughput_tolerance,
+            trial_limit=lambda: trial_memory_limit(address_space),
+            **steps,
+        )
         choice = ranks.broadcast(timed)
         extra["throughput"] = choice.to_dict()
         log(

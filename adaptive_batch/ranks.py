@@ -25,6 +25,7 @@ from adaptive_batch.growth import BatchIncreaseFunction, call_batch_increase_fun
 from adaptive_batch.memory import parse_memory
 from adaptive_batch.oom import is_oom_error, release_memory
 from adaptive_batch.tracker import STEP_PHASES, StepMemory
+from adaptive_batch.validation import ConfigError
 
 MAX_MEMORY_ENV = "ADAPTIVE_BATCH_MAX_MEMORY"
 
@@ -167,6 +168,27 @@ class RankGroup:
             result, error = self.broadcast((result, error))
         if error is not None:
             raise error
+        return result
+
+    def check_together(self, check: Callable[[], Any]) -> Any:
+        """Runs ``check`` on every rank; when it fails on any rank, every rank stops together.
+
+        Returns:
+            What ``check`` returned on this rank.
+
+        Raises:
+            ConfigError: on every rank, with the message of the first rank whose ``check``
+                raised ``ValueError`` (a ``ConfigError`` included), so no rank is left waiting
+                in a collective for one that has gone.
+        """
+        result, error = None, None
+        try:
+            result = check()
+        except ValueError as e:
+            error = str(e)
+        for rank, message in enumerate(self.gather(error)):
+            if message is not None:
+                raise ConfigError(f"rank {rank}: {message}" if self.distributed else message)
         return result
 
     def lockstep_trial(

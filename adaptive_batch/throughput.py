@@ -7,8 +7,9 @@ keeps the *smallest* batch within ``tolerance`` of the best samples per second.
 """
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, ContextManager, List, Optional
 
 import torch
 from torch import nn
@@ -91,11 +92,13 @@ def probe_throughput(
     lr_scheduler: Optional[Any] = None,
     snapshot_dir: Optional[str] = None,
     log: Optional[Callable[[str], None]] = None,
+    trial_limit: Optional[Callable[[], ContextManager]] = None,
 ) -> ThroughputChoice:
     """Times real training steps at :func:`throughput_candidates` of ``max_batch_size``;
     model, optimizer, scheduler and RNG are restored afterwards.
 
-    Each size runs one untimed step (allocations, kernel choice) and then ``timed_steps``.
+    Each size runs one untimed step (allocations, kernel choice) and then ``timed_steps``,
+    inside ``trial_limit()`` when given (the probe's memory limit).
 
     Raises:
         ValueError: see :func:`choose_by_throughput`.
@@ -112,7 +115,9 @@ def probe_throughput(
         _synchronize(device)
         return (time.perf_counter() - start) / timed_steps
 
-    with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir):
+    with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir, log=log), (
+        trial_limit() if trial_limit is not None else nullcontext()
+    ):
         return choose_by_throughput(
             seconds_per_step, throughput_candidates(max_batch_size), tolerance=tolerance, log=log
         )

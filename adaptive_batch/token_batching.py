@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence
 import torch
 from torch.utils.data import Sampler
 
-from adaptive_batch.validation import check_choice, check_positive_int
+from adaptive_batch.validation import check_choice, check_positive_int, ConfigError
 
 PICKING_ORDERS = ("dataloader", "seqlen", "random")
 LONG_SAMPLE_POLICIES = ("truncate", "error")
@@ -246,11 +246,20 @@ class TokenBudgetBatchSampler(Sampler[List[int]]):
         self._resume_at = self._yielded = state["yielded"]
 
 
+class TokenBudgetExceededError(ConfigError):
+    """A token batch holds more padded tokens than ``max_tokens``: the lengths it was cut
+    from were not the samples' (e.g. an edited sequence-length cache)."""
+
+
 def truncating_collate(collate_fn: Any, max_len: int) -> Any:
-    """Wraps a collate function so that no sample is longer than ``max_len`` tokens.
+    """Wraps a collate function so that no sample is longer than ``max_len`` tokens, and no
+    batch holds more than ``max_len`` padded tokens.
 
     Used with ``long_sample_policy: truncate``: a sample longer than ``max_tokens`` keeps its
     first ``max_len`` tokens and labels.
+
+    Raises:
+        TokenBudgetExceededError: from the returned function, for a batch over the budget.
     """
 
     def collate(samples: List[Dict[str, Any]]) -> Any:
@@ -258,6 +267,13 @@ def truncating_collate(collate_fn: Any, max_len: int) -> Any:
             {k: (v[:max_len] if k in ("tokens", "labels") else v) for k, v in s.items()}
             for s in samples
         ]
+        padded = len(cut) * max((len(s["tokens"]) for s in cut), default=0)
+        if padded > max_len:
+            raise TokenBudgetExceededError(
+                f"a token batch of {len(cut)} samples padded to {padded} tokens is over max_tokens={max_len}: "
+                "the sample lengths the batches were cut from are wrong; delete <output_dir>/seqlen_cache "
+                "and run again."
+            )
         return collate_fn(cut)
 
     return collate

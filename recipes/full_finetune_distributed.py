@@ -79,14 +79,16 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
             dist.init_process_group(training.get_distributed_backend(device.type))
         if dist.get_rank() != 0:
             log.setLevel(logging.WARNING)
-        try:
-            cfg.max_memory = ab.rank_max_memory(
+        # A bad value on one rank (its ADAPTIVE_BATCH_MAX_MEMORY, its device's capacity) stops
+        # every rank with the same line: none is left waiting in a collective.
+        ranks = ab.RankGroup(device)
+        cfg.max_memory = ranks.check_together(
+            lambda: ab.rank_max_memory(
                 cfg.get("max_memory", None),
                 capacity_bytes=ab.device_capacity(device).headroom_bytes if device.type in ("cpu", "cuda") else None,
             )
-        except ValueError as e:
-            raise ab.ConfigError(str(e)) from None
-        super().__init__(cfg)
+        )
+        ranks.check_together(lambda: FullFinetuneRecipeSingleDevice.__init__(self, cfg))
         self._reshard_after_forward = cfg.get("fsdp_reshard_after_forward", True)
         self._custom_sharded_layers = cfg.get("custom_sharded_layers", None)
         log.info(f"Data parallel over {self._ranks.world_size} ranks ({dist.get_backend()}).")

@@ -67,6 +67,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         ab.check_known_keys(cfg.keys(), self.known_keys)
+        # Numbers finite, paths writable, no file where a checkpoint goes: before any work.
+        abt.check_run_settings(cfg)
         self._device = utils.get_device(device=cfg.device)
         abt.check_stock_recipe_options(
             dtype=cfg.dtype,
@@ -98,6 +100,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             warn=log.warning,
         )
         self._ranks = self._batching.ranks
+        if self._batching.probe_cache_dir is not None:
+            abt.check_writable_dir("probe_cache_dir", self._batching.probe_cache_dir)
+        if cfg.get("plot", False):
+            abt.check_writable_file(
+                "plot=True draws to", f"{cfg.output_dir}/batch_probe.png", fix="move it away, or set plot=False"
+            )
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
 
         # logging attributes
@@ -163,8 +171,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """
         self._metric_logger = None
         if self._ranks.is_main:
-            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger = abt.build("metric_logger", cfg.metric_logger)
             self._metric_logger.log_config(cfg)
+
+        # Tokenizer and data first: a bad path or argument stops the run before the model loads.
+        self._tokenizer = abt.build("tokenizer", cfg.tokenizer)
+        log.info("Tokenizer is initialized from file.")
+        dataset, packed = self._setup_dataset(cfg.dataset)
 
         if cfg.checkpointer.get("checkpoint_files", None) is None:
             # No weights given: a seeded random initialisation, loaded by the real checkpointer.
@@ -188,8 +201,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             compile_model=self._compile,
             model_state_dict=ckpt_dict[training.MODEL_KEY],
         )
-        self._tokenizer = config.instantiate(cfg.tokenizer)
-        log.info("Tokenizer is initialized from file.")
 
         self._optimizer = self._setup_optimizer(
             cfg_optimizer=cfg.optimizer,
@@ -209,7 +220,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         log.info("Loss is initialized.")
 
-        dataset, packed = self._setup_dataset(cfg.dataset)
         lengths = None
         if self._batching.uses_token_budget:
             lengths = ab.sample_lengths(
@@ -217,6 +227,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 cache_dir=f"{self._output_dir}/seqlen_cache",
                 key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
                 log=log.info,
+                warn=log.warning,
             )
 
         # The batch (probed, resumed or configured) is settled before the dataloader is built
@@ -397,10 +408,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """Instantiates the dataset (or several, concatenated) with the tokenizer."""
         if isinstance(cfg_dataset, ListConfig):
             ds = ConcatDataset(
-                datasets=[config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+                datasets=[abt.build(f"dataset[{i}]", c, self._tokenizer) for i, c in enumerate(cfg_dataset)]
             )
             return ds, getattr(ds, "packed", False)
-        return config.instantiate(cfg_dataset, self._tokenizer), cfg_dataset.get("packed", False)
+        return abt.build("dataset", cfg_dataset, self._tokenizer), cfg_dataset.get("packed", False)
 
     def _setup_dataloader(
         self,
@@ -603,7 +614,7 @@ def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:
         raise SystemExit(f"error: {e}") from None
     try:
         recipe.train()
-    except (ab.BatchIncreaseFunctionError, ab.MicroBatchOutOfMemoryError) as e:
+    except (ab.BatchIncreaseFunctionError, ab.MicroBatchOutOfMemoryError, ab.ConfigError) as e:
         # Checkpoints of finished epochs stay; the message says what to change.
         raise SystemExit(f"error: {e}") from None
     recipe.cleanup()

@@ -5,6 +5,7 @@ Importing :mod:`adaptive_batch` does not import this sub-package (nor torchtune)
 the ``adaptive-batch`` command do.
 """
 
+from adaptive_batch.torchtune.checks import build, check_run_settings, check_writable_dir, check_writable_file
 from adaptive_batch.torchtune.checkpoint import initial_checkpoint_filename, write_random_init_checkpoint
 from adaptive_batch.torchtune.config import (
     adaptive_options,
@@ -22,8 +23,12 @@ __all__ = [
     "ByteTokenizer",
     "TORCHTUNE_KEYS",
     "adaptive_options",
+    "build",
     "byte_tokenizer",
     "check_profiler",
+    "check_run_settings",
+    "check_writable_dir",
+    "check_writable_file",
     "check_stock_recipe_options",
     "initial_checkpoint_filename",
     "load_config",

@@ -137,7 +137,9 @@ def test_built_ins():
         (lambda: step_increments([1], [-4]), "must be non-negative ints"),
         (lambda: linear_ramp(-1), "the increment must be an int >= 0"),
         (lambda: linear_ramp(2, every_n_epochs=0), "the interval an int >= 1"),
-        (lambda: multiply_every(0.5), "the factor must be a number >= 1"),
+        (lambda: multiply_every(0.5), "the factor must be a finite number >= 1"),
+        (lambda: multiply_every(float("nan")), r"multiply_every\(factor=nan"),
+        (lambda: multiply_every(float("inf")), r"multiply_every\(factor=inf"),
     ],
 )
 def test_built_in_factories_reject_bad_parameters(make, message):

@@ -47,6 +47,75 @@ def test_bad_input_fails_before_the_model_is_built(tmp_path, overrides, message)
     assert not (out / "init").exists() and not (out / "logs").exists()
 
 
+def _a_file(tmp_path, name="a_file"):
+    path = tmp_path / name
+    path.write_text("not a directory")
+    return path
+
+
+# What a user who brings bad values would try (issue 12): each a single line, before any work.
+# Each entry: overrides built from the test's tmp_path, and what the line must say.
+HOSTILE_INPUTS = {
+    "max_memory overflows": (lambda t: ["max_memory=1e400"], "max_memory=inf is not a finite number"),
+    "max_memory quoted overflow": (lambda t: ["max_memory='1e400'"], "max_memory='1e400' is not a finite size"),
+    "max_memory one byte": (lambda t: ["max_memory=1"], "max_memory=1 is 1 bytes, too small"),
+    "max_memory 1.5 bytes": (lambda t: ["max_memory='1.5'"], "max_memory='1.5' is neither a fraction"),
+    "probe cache dir is a file": (
+        lambda t: ["use_maximum_batch_size=True", f"probe_cache_dir={_a_file(t)}"],
+        "is a file, not a directory",
+    ),
+    "probe cache dir cannot be made": (
+        lambda t: ["use_maximum_batch_size=True", f"probe_cache_dir={_a_file(t)}/cache"],
+        "cannot be written",
+    ),
+    "output dir is a file": (lambda t: [f"output_dir={_a_file(t)}"], "is a file, not a directory"),
+    "output dir cannot be made": (lambda t: [f"output_dir={_a_file(t)}/out"], "output_dir="),
+    "log dir is a file": (lambda t: [f"metric_logger.log_dir={_a_file(t)}"], "metric_logger.log_dir="),
+    "dataset dir is a file": (lambda t: [f"dataset.data_dir={_a_file(t)}"], "dataset: building 'adaptive_batch.torchtune.pydoc_text_dataset' failed"),
+    "dataset negative min_chars": (lambda t: ["dataset.min_chars=-1"], "dataset.min_chars=-1 must be zero or more"),
+    "tokenizer component missing": (
+        lambda t: ["tokenizer._component_=adaptive_batch.torchtune.no_such_tokenizer"], "tokenizer: building"
+    ),
+    "max_seq_len zero": (lambda t: ["tokenizer.max_seq_len=0"], "tokenizer.max_seq_len=0 must be an integer of at least 2"),
+    "max_steps zero": (lambda t: ["max_steps_per_epoch=0"], "max_steps_per_epoch=0 must be a positive integer"),
+    "seed not a number": (lambda t: ["seed=abc"], "seed='abc' must be a non-negative integer"),
+    "epochs infinite": (lambda t: ["epochs=.inf"], "epochs=inf is not a finite number"),
+    "lr reference NaN": (lambda t: ["lr_scaling=linear", "lr_scaling_reference=.nan"], "lr_scaling_reference=nan is not a finite"),
+    "lr reference infinite": (lambda t: ["lr_scaling=linear", "lr_scaling_reference=.inf"], "lr_scaling_reference=inf is not a finite"),
+    "optimizer lr NaN": (lambda t: ["optimizer.lr=.nan"], "optimizer.lr=nan is not a finite number"),
+    "margin NaN": (lambda t: ["memory_safety_margin=.nan"], "memory_safety_margin=nan is not a finite"),
+    "plot path is a directory": (
+        lambda t: ["plot=True", f"output_dir={t / 'o'}", f"+mkdir={t / 'o' / 'batch_probe.png'}"],
+        "batch_probe.png' is a directory: move it away, or set plot=False",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_INPUTS))
+def test_hostile_input_is_one_line_before_any_work(tmp_path, case):
+    build, message = HOSTILE_INPUTS[case]
+    overrides = build(tmp_path)
+    for item in [o for o in overrides if o.startswith("+mkdir=")]:
+        os.makedirs(item.split("=", 1)[1])
+        overrides.remove(item)
+    proc = run_tune(tmp_path / "out", *overrides)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert message in line, line
+    # no model was built: no initial checkpoint written anywhere
+    assert not list(tmp_path.rglob("init"))
+
+
+def test_a_file_where_an_epoch_checkpoint_goes_stops_the_run_before_training(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "epoch_0").write_text("someone's notes")
+    proc = run_tune(out)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "holds a file named epoch_0" in proc.stderr
+    assert (out / "epoch_0").read_text() == "someone's notes" and not (out / "init").exists()
+
+
 def test_typo_names_the_closest_key(tmp_path):
     proc = run_tune(tmp_path, "use_maximum_batchsize=True")
     assert proc.returncode == 1 and "did you mean 'use_maximum_batch_size'" in proc.stderr
@@ -77,7 +146,10 @@ def test_probe_result_is_logged_written_and_used(probed_run):
     assert report["budget_bytes"] == int(512 * 1024**2 * (1 - 0.01))
     trials = {t["batch_size"]: t for t in report["trials"] if t["phase"] != "warmup"}
     assert trials[found]["fits"] and trials[found]["peak_bytes"] <= report["budget_bytes"]
-    assert not trials[found + 1]["fits"] and trials[found + 1]["peak_bytes"] > report["budget_bytes"]
+    # one over: measured over the budget, or stopped by the probe's own address-space limit
+    over = trials[found + 1]
+    assert not over["fits"] and (over["oom"] or over["peak_bytes"] > report["budget_bytes"])
+    assert report["trial_address_space_limit"] is not None and report["max_overshoot"] <= 1.25
     assert set(report["estimate"]) == {
         "fixed_bytes", "bytes_per_sample", "predicted_max_batch_size", "kind", "operators", "binding_operator"
     }

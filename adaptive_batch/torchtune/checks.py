@@ -1,0 +1,172 @@
+"""Checks of a whole run's settings, before anything expensive: numbers, paths, components.
+
+A recipe calls :func:`check_run_settings` first thing in ``__init__``: every number in the
+config is finite, the run's scalar keys have the right type and range, and every directory
+the run will write (output, checkpoints, logs, the probe cache) can be written, with no file
+in the way of a checkpoint. :func:`build` instantiates a ``_component_`` node (tokenizer,
+dataset) and turns its construction error into one line naming the key.
+"""
+
+import math
+import os
+import tempfile
+from typing import Any, Iterator, Optional, Tuple
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from adaptive_batch.validation import check_positive_int, ConfigError
+
+
+def non_finite_numbers(cfg: Any, prefix: str = "") -> Iterator[Tuple[str, float]]:
+    """Every ``(dotted key, value)`` in ``cfg`` whose value is a NaN or infinite float."""
+    container = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, (DictConfig, ListConfig)) else cfg
+    items = container.items() if isinstance(container, dict) else enumerate(container) if isinstance(container, list) else ()
+    for key, value in items:
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            yield name, value
+        elif isinstance(value, (dict, list)):
+            yield from non_finite_numbers(value, name)
+
+
+def check_finite_numbers(cfg: Any) -> None:
+    """Raises:
+    ConfigError: naming the first key whose value is NaN or infinite."""
+    for name, value in non_finite_numbers(cfg):
+        raise ConfigError(
+            f"{name}={value!r} is not a finite number: no setting of this recipe takes NaN or infinity; "
+            f"give {name} a finite value, or null where the key allows it."
+        )
+
+
+def check_seed(seed: Any) -> None:
+    """Raises:
+    ConfigError: unless ``seed`` is a non-negative integer or ``None``."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"seed={seed!r} must be a non-negative integer or null: e.g. seed=42.")
+
+
+def check_writable_dir(key: str, path: Any) -> str:
+    """Makes sure ``path`` is, or can be created as, a directory this process can write in.
+
+    It really creates the missing directories and a file in the last one (so permissions,
+    read-only mounts and quotas all count), then removes what it created: the check leaves
+    nothing behind.
+
+    Raises:
+        ConfigError: for a path that is not a string, is a file, or cannot be created or
+            written, with the reason.
+    """
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}={path!r} must be a directory path.")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} is a file, not a directory: point {key} at a directory.")
+    missing = []
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{key}={path!r} cannot be written ({e.strerror or e}): point {key} at a directory you can write."
+        ) from None
+    finally:
+        for created in missing:  # deepest first
+            try:
+                os.rmdir(created)
+            except OSError:
+                break
+    return path
+
+
+def check_writable_file(key: str, path: str, fix: Optional[str] = None) -> str:
+    """Makes sure a file can be written at ``path``.
+
+    Args:
+        key: what names the path in the message.
+        path: the file.
+        fix: what to do when a directory is in the way (default: give another path).
+
+    Raises:
+        ConfigError: when ``path`` is a directory or its directory cannot be written.
+    """
+    if os.path.isdir(path):
+        fix = fix or f"give a file path, e.g. {os.path.join(path, 'plot.png')!r}"
+        raise ConfigError(f"{key}={path!r} is a directory: {fix}.")
+    check_writable_dir(f"{key} (its directory)", os.path.dirname(os.path.abspath(path)))
+    return path
+
+
+def check_checkpoint_dir(key: str, path: Any, epochs: int) -> None:
+    """The checkpoint directory can be written and no file sits where an epoch's folder goes.
+
+    Raises:
+        ConfigError: for an unwritable directory or an ``epoch_N`` that is a file.
+    """
+    check_writable_dir(key, path)
+    for epoch in range(epochs):
+        folder = os.path.join(path, f"epoch_{epoch}")
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise ConfigError(
+                f"{key}={path!r} holds a file named epoch_{epoch} where the checkpoint of epoch {epoch} "
+                f"goes: move or remove {folder!r}, or set {key} to another directory."
+            )
+
+
+def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None) -> None:
+    """Everything about a run that can be checked before a model is built.
+
+    Args:
+        cfg: the recipe config.
+        probe_cache_dir: the probe cache's directory when the run will use it.
+
+    Raises:
+        ConfigError: for the first bad setting.
+    """
+    check_finite_numbers(cfg)
+    check_seed(cfg.get("seed", None))
+    epochs = check_positive_int("epochs", cfg.get("epochs", None))
+    check_positive_int("max_steps_per_epoch", cfg.get("max_steps_per_epoch", None), allow_none=True)
+    check_positive_int("log_every_n_steps", cfg.get("log_every_n_steps", 1))
+    tokenizer = cfg.get("tokenizer", None)
+    if tokenizer is not None:
+        max_seq_len = tokenizer.get("max_seq_len", None)
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2):
+            raise ConfigError(
+                f"tokenizer.max_seq_len={max_seq_len!r} must be an integer of at least 2, or null: "
+                "e.g. tokenizer.max_seq_len=2048."
+            )
+    check_writable_dir("output_dir", cfg.get("output_dir", None))
+    checkpointer = cfg.get("checkpointer", None)
+    if checkpointer is not None and checkpointer.get("output_dir", None) is not None:
+        check_checkpoint_dir("checkpointer.output_dir", checkpointer.output_dir, epochs)
+    if checkpointer is not None and checkpointer.get("checkpoint_files", None) is None:
+        # The recipe writes a random initialisation there.
+        check_writable_dir("checkpointer.checkpoint_dir", checkpointer.get("checkpoint_dir", None))
+    logger = cfg.get("metric_logger", None)
+    if logger is not None and logger.get("log_dir", None) is not None:
+        check_writable_dir("metric_logger.log_dir", logger.log_dir)
+    if probe_cache_dir is not None:
+        check_writable_dir("probe_cache_dir", probe_cache_dir)
+
+
+def build(key: str, node: DictConfig, *args: Any) -> Any:
+    """``config.instantiate(node, *args)``, with a construction error as one line naming ``key``.
+
+    Raises:
+        ConfigError: when the component cannot be built (a missing file, a bad argument).
+    """
+    from torchtune import config
+
+    try:
+        return config.instantiate(node, *args)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any construction failure is the config's to fix
+        component = node.get("_component_", None) if isinstance(node, DictConfig) else None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{key}: building {component!r} failed: {type(e).__name__}: {reason}") from None
