@@ -26,6 +26,21 @@ def probe_report(output_dir):
     return json.loads((output_dir / "batch_probe.json").read_text())
 
 
+def test_no_trial_on_any_rank_goes_past_the_overshoot_bound(tmp_path):
+    # Under FSDP2 the peak is nearly flat at batch 1-2: the line predicted 59 and that trial
+    # took 2.8x the budget. Now the search grows from the largest fit within 1.25x.
+    proc = run_tune(tmp_path, "use_maximum_batch_size=True", "max_memory=512MiB", FIXED, "max_steps_per_epoch=1", **DIST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = probe_report(tmp_path)
+    assert report["max_overshoot"] <= 1.25
+    for rank in report["ranks"]:
+        assert rank["max_overshoot"] <= 1.25, rank
+        for trial in rank["trials"]:
+            assert trial["peak_bytes"] is None or trial["peak_bytes"] <= 1.25 * rank["budget_bytes"], trial
+    found = report["batch_size"]
+    assert any(t["batch_size"] == found + 1 and not t["fits"] for t in report["trials"])
+
+
 def test_a_lower_budget_on_one_rank_sets_the_batch_of_both(tmp_path):
     uneven = run_tune(tmp_path / "uneven", *PROBE, env={"ADAPTIVE_BATCH_MAX_MEMORY": "256MiB,160MiB"}, **DIST)
     assert uneven.returncode == 0, uneven.stderr[-3000:]
@@ -99,9 +114,13 @@ def test_stopped_and_resumed_run_matches_the_uninterrupted_one(tmp_path, schedul
 @pytest.mark.parametrize("override,env,expected", [
     ("fsdp_cpu_offload=True", {}, "error: fsdp_cpu_offload=True"),
     ("use_maximum_batch_size=True", {"ADAPTIVE_BATCH_MAX_MEMORY": "1GiB,2GiB,3GiB"},
-     "error: ADAPTIVE_BATCH_MAX_MEMORY='1GiB,2GiB,3GiB' lists 3 values for 2 ranks on this node"),
-    ("use_maximum_batch_size=True", {"ADAPTIVE_BATCH_MAX_MEMORY": "lots"}, "error: ADAPTIVE_BATCH_MAX_MEMORY"),
-], ids=["cpu-offload", "env-list-length", "env-value"])
+     "error: rank 0: ADAPTIVE_BATCH_MAX_MEMORY='1GiB,2GiB,3GiB' lists 3 values for 2 ranks on this node"),
+    ("use_maximum_batch_size=True", {"ADAPTIVE_BATCH_MAX_MEMORY": "lots"}, "error: rank 0: ADAPTIVE_BATCH_MAX_MEMORY"),
+    # Only rank 1's value is bad: rank 0 stops with rank 1's line instead of waiting for it.
+    ("use_maximum_batch_size=True", {"ADAPTIVE_BATCH_MAX_MEMORY": "1GiB,lots"},
+     "error: rank 1: ADAPTIVE_BATCH_MAX_MEMORY (this rank's value of '1GiB,lots')='lots' cannot be parsed"),
+    ("max_memory=1e400", {}, "error: rank 0: max_memory=inf is not a finite number"),
+], ids=["cpu-offload", "env-list-length", "env-value", "env-value-one-rank", "non-finite"])
 def test_bad_input_stops_every_rank_with_one_line(tmp_path, override, env, expected):
     proc = run_tune(tmp_path, override, env=env, **DIST)
     assert proc.returncode != 0
