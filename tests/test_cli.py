@@ -69,6 +69,12 @@ def test_plan_table_and_plot_for_the_lora_config(tmp_path):
         (["plan", "--config", TINY, "--device-memory", "lots"], "--device-memory='lots' cannot be parsed"),
         (["plan", "--config", TINY, "batch_size"], "override 'batch_size' is not key=value"),
         (["probe", "--config", TINY, "max_memory=lots"], "max_memory='lots' cannot be parsed"),
+        (["plan", "--config", TINY, "--device-memory", "1e400"], "--device-memory='1e400' is not a finite size"),
+        (["plan", "--config", TINY, "max_memory='1e400'"], "max_memory='1e400' is not a finite size"),
+        (["plan", "--config", TINY, "--safety-margin", "nan"], "--safety-margin=nan must be a number in [0, 1)"),
+        (["plan", "--config", TINY, "optimizer.lr=.nan"], "optimizer.lr=nan is not a finite number"),
+        (["plan", "--config", TINY, "--plot", "/proc/no/plan.png"], "--plot (its directory)='/proc/no' cannot be written"),
+        (["probe", "--config", TINY, "--plot", "configs"], "--plot='configs' is a directory"),
     ],
 )
 def test_bad_input_is_one_line(args, message):
