@@ -13,6 +13,7 @@ Blind spots: kernels whose memory differs between devices (CUDA's fused attentio
 fragmentation (what ``memory_safety_margin`` is for), and anything ``torch.compile`` changes.
 """
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional
@@ -226,8 +227,14 @@ def _search_in_fake_steps(
         return measured[b].peak_bytes
 
     try:
+        # Fake steps allocate nothing: no bound on how far a trial may go.
         result = search_max_batch_size(
-            run_trial, budget_bytes=budget, max_batch_size=max_batch_size, warmup=False, release=lambda: None
+            run_trial,
+            budget_bytes=budget,
+            max_batch_size=max_batch_size,
+            warmup=False,
+            release=lambda: None,
+            max_overshoot=math.inf,
         )
     except BatchSizeTooLargeError:
         return 0

@@ -179,7 +179,8 @@ def search_max_batch_size(
         log: called with one line per trial.
         max_trials: a guard against a step that never runs out of memory with no cap.
         max_overshoot: the bound on a trial's peak, as a multiple of the budget, that limits
-            how far past the largest fit the next trial may go.
+            how far past the largest fit the next trial may go (``math.inf``: no bound, for
+            trials that allocate nothing, such as the planner's fake steps).
 
     Returns:
         The result, with every trial.
@@ -288,7 +289,7 @@ def search_max_batch_size(
         """The largest size whose peak stays within ``max_overshoot`` x budget if what a step
         adds grew in proportion to the batch from the largest fit (see the docstring)."""
         trial = fit_trial(lo)
-        if trial is None or trial.peak_bytes is None:
+        if trial is None or trial.peak_bytes is None or math.isinf(max_overshoot):
             return None
         start = min(trial.start_bytes or 0, trial.peak_bytes)
         added = trial.peak_bytes - start

@@ -273,3 +273,12 @@ def test_phase_lines_where_a_step_gives_phases_only():
     assert result.to_dict()["estimate"]["kind"] == "phases"
     # Without the step's start, the jump from 2 is bounded: 2 x 1.25 x 3_000 / 1_300 = 5.
     assert [t.batch_size for t in result.trials] == [1, 1, 2, 5, 7, 8]
+
+
+def test_an_unbounded_search_jumps_to_the_prediction_without_a_start():
+    # The planner's fake steps allocate nothing: the bound is off, the jump is the line's.
+    import math
+
+    step = LinearStep(fixed=1_000, per_sample=100)
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release, max_overshoot=math.inf)
+    assert step.calls == [1, 1, 2, 37, 38]
