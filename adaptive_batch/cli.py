@@ -48,8 +48,10 @@ def plan_table(plan: MemoryPlan) -> str:
     if plan.budget_bytes is not None:
         out.append(
             f"largest batch under {format_bytes(plan.device_memory_bytes)} "
-            f"(budget {format_bytes(plan.budget_bytes)}): {plan.max_batch_size}"
+            f"(budget {format_bytes(plan.budget_bytes)}): {plan.max_batch_size}, "
+            f"{plan.max_batch_size * plan.seq_len} tokens per step"
         )
+    out += [f"assumed: {note}" for note in plan.assumptions]
     return "\n".join(out)
 
 
@@ -57,6 +59,8 @@ def plan_json(plan: MemoryPlan) -> dict:
     """The plan as one JSON object."""
     return {
         "max_batch_size": plan.max_batch_size,
+        "tokens_per_step": None if plan.max_batch_size is None else plan.max_batch_size * plan.seq_len,
+        "assumptions": plan.assumptions,
         "device_memory_bytes": plan.device_memory_bytes,
         "budget_bytes": plan.budget_bytes,
         "seq_len": plan.seq_len,

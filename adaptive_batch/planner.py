@@ -16,7 +16,7 @@ fragmentation (what ``memory_safety_margin`` is for), and anything ``torch.compi
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -38,7 +38,8 @@ CATEGORIES = {
 }
 CATEGORY_ORDER = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "other")
 
-BuildOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
+# Trainable parameters -> one optimizer, or one per parameter (optimizer in backward).
+BuildOptimizer = Callable[[List[nn.Parameter]], Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]]
 ForwardBackward = Callable[[nn.Module, Dict[str, torch.Tensor]], None]
 
 
@@ -66,6 +67,8 @@ class MemoryPlan:
             above it over (or the cap); ``None`` without a budget, 0 when batch 1 is over.
         rows: predicted peaks for the table's batch sizes.
         seconds: how long planning took.
+        assumptions: what the plan assumed (defaults filled in, layers extrapolated, an
+            optimizer's state size), to print with it.
     """
 
     seq_len: int
@@ -76,19 +79,29 @@ class MemoryPlan:
     max_batch_size: Optional[int]
     rows: List[PlanRow] = field(default_factory=list)
     seconds: float = 0.0
+    assumptions: List[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def build_fake_model(build_model: Callable[[], nn.Module], fake_mode: FakeTensorMode) -> nn.Module:
+def build_fake_model(
+    build_model: Callable[[], nn.Module], fake_mode: FakeTensorMode, keep_layers: Optional[int] = None
+) -> nn.Module:
     """Builds the model on the meta device and gives it fake CPU storage.
 
     torchtune's rotary embeddings compute their cache at init; it is recomputed for real (it is
     small), since the meta build left it empty.
+
+    Args:
+        build_model: builds the model.
+        fake_mode: the fake mode its tensors belong to.
+        keep_layers: keep only the first this many of ``model.layers`` (see :func:`num_layers`).
     """
     with torch.device("meta"):
         model = build_model()
+    if keep_layers is not None:
+        model.layers = model.layers[:keep_layers]
     with fake_mode:
         model.to_empty(device="cpu")
     for module in model.modules():
@@ -98,29 +111,32 @@ def build_fake_model(build_model: Callable[[], nn.Module], fake_mode: FakeTensor
     return model
 
 
+def num_layers(build_model: Callable[[], nn.Module]) -> Optional[int]:
+    """How many identical decoder layers the model has (``model.layers``, as torchtune's
+    ``TransformerDecoder`` holds them), or ``None`` when it has no such list."""
+    with torch.device("meta"):
+        model = build_model()
+    layers = getattr(model, "layers", None)
+    return len(layers) if isinstance(layers, nn.ModuleList) else None
+
+
 class _NoHook:
     def remove(self) -> None:
         pass
 
 
-def fake_step_peak(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    forward_backward: ForwardBackward,
-    batch: Dict[str, torch.Tensor],
-) -> PlanRow:
-    """Runs one fake training step under a fresh ``MemTracker``; its peak by category."""
+def _tracked_peak(model: nn.Module, optimizers: List[torch.optim.Optimizer], run: Callable[[], None]) -> "PlanRow":
+    """Runs ``run`` under a fresh ``MemTracker`` that knows the model and optimizers; its peak
+    by category (``batch_size`` 0: the caller sets it)."""
     tracker = MemTracker()
     # MemTracker hooks every parameter's gradient, which fails on frozen ones (LoRA's base
     # weights): mark those as hooked already, with handles that remove nothing.
     for param in model.parameters():
         if not param.requires_grad:
             tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, *optimizers)
     with tracker:
-        forward_backward(model, batch)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        run()
     snapshot = tracker.get_tracker_snapshot("peak")
     categories = {name: 0 for name in CATEGORY_ORDER}
     total = 0
@@ -131,7 +147,73 @@ def fake_step_peak(
                 total += nbytes
             else:
                 categories[CATEGORIES.get(label, "other")] += nbytes
-    return PlanRow(batch_size=int(batch["tokens"].shape[0]), peak_bytes=total, categories=categories)
+    return PlanRow(batch_size=0, peak_bytes=total, categories=categories)
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """A fake step's peak in its two parts: forward and backward; optimizer step and zeroing
+    (empty with the optimizer in backward). Each part's peak is linear in the layer count."""
+
+    backward: PlanRow
+    optimizer: Optional[PlanRow]
+
+    def rows(self) -> List[PlanRow]:
+        return [self.backward] + ([self.optimizer] if self.optimizer is not None else [])
+
+    def peak(self, batch_size: int) -> PlanRow:
+        top = max(self.rows(), key=lambda r: r.peak_bytes)
+        return PlanRow(batch_size=batch_size, peak_bytes=top.peak_bytes, categories=dict(top.categories))
+
+
+def fake_step_phases(
+    model: nn.Module,
+    optimizers: List[torch.optim.Optimizer],
+    forward_backward: ForwardBackward,
+    batch: Dict[str, torch.Tensor],
+    *,
+    optimizer_in_backward: bool = False,
+) -> StepPhases:
+    """Runs one fake training step, each part under its own ``MemTracker``.
+
+    With ``optimizer_in_backward`` each parameter's optimizer steps (and frees its gradient)
+    as soon as the gradient is accumulated, as torchtune's ``optimizer_in_bwd`` runs it.
+    """
+    if optimizer_in_backward:
+        backward = _tracked_peak(model, optimizers, lambda: forward_backward(model, batch))
+        return StepPhases(backward, None)
+
+    def step_and_zero() -> None:
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    backward = _tracked_peak(model, optimizers, lambda: forward_backward(model, batch))
+    return StepPhases(backward, _tracked_peak(model, optimizers, step_and_zero))
+
+
+def fake_step_peak(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    forward_backward: ForwardBackward,
+    batch: Dict[str, torch.Tensor],
+) -> PlanRow:
+    """Runs one fake training step; its peak by category."""
+    return fake_step_phases(model, [optimizer], forward_backward, batch).peak(int(batch["tokens"].shape[0]))
+
+
+def _extrapolate(a: PlanRow, b: PlanRow, at_a: int, at_b: int, to: int) -> PlanRow:
+    """The line through ``a`` (at ``at_a``) and ``b`` (at ``at_b``), peak and categories, at ``to``."""
+
+    def line(x: int, y: int) -> int:
+        return int(round(x + (y - x) * (to - at_a) / (at_b - at_a)))
+
+    categories = {name: line(a.categories[name], b.categories[name]) for name in CATEGORY_ORDER}
+    return PlanRow(batch_size=a.batch_size, peak_bytes=line(a.peak_bytes, b.peak_bytes), categories=categories)
+
+
+# Layer counts measured when extrapolating: not 1, where the first and last layer are one.
+MEASURED_LAYERS = (2, 3)
 
 
 def plan_memory(
@@ -144,12 +226,22 @@ def plan_memory(
     safety_margin: float = 0.0,
     max_batch_size: Optional[int] = None,
     table_batch_sizes: Optional[Iterable[int]] = None,
+    optimizer_in_backward: bool = False,
+    extrapolate_layers: bool = True,
+    assumptions: Iterable[str] = (),
+    adjust_bytes: Optional[Dict[str, int]] = None,
 ) -> MemoryPlan:
     """Predicts a training step's peak at every batch size, allocating nothing.
 
+    Models with a list of identical decoder layers (``model.layers``) are planned from copies
+    with 2 and 3 layers: each part of a fake step (forward and backward; the optimizer step)
+    is linear in the layer count, so the two give every layer count, and a 70B model plans in
+    the time of a 3-layer one. ``extrapolate_layers=False`` steps the whole model.
+
     Args:
         build_model: builds the model (it is called under the meta device).
-        build_optimizer: makes the optimizer for the built model (its trainable parameters).
+        build_optimizer: makes the optimizers for a list of trainable parameters: one
+            optimizer, or with ``optimizer_in_backward`` one per parameter.
         forward_backward: runs forward, loss and backward of the model on a batch with
             ``tokens`` and ``labels`` of shape ``[batch, seq_len]``.
         seq_len: the length every sample is planned at (the worst case a batch can have).
@@ -157,6 +249,12 @@ def plan_memory(
         safety_margin: fraction of it held back, as the probe does.
         max_batch_size: cap on the answer.
         table_batch_sizes: the rows of the table; default powers of two up to past the answer.
+        optimizer_in_backward: each parameter steps in backward and frees its gradient.
+        extrapolate_layers: plan from 2 and 3 layers when the model has more than 3.
+        assumptions: what the caller assumed (a default sequence length, an optimizer's state
+            size), carried into the plan.
+        adjust_bytes: bytes added to every step's peak, by category (negative to take off):
+            what the fake model stands in for differently (e.g. NF4 weights planned dense).
 
     Returns:
         The plan.
@@ -170,17 +268,35 @@ def plan_memory(
         raise ValueError(f"safety_margin={safety_margin} must be in [0, 1).")
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = build_fake_model(build_model, fake_mode)
+    layers = num_layers(build_model) if extrapolate_layers else None
+    counts = MEASURED_LAYERS if layers is not None and layers > MEASURED_LAYERS[-1] else (None,)
+    steppers = {}
+    for keep in counts:
+        model = build_fake_model(build_model, fake_mode, keep_layers=keep)
+        with fake_mode:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizers = _as_list(build_optimizer(trainable))
+        if optimizer_in_backward:
+            _step_in_backward(trainable, optimizers)
+        steppers[keep] = (model, optimizers)
+
+    def step(b: int) -> PlanRow:
+        tokens = torch.zeros(b, seq_len, dtype=torch.long)
+        batch = {"tokens": tokens, "labels": torch.zeros(b, seq_len, dtype=torch.long)}
+        phases = {
+            keep: fake_step_phases(model, optimizers, forward_backward, batch, optimizer_in_backward=optimizer_in_backward)
+            for keep, (model, optimizers) in steppers.items()
+        }
+        if counts == (None,):
+            return _adjusted(phases[None].peak(b), adjust_bytes)
+        (k1, low), (k2, high) = sorted(phases.items())
+        whole = StepPhases(
+            *[_extrapolate(x, y, k1, k2, layers) if x is not None else None for x, y in zip(
+                (low.backward, low.optimizer), (high.backward, high.optimizer))]
+        )
+        return _adjusted(whole.peak(b), adjust_bytes)
+
     with fake_mode:
-        optimizer = build_optimizer(model)
-
-        def batch(b: int) -> Dict[str, torch.Tensor]:
-            tokens = torch.zeros(b, seq_len, dtype=torch.long)
-            return {"tokens": tokens, "labels": torch.zeros(b, seq_len, dtype=torch.long)}
-
-        def step(b: int) -> PlanRow:
-            return fake_step_peak(model, optimizer, forward_backward, batch(b))
-
         # The first step creates the optimizer state: later steps are the steady state.
         step(1)
         measured = {b: step(b) for b in (1, 2)}
@@ -196,6 +312,11 @@ def plan_memory(
         measured.get(b) or _predict_row(measured[1], measured[2], b)
         for b in sorted(set(table_batch_sizes) | ({best} if best else set()))
     ]
+    notes = list(assumptions)
+    if counts != (None,):
+        notes.append(f"{layers} decoder layers extrapolated from fake steps with {counts[0]} and {counts[1]}")
+    if optimizer_in_backward:
+        notes.append("optimizer in backward: each gradient freed after its parameter's step")
     return MemoryPlan(
         seq_len=seq_len,
         measured=[measured[b] for b in sorted(measured)],
@@ -205,7 +326,73 @@ def plan_memory(
         max_batch_size=best,
         rows=rows,
         seconds=time.perf_counter() - start,
+        assumptions=notes,
     )
+
+
+class KnownStateOptimizer(torch.optim.Optimizer):
+    """A stand-in for an optimizer the planner cannot import (bitsandbytes' 8-bit and paged
+    AdamW on a machine without CUDA): its first step creates state of a known size per
+    parameter and changes nothing.
+
+    Args:
+        params: the trainable parameters.
+        bytes_per_element: state bytes per parameter element.
+        small_bytes_per_element: for parameters under ``small_numel`` elements (bitsandbytes
+            keeps those in 32-bit state).
+        small_numel: see above.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        *,
+        bytes_per_element: float,
+        small_bytes_per_element: Optional[float] = None,
+        small_numel: int = 0,
+    ) -> None:
+        super().__init__(params, {})
+        self.bytes_per_element = bytes_per_element
+        self.small_bytes_per_element = small_bytes_per_element or bytes_per_element
+        self.small_numel = small_numel
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p in self.state and self.state[p]:
+                    continue
+                per = self.small_bytes_per_element if p.numel() < self.small_numel else self.bytes_per_element
+                self.state[p]["state"] = torch.empty(math.ceil(p.numel() * per), dtype=torch.uint8, device=p.device)
+
+
+def _adjusted(row: PlanRow, adjust_bytes: Optional[Dict[str, int]]) -> PlanRow:
+    if not adjust_bytes:
+        return row
+    categories = {name: row.categories[name] + adjust_bytes.get(name, 0) for name in CATEGORY_ORDER}
+    return PlanRow(row.batch_size, row.peak_bytes + sum(adjust_bytes.values()), categories)
+
+
+def _as_list(optimizers: Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]) -> List[torch.optim.Optimizer]:
+    return list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+
+
+def _step_in_backward(params: List[nn.Parameter], optimizers: List[torch.optim.Optimizer]) -> None:
+    """torchtune's ``register_optim_in_bwd_hooks``: a parameter's optimizer steps and frees its
+    gradient once the gradient is accumulated."""
+    by_param = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                by_param[p] = optimizer
+    for p in params:
+        optimizer = by_param[p]
+
+        def hook(param: nn.Parameter, optimizer: torch.optim.Optimizer = optimizer) -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        p.register_post_accumulate_grad_hook(hook)
 
 
 def _search_in_fake_steps(

@@ -1,15 +1,100 @@
 """Plans a torchtune config's memory with fake tensors: nothing allocated, no weights needed."""
 
-from typing import Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchtune import config, modules, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from adaptive_batch.planner import MemoryPlan, plan_memory
+from adaptive_batch.planner import KnownStateOptimizer, MemoryPlan, plan_memory
 from adaptive_batch.torchtune.loss import next_token_loss
 from adaptive_batch.validation import ConfigError
+
+
+# The sequence length planned when a config leaves tokenizer.max_seq_len open (torchtune's
+# stock configs do): a common fine-tuning length; the plan says it assumed it.
+DEFAULT_SEQ_LEN = 2048
+
+# State bytes per trainable element of optimizers that may not import on the planning machine
+# (bitsandbytes needs CUDA): two 8-bit moments (plus one float32 scale per 2048-element block
+# of each), or two float32 ones; bitsandbytes keeps tensors under 4096 elements in 32-bit
+# state. Paged state is counted as resident on the device.
+KNOWN_OPTIMIZER_STATE = {
+    "bitsandbytes.optim.PagedAdamW8bit": (2 + 8 / 2048, 8.0),
+    "bitsandbytes.optim.AdamW8bit": (2 + 8 / 2048, 8.0),
+    "bitsandbytes.optim.Adam8bit": (2 + 8 / 2048, 8.0),
+    "bitsandbytes.optim.PagedAdam8bit": (2 + 8 / 2048, 8.0),
+    "bitsandbytes.optim.PagedAdamW": (8.0, 8.0),
+    "bitsandbytes.optim.PagedAdamW32bit": (8.0, 8.0),
+    "bitsandbytes.optim.PagedAdam": (8.0, 8.0),
+    "bitsandbytes.optim.Lion8bit": (1 + 4 / 2048, 4.0),
+    "bitsandbytes.optim.PagedLion8bit": (1 + 4 / 2048, 4.0),
+}
+_BNB_MIN_8BIT_SIZE = 4096
+
+
+def _optimizer_factory(cfg_optimizer: DictConfig, assumptions: List[str]) -> Callable[[list], torch.optim.Optimizer]:
+    """Builds the config's optimizer for a list of parameters, or a stand-in with its known
+    state size when it cannot be imported here.
+
+    Raises:
+        ConfigError: for an optimizer that neither imports nor has a known state size.
+    """
+    from torchtune.config._utils import _get_component_from_path
+
+    component = str(cfg_optimizer.get("_component_", ""))
+    try:
+        _get_component_from_path(component)
+    except Exception as e:  # noqa: BLE001 - any import failure
+        if component not in KNOWN_OPTIMIZER_STATE:
+            raise ConfigError(
+                f"optimizer._component_={component!r} cannot be imported here ({type(e).__name__}: {e}) and its "
+                f"state size is not known to the planner (known: {', '.join(sorted(KNOWN_OPTIMIZER_STATE))}); "
+                "install it, or plan with optimizer._component_=torch.optim.AdamW."
+            ) from None
+        per, small = KNOWN_OPTIMIZER_STATE[component]
+        assumptions.append(
+            f"optimizer {component} is not importable here: planned from its state size, {per:.3g} bytes per "
+            f"trainable element ({small:.0f} for tensors under {_BNB_MIN_8BIT_SIZE} elements)"
+        )
+        return lambda params: KnownStateOptimizer(
+            params, bytes_per_element=per, small_bytes_per_element=small, small_numel=_BNB_MIN_8BIT_SIZE
+        )
+    return lambda params: config.instantiate(cfg_optimizer, params)
+
+
+def _nf4_base_weights(cfg_model: DictConfig, dtype: torch.dtype, assumptions: List[str]) -> "tuple[DictConfig, Dict[str, int]]":
+    """QLoRA: fake tensors cannot hold torchao's NF4 weights, so the model is planned with
+    dense base weights (``quantize_base=False``) and the difference taken off, with the
+    dequantized copy of the largest weight a linear makes in forward and backward added.
+
+    Returns:
+        The model config to plan and the bytes to adjust by category (empty: no NF4 weights).
+    """
+    try:
+        from torchao.dtypes.nf4tensor import NF4Tensor
+    except ImportError:
+        return cfg_model, {}
+    with training.set_default_dtype(dtype), torch.device("meta"):
+        model = config.instantiate(cfg_model)
+    quantized = [p for p in model.parameters() if isinstance(p, NF4Tensor)]
+    if not quantized:
+        return cfg_model, {}
+    stored = sum(t.numel() * t.element_size() for p in quantized for t in _inner_tensors(p))
+    dense = sum(p.numel() for p in quantized) * dtype.itemsize
+    largest = max(p.numel() for p in quantized) * dtype.itemsize
+    assumptions.append(
+        f"NF4 base weights (QLoRA): {sum(p.numel() for p in quantized) / 1e9:.2f}B elements stored in "
+        f"{stored / 2**30:.2f} GiB, planned dense and taken off; one dequantized weight "
+        f"({largest / 2**20:.0f} MiB) added as a temporary"
+    )
+    return OmegaConf.merge(cfg_model, {"quantize_base": False}), {"parameters": stored - dense, "activations": largest}
+
+
+def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+    names, _ = t.__tensor_flatten__()
+    return [getattr(t, name) for name in names]
 
 
 def plan_from_config(
@@ -18,32 +103,41 @@ def plan_from_config(
     device_memory_bytes: Optional[int],
     safety_margin: float,
     max_batch_size: Optional[int] = None,
+    extrapolate_layers: bool = True,
 ) -> MemoryPlan:
-    """Plans the config's model, optimizer, loss, dtype, sequence length and activation
-    checkpointing with fake tensors.
+    """Plans the config's model, optimizer, loss, dtype, sequence length, activation
+    checkpointing and optimizer-in-backward with fake tensors, as torchtune's recipe runs them.
+
+    What the config leaves open or names but cannot be imported here is filled in and said in
+    ``plan.assumptions``: ``tokenizer.max_seq_len`` (:data:`DEFAULT_SEQ_LEN`), bitsandbytes
+    optimizers (:data:`KNOWN_OPTIMIZER_STATE`).
 
     Raises:
-        ConfigError: when the config leaves the sequence length open, or sets what the
-            planner cannot model (``optimizer_in_bwd``).
+        ConfigError: for an optimizer that cannot be imported and has no known state size.
     """
-    seq_len = cfg.tokenizer.get("max_seq_len", None)
+    assumptions: List[str] = []
+    seq_len = cfg.tokenizer.get("max_seq_len", None) if cfg.get("tokenizer", None) is not None else None
     if seq_len is None:
-        raise ConfigError(
-            "tokenizer.max_seq_len=null: the plan needs the longest sequence a batch can hold; "
-            "set tokenizer.max_seq_len, e.g. tokenizer.max_seq_len=2048."
+        seq_len = DEFAULT_SEQ_LEN
+        assumptions.append(
+            f"tokenizer.max_seq_len is null: planned at {DEFAULT_SEQ_LEN} tokens a sample "
+            "(set tokenizer.max_seq_len=N to plan another length)"
         )
-    if cfg.get("optimizer_in_bwd", False):
-        raise ConfigError(
-            "optimizer_in_bwd=True: the planner models a step that keeps all gradients until the "
-            "optimizer step; set optimizer_in_bwd=False (adaptive batching needs it off too)."
-        )
+    optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd", False))
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))
     loss_fn = config.instantiate(cfg.loss)
     activation_checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
+    if cfg.get("enable_activation_offloading", False):
+        assumptions.append(
+            "enable_activation_offloading=True: checkpointed activations moved to the CPU are not counted on the "
+            "device; the stream buffers of the copies are not counted either"
+        )
+    make_optimizer = _optimizer_factory(cfg.optimizer, assumptions)
+    cfg_model, adjust_bytes = _nf4_base_weights(cfg.model, dtype, assumptions)
 
     def build_model() -> torch.nn.Module:
         with training.set_default_dtype(dtype):
-            model = config.instantiate(cfg.model)
+            model = config.instantiate(cfg_model)
         adapters = get_adapter_params(model)
         if adapters:  # LoRA: only the adapters train
             set_trainable_params(model, adapters)
@@ -53,8 +147,10 @@ def plan_from_config(
             model.set_num_output_chunks(loss_fn.num_output_chunks)
         return model
 
-    def build_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-        return config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    def build_optimizer(params: list) -> Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]:
+        if optimizer_in_bwd:  # torchtune: one optimizer per parameter, stepped in backward
+            return [make_optimizer([p]) for p in params]
+        return make_optimizer(params)
 
     def forward_backward(model: torch.nn.Module, batch: dict) -> None:
         next_token_loss(model, loss_fn, dict(batch)).backward()
@@ -67,4 +163,8 @@ def plan_from_config(
         device_memory_bytes=device_memory_bytes,
         safety_margin=safety_margin,
         max_batch_size=max_batch_size,
+        optimizer_in_backward=optimizer_in_bwd,
+        extrapolate_layers=extrapolate_layers,
+        assumptions=assumptions,
+        adjust_bytes=adjust_bytes,
     )

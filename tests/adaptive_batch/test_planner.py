@@ -30,8 +30,8 @@ def setup(build):
         model.set_num_output_chunks(loss_fn.num_output_chunks)
         return model
 
-    def build_optimizer(model):
-        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    def build_optimizer(params):
+        return torch.optim.AdamW(params, lr=1e-3)
 
     def forward_backward(model, batch):
         next_token_loss(model, loss_fn, dict(batch)).backward()
@@ -44,7 +44,7 @@ def measured_peaks(build, sizes):
     build_model, build_optimizer, forward_backward = setup(build)
     torch.manual_seed(0)
     model = build_model()
-    optimizer = build_optimizer(model)
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad])
 
     def step(b):
         batch = {"tokens": torch.randint(0, VOCAB, (b, SEQ)), "labels": torch.randint(0, VOCAB, (b, SEQ))}
@@ -100,7 +100,7 @@ def test_a_model_larger_than_the_memory_limit_is_planned_without_allocating(limi
     with limited_address_space(512 * 2**20):
         plan = plan_memory(
             build_model=lambda: llama3_2(**big),
-            build_optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+            build_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
             forward_backward=lambda m, b: next_token_loss(m, loss_fn, dict(b)).backward(),
             seq_len=64,
             device_memory_bytes=80 * 2**30,
@@ -154,7 +154,7 @@ def test_real_vocabulary_plan_answers_with_a_fake_step_within_the_budget():
     budget = (six + seven) // 2
     plan = plan_memory(
         build_model=lambda: set_chunks(build()),
-        build_optimizer=lambda m: torch.optim.AdamW(m.parameters(), fused=False),
+        build_optimizer=lambda params: torch.optim.AdamW(params, fused=False),
         forward_backward=lambda m, b: next_token_loss(m, loss_fn, dict(b)).backward(),
         seq_len=64,
         device_memory_bytes=budget,
