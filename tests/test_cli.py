@@ -64,8 +64,7 @@ def test_plan_table_and_plot_for_the_lora_config(tmp_path):
     "args,message",
     [
         (["plan", "--config", "configs/nope.yaml"], "--config 'configs/nope.yaml': no such file"),
-        (["plan", "--config", TINY, "tokenizer.max_seq_len=null"], "tokenizer.max_seq_len=null"),
-        (["plan", "--config", TINY, "optimizer_in_bwd=True"], "optimizer_in_bwd=True"),
+        (["plan", "--config", TINY, "optimizer._component_=nosuch.Optim"], "optimizer._component_='nosuch.Optim' cannot be imported"),
         (["plan", "--config", TINY, "--device-memory", "lots"], "--device-memory='lots' cannot be parsed"),
         (["plan", "--config", TINY, "batch_size"], "override 'batch_size' is not key=value"),
         (["probe", "--config", TINY, "max_memory=lots"], "max_memory='lots' cannot be parsed"),
@@ -195,3 +194,48 @@ def test_an_ordinary_install_plans_and_probes_from_another_directory(tmp_path):
     plan = subprocess.run([*command, "plan", "--config", config, "--device-memory", "1GiB", "--json"],
                           cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert plan.returncode == 0 and json.loads(plan.stdout)["max_batch_size"] >= 1, plan.stderr[-3000:]
+
+
+def _stock_config(tmp_path, name):
+    """A torchtune 0.6.1 config copied from the installed wheel, as `tune cp` would."""
+    import shutil
+
+    import torchtune
+
+    source = Path(torchtune.__file__).resolve().parents[1] / "recipes" / "configs" / name
+    target = tmp_path / Path(name).name
+    shutil.copy(source, target)
+    return str(target)
+
+
+def test_a_stock_config_plans_with_only_max_seq_len_set(tmp_path):
+    # 8-bit paged AdamW from bitsandbytes (not importable here) and optimizer_in_bwd=True, as shipped.
+    config = _stock_config(tmp_path, "llama3_2/1B_full_single_device.yaml")
+    proc = cli("plan", "--config", config, "--device-memory", "80GiB", "--json", "tokenizer.max_seq_len=1024")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    row = plan["rows"][0]
+    assert 2.4e9 < row["parameters"] < 2.6e9  # 1.24 B bf16 weights
+    assert row["optimizer_state"] == pytest.approx(row["parameters"], rel=0.02)  # two 8-bit moments per bf16 weight
+    assert row["gradients"] < 0.2 * row["parameters"]  # freed in backward, one at a time
+    assert plan["seq_len"] == 1024 and plan["tokens_per_step"] == 1024 * plan["max_batch_size"] > 0
+    notes = " ".join(plan["assumptions"])
+    assert "PagedAdamW8bit is not importable here" in notes and "16 decoder layers extrapolated" in notes
+    # left open, the sequence length is assumed and said
+    proc = cli("plan", "--config", config, "--device-memory", "80GiB")
+    assert proc.returncode == 0 and "assumed: tokenizer.max_seq_len is null: planned at 2048" in proc.stdout
+
+
+def test_a_stock_qlora_config_plans_its_nf4_weights(tmp_path):
+    config = _stock_config(tmp_path, "llama3_2/1B_qlora_single_device.yaml")
+    lora = _stock_config(tmp_path, "llama3_2/1B_lora_single_device.yaml")
+    plans = {}
+    for name, path in (("qlora", config), ("lora", lora)):
+        proc = cli("plan", "--config", path, "--device-memory", "24GiB", "--json", "tokenizer.max_seq_len=512")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        plans[name] = json.loads(proc.stdout)
+    q, l = plans["qlora"]["rows"][0], plans["lora"]["rows"][0]
+    # the decoder's linear weights go from 2 bytes to about 0.52; embeddings stay bf16
+    assert 0.3 * l["parameters"] < q["parameters"] < 0.7 * l["parameters"]
+    assert any("NF4 base weights" in note for note in plans["qlora"]["assumptions"])
+    assert plans["qlora"]["max_batch_size"] >= plans["lora"]["max_batch_size"]

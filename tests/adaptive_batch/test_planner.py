@@ -164,3 +164,64 @@ def test_real_vocabulary_plan_answers_with_a_fake_step_within_the_budget():
     (row,) = [r for r in plan.measured if r.batch_size == 6]
     assert abs(row.peak_bytes - six) / six < 0.03
     assert any(r.batch_size == 7 and r.peak_bytes > budget for r in plan.measured)
+
+
+def deep_full(layers, **dims):
+    return lambda: llama3_2(**{**DIMS, **dims, "num_layers": layers})
+
+
+def deep_lora(layers):
+    def build():
+        model = lora_llama3_2(["q_proj", "v_proj"], apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8,
+                              **{**DIMS, "num_layers": layers})
+        set_trainable_params(model, get_adapter_params(model))
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize(
+    "build",
+    [deep_full(6), deep_lora(6), deep_full(8, vocab_size=32_000, embed_dim=64, intermediate_dim=192)],
+    ids=["full-6-layers", "lora-6-layers", "vocab32k-8-layers"],
+)
+def test_layer_extrapolated_plan_equals_the_whole_model_plan_within_one_percent(build):
+    parts = dict(zip(("build_model", "build_optimizer", "forward_backward"), setup(build)))
+    whole = plan_memory(**parts, seq_len=SEQ, device_memory_bytes=2**30, extrapolate_layers=False)
+    fast = plan_memory(**parts, seq_len=SEQ, device_memory_bytes=2**30)
+    assert any("extrapolated from fake steps with 2 and 3" in note for note in fast.assumptions)
+    assert not whole.assumptions
+    assert fast.max_batch_size == whole.max_batch_size
+    for a, b in zip(whole.measured, fast.measured):
+        assert a.batch_size == b.batch_size
+        assert abs(b.peak_bytes - a.peak_bytes) <= 0.01 * a.peak_bytes
+        for name in a.categories:
+            assert abs(b.categories[name] - a.categories[name]) <= 0.01 * a.peak_bytes
+
+
+def test_optimizer_in_backward_frees_each_gradient_and_plans_lower():
+    build_model, build_optimizer, forward_backward = setup(full)
+    plain = plan_memory(build_model=build_model, build_optimizer=build_optimizer, forward_backward=forward_backward,
+                        seq_len=SEQ)
+    in_bwd = plan_memory(build_model=build_model, forward_backward=forward_backward, seq_len=SEQ,
+                         build_optimizer=lambda params: [torch.optim.AdamW([p]) for p in params],
+                         optimizer_in_backward=True)
+    assert in_bwd.measured[0].peak_bytes < plain.measured[0].peak_bytes
+    # at most one parameter's gradient is alive at the peak: far below all of them
+    assert in_bwd.measured[0].categories["gradients"] < 0.5 * plain.measured[0].categories["parameters"]
+    # the same moments (per-parameter optimizers' temporaries differ a little)
+    assert in_bwd.measured[0].categories["optimizer_state"] == pytest.approx(
+        plain.measured[0].categories["optimizer_state"], rel=0.15
+    )
+
+
+def test_known_state_optimizer_creates_its_stated_bytes():
+    from adaptive_batch.planner import KnownStateOptimizer
+
+    big, small = torch.nn.Parameter(torch.zeros(10_000)), torch.nn.Parameter(torch.zeros(100))
+    optimizer = KnownStateOptimizer([big, small], bytes_per_element=2.5, small_bytes_per_element=8, small_numel=4096)
+    big.grad, small.grad = torch.ones_like(big), torch.ones_like(small)
+    before = big.detach().clone()
+    optimizer.step()
+    assert optimizer.state[big]["state"].numel() == 25_000 and optimizer.state[small]["state"].numel() == 800
+    assert torch.equal(big.detach(), before)  # it plans, it does not train
