@@ -48,8 +48,9 @@ def plan_table(plan: MemoryPlan) -> str:
     if plan.budget_bytes is not None:
         out.append(
             f"largest batch under {format_bytes(plan.device_memory_bytes)} "
-            f"(budget {format_bytes(plan.budget_bytes)}): {plan.max_batch_size}, "
-            f"{plan.max_batch_size * plan.seq_len} tokens per step"
+            f"(budget {format_bytes(plan.budget_bytes)}): {plan.max_batch_size}"
+            + (f" per rank x {plan.world_size} ranks" if plan.world_size > 1 else "")
+            + f", {plan.max_batch_size * plan.seq_len * plan.world_size} tokens per step"
         )
     out += [f"assumed: {note}" for note in plan.assumptions]
     return "\n".join(out)
@@ -59,7 +60,8 @@ def plan_json(plan: MemoryPlan) -> dict:
     """The plan as one JSON object."""
     return {
         "max_batch_size": plan.max_batch_size,
-        "tokens_per_step": None if plan.max_batch_size is None else plan.max_batch_size * plan.seq_len,
+        "world_size": plan.world_size,
+        "tokens_per_step": None if plan.max_batch_size is None else plan.max_batch_size * plan.seq_len * plan.world_size,
         "assumptions": plan.assumptions,
         "device_memory_bytes": plan.device_memory_bytes,
         "budget_bytes": plan.budget_bytes,
@@ -99,7 +101,11 @@ def _plan_command(args: argparse.Namespace) -> int:
         margin = default_safety_margin(device_type)
     check_fraction("--safety-margin" if args.safety_margin is not None else "memory_safety_margin", margin, "0.05")
     plan = plan_from_config(
-        cfg, device_memory_bytes=memory, safety_margin=float(margin), max_batch_size=cfg.get("max_batch_size", None)
+        cfg,
+        device_memory_bytes=memory,
+        safety_margin=float(margin),
+        max_batch_size=cfg.get("max_batch_size", None),
+        world_size=args.world_size,
     )
     print(json.dumps(plan_json(plan), indent=2) if args.json else plan_table(plan))
     if args.plot:
@@ -237,6 +243,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan.add_argument("--device-memory", help="memory to plan for, e.g. 80GiB (default: max_memory, else this machine)")
     plan.add_argument("--device", choices=["cpu", "cuda"], help="device kind, for the default safety margin")
     plan.add_argument("--safety-margin", type=float, help="fraction held back (default: the config's, else 0.05 cuda / 0.01 cpu)")
+    plan.add_argument(
+        "--world-size", type=int, default=1, help="plan one rank's share of N data-parallel ranks under FSDP2 (batch per rank)"
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--plot", metavar="PATH", help="draw predicted memory against batch size to PATH (needs matplotlib)")
     plan.set_defaults(run=_plan_command)

@@ -13,15 +13,20 @@ Blind spots: kernels whose memory differs between devices (CUDA's fused attentio
 fragmentation (what ``memory_safety_margin`` is for), and anything ``torch.compile`` changes.
 """
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 
 from adaptive_batch.estimator import LinearMemoryEstimate
 from adaptive_batch.search import BatchSizeTooLargeError, powers_of_two, search_max_batch_size
@@ -35,6 +40,16 @@ CATEGORIES = {
     "Activation": "activations",
     "Temp": "activations",
     "Other": "other",
+    # FSDPMemTracker's, for a rank's share under FSDP2: the all-gathered layer counts as
+    # parameters, the reduce-scatter buffers as gradients.
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "All Gather": "parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Reduce Scatter": "gradients",
+    "OptState": "optimizer_state",
+    "Inputs": "activations",
 }
 CATEGORY_ORDER = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "other")
 
@@ -69,6 +84,8 @@ class MemoryPlan:
         seconds: how long planning took.
         assumptions: what the plan assumed (defaults filled in, layers extrapolated, an
             optimizer's state size), to print with it.
+        world_size: the data-parallel ranks planned for (the batch and the peaks are one
+            rank's).
     """
 
     seq_len: int
@@ -80,13 +97,21 @@ class MemoryPlan:
     rows: List[PlanRow] = field(default_factory=list)
     seconds: float = 0.0
     assumptions: List[str] = field(default_factory=list)
+    world_size: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def with_world_size(self, world_size: int) -> "MemoryPlan":
+        self.world_size = world_size
+        return self
+
 
 def build_fake_model(
-    build_model: Callable[[], nn.Module], fake_mode: FakeTensorMode, keep_layers: Optional[int] = None
+    build_model: Callable[[], nn.Module],
+    fake_mode: FakeTensorMode,
+    keep_layers: Optional[int] = None,
+    shard: Optional[Callable[[nn.Module], None]] = None,
 ) -> nn.Module:
     """Builds the model on the meta device and gives it fake CPU storage.
 
@@ -97,11 +122,14 @@ def build_fake_model(
         build_model: builds the model.
         fake_mode: the fake mode its tensors belong to.
         keep_layers: keep only the first this many of ``model.layers`` (see :func:`num_layers`).
+        shard: applies FSDP2 to the meta model (under a process group) before it gets storage.
     """
     with torch.device("meta"):
         model = build_model()
     if keep_layers is not None:
         model.layers = model.layers[:keep_layers]
+    if shard is not None:
+        shard(model)
     with fake_mode:
         model.to_empty(device="cpu")
     for module in model.modules():
@@ -126,15 +154,19 @@ class _NoHook:
 
 
 def _tracked_peak(model: nn.Module, optimizers: List[torch.optim.Optimizer], run: Callable[[], None]) -> "PlanRow":
-    """Runs ``run`` under a fresh ``MemTracker`` that knows the model and optimizers; its peak
-    by category (``batch_size`` 0: the caller sets it)."""
-    tracker = MemTracker()
+    """Runs ``run`` under a fresh ``MemTracker`` (``FSDPMemTracker`` for a sharded model) that
+    knows the model and optimizers; its peak by category (``batch_size`` 0: the caller sets it)."""
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(mod=model, optm=optimizers[0] if optimizers else None)
+    else:
+        tracker = MemTracker()
     # MemTracker hooks every parameter's gradient, which fails on frozen ones (LoRA's base
     # weights): mark those as hooked already, with handles that remove nothing.
     for param in model.parameters():
         if not param.requires_grad:
             tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
-    tracker.track_external(model, *optimizers)
+    if not isinstance(model, FSDPModule):
+        tracker.track_external(model, *optimizers)
     with tracker:
         run()
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -230,6 +262,8 @@ def plan_memory(
     extrapolate_layers: bool = True,
     assumptions: Iterable[str] = (),
     adjust_bytes: Optional[Dict[str, int]] = None,
+    world_size: int = 1,
+    shard: Optional[Callable[[nn.Module, DeviceMesh], None]] = None,
 ) -> MemoryPlan:
     """Predicts a training step's peak at every batch size, allocating nothing.
 
@@ -255,6 +289,12 @@ def plan_memory(
             size), carried into the plan.
         adjust_bytes: bytes added to every step's peak, by category (negative to take off):
             what the fake model stands in for differently (e.g. NF4 weights planned dense).
+        world_size: plan one rank's share of a data-parallel run over this many ranks:
+            ``shard(model, mesh)`` applies FSDP2 under a fake process group of that size
+            (no other process, nothing sent), and ``FSDPMemTracker`` counts the rank's sharded
+            parameters, gradients and optimizer state, its all-gathered layers and its
+            reduce-scatter buffers. The batch is per rank.
+        shard: see ``world_size``; needed when it is above 1.
 
     Returns:
         The plan.
@@ -266,13 +306,67 @@ def plan_memory(
         raise ValueError(f"seq_len={seq_len} must be at least 1.")
     if not 0 <= safety_margin < 1:
         raise ValueError(f"safety_margin={safety_margin} must be in [0, 1).")
+    if world_size > 1 and shard is None:
+        raise ValueError(f"world_size={world_size} needs shard, the function that applies FSDP2.")
+    with _fake_process_group(world_size) as mesh:
+        return _plan(
+            build_model=build_model,
+            build_optimizer=build_optimizer,
+            forward_backward=forward_backward,
+            seq_len=seq_len,
+            device_memory_bytes=device_memory_bytes,
+            safety_margin=safety_margin,
+            max_batch_size=max_batch_size,
+            table_batch_sizes=table_batch_sizes,
+            optimizer_in_backward=optimizer_in_backward,
+            extrapolate_layers=extrapolate_layers,
+            assumptions=[*assumptions] + ([f"one rank's share of {world_size} under FSDP2; the batch is per rank"] if mesh else []),
+            adjust_bytes=adjust_bytes,
+            shard=None if mesh is None else (lambda model: shard(model, mesh)),
+        ).with_world_size(world_size)
+
+
+@contextlib.contextmanager
+def _fake_process_group(world_size: int) -> Iterator[Optional[DeviceMesh]]:
+    """A process group of ``world_size`` ranks that sends nothing (torch's ``fake`` backend),
+    and its CPU mesh; ``None`` for one rank. Refused inside a real distributed run."""
+    if world_size <= 1:
+        yield None
+        return
+    if dist.is_initialized():
+        raise ValueError("planning several ranks needs a process of its own: a process group is already set up.")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _plan(
+    *,
+    build_model: Callable[[], nn.Module],
+    build_optimizer: BuildOptimizer,
+    forward_backward: ForwardBackward,
+    seq_len: int,
+    device_memory_bytes: Optional[int],
+    safety_margin: float,
+    max_batch_size: Optional[int],
+    table_batch_sizes: Optional[Iterable[int]],
+    optimizer_in_backward: bool,
+    extrapolate_layers: bool,
+    assumptions: List[str],
+    adjust_bytes: Optional[Dict[str, int]],
+    shard: Optional[Callable[[nn.Module], None]],
+) -> MemoryPlan:
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     layers = num_layers(build_model) if extrapolate_layers else None
     counts = MEASURED_LAYERS if layers is not None and layers > MEASURED_LAYERS[-1] else (None,)
     steppers = {}
     for keep in counts:
-        model = build_fake_model(build_model, fake_mode, keep_layers=keep)
+        model = build_fake_model(build_model, fake_mode, keep_layers=keep, shard=shard)
         with fake_mode:
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizers = _as_list(build_optimizer(trainable))

@@ -14,10 +14,24 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass, TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from adaptive_batch.memory import proc_status_bytes
+
+
+def tensor_storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages that hold ``t``'s data: its own, or for a wrapper subclass those of the
+    tensors it wraps (a ``DTensor``'s local shard, an NF4 tensor's quantized data and scales),
+    whose own storage reports the global size and holds nothing."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # torch 2.13's DTensor also lists its mesh
+                yield from tensor_storages(inner)
+    else:
+        yield t.untyped_storage()
 
 
 def live_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -27,11 +41,11 @@ def live_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
+        for storage in tensor_storages(t):
+            key = storage._cdata
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
     return total
 
 
@@ -71,7 +85,10 @@ class LiveTensorCounter(TorchDispatchMode):
     def _track(self, t: torch.Tensor) -> None:
         if t.device.type != self.device_type or t.is_meta:
             return
-        storage = t.untyped_storage()
+        for storage in tensor_storages(t):
+            self._track_storage(storage)
+
+    def _track_storage(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
         if key in self._refs:
             return

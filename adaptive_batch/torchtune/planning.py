@@ -1,6 +1,7 @@
 """Plans a torchtune config's memory with fake tensors: nothing allocated, no weights needed."""
 
-from typing import Callable, Dict, List, Optional, Union
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -104,6 +105,7 @@ def plan_from_config(
     safety_margin: float,
     max_batch_size: Optional[int] = None,
     extrapolate_layers: bool = True,
+    world_size: int = 1,
 ) -> MemoryPlan:
     """Plans the config's model, optimizer, loss, dtype, sequence length, activation
     checkpointing and optimizer-in-backward with fake tensors, as torchtune's recipe runs them.
@@ -112,9 +114,21 @@ def plan_from_config(
     ``plan.assumptions``: ``tokenizer.max_seq_len`` (:data:`DEFAULT_SEQ_LEN`), bitsandbytes
     optimizers (:data:`KNOWN_OPTIMIZER_STATE`).
 
+    With ``world_size`` above 1 the plan is one rank's share under FSDP2, sharded as
+    torchtune's distributed recipes shard (``training.shard_model`` with the config's
+    ``custom_sharded_layers`` and ``fsdp_reshard_after_forward``); the batch is per rank.
+
     Raises:
-        ConfigError: for an optimizer that cannot be imported and has no known state size.
+        ConfigError: for an optimizer that cannot be imported and has no known state size, a
+            ``world_size`` below 1, or several ranks with ``optimizer_in_bwd``.
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"--world-size={world_size!r} must be a positive integer: the number of data-parallel ranks.")
+    if world_size > 1 and cfg.get("optimizer_in_bwd", False):
+        raise ConfigError(
+            f"--world-size={world_size} with optimizer_in_bwd=True: the sharded plan tracks one optimizer; "
+            "set optimizer_in_bwd=False (torchtune's distributed configs leave it off)."
+        )
     assumptions: List[str] = []
     seq_len = cfg.tokenizer.get("max_seq_len", None) if cfg.get("tokenizer", None) is not None else None
     if seq_len is None:
@@ -155,6 +169,16 @@ def plan_from_config(
     def forward_backward(model: torch.nn.Module, batch: dict) -> None:
         next_token_loss(model, loss_fn, dict(batch)).backward()
 
+    def shard(model: torch.nn.Module, mesh: Any) -> None:
+        names = cfg.get("custom_sharded_layers", None)
+        training.shard_model(
+            model=model,
+            shard_conditions=[partial(training.get_shard_conditions, names_to_match=names)],
+            cpu_offload=False,
+            reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
+            dp_mesh=mesh,
+        )
+
     return plan_memory(
         build_model=build_model,
         build_optimizer=build_optimizer,
@@ -167,4 +191,6 @@ def plan_from_config(
         extrapolate_layers=extrapolate_layers,
         assumptions=assumptions,
         adjust_bytes=adjust_bytes,
+        world_size=world_size,
+        shard=shard,
     )

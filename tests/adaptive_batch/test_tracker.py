@@ -106,3 +106,32 @@ def test_operator_lines_from_batch_2_and_3_predict_the_peak_at_8(vocab_size, tie
     assert eight.peak_bytes == max(eight.phase_peak_bytes.values()) and max(eight.timeline) <= eight.peak_bytes
     lines = OperatorMemoryEstimate.fit((2, two.timeline), (3, three.timeline), (two.operators, three.operators))
     assert abs(lines.peak_bytes(8) - eight.peak_bytes) / eight.peak_bytes < 0.01
+
+
+def test_a_dtensor_counts_its_local_shard_not_its_global_size():
+    # Under FSDP2 every parameter and optimizer state is a DTensor; counted at its global size,
+    # a rank's peak came out larger than what it held, and the distributed probe found less.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+        from adaptive_batch.tracker import LiveTensorCounter, live_tensor_bytes
+        dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+        mesh = init_device_mesh("cpu", (4,))
+        shard = DTensor.from_local(torch.zeros(250, 10), mesh, [Shard(0)])
+        assert shard.shape == (1000, 10)
+        assert live_tensor_bytes([shard]) == 10_000, live_tensor_bytes([shard])
+        with LiveTensorCounter(device_type="cpu") as counter:
+            doubled = shard * 2
+        assert counter.peak_bytes == 10_000, counter.peak_bytes
+        print("ok")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

@@ -40,6 +40,24 @@ def test_no_trial_on_any_rank_goes_past_the_overshoot_bound(tmp_path):
     found = report["batch_size"]
     assert any(t["batch_size"] == found + 1 and not t["fits"] for t in report["trials"])
 
+    # The planner's share of one rank under FSDP2 (fake process group, nothing allocated)
+    # against what the ranks measured, at the batch sizes near the answer.
+    from adaptive_batch.cli import main
+    from tests.recipes.conftest import run_in_process
+
+    plan = run_in_process(main, ["adaptive-batch", "plan", "--config", DIST["config"], "--world-size", "2", "--json",
+                                 "--device-memory", "512MiB", "--safety-margin", "0.01"])
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    planned = json.loads(plan.stdout)
+    assert planned["world_size"] == 2 and abs(planned["max_batch_size"] - found) <= 1
+    (b1, p1), (b2, p2) = sorted((r["batch_size"], r["peak_bytes"]) for r in planned["measured"])[-2:]
+    measured = {t["batch_size"]: t["peak_bytes"] for t in report["ranks"][0]["trials"] if t["peak_bytes"]}
+    near = [b for b in measured if b >= found // 2]
+    assert len(near) >= 2
+    for b in near:
+        predicted = p1 + (p2 - p1) * (b - b1) / (b2 - b1)  # the line through its two largest fake steps
+        assert abs(predicted - measured[b]) <= 0.05 * measured[b], (b, predicted, measured[b])
+
 
 def test_a_lower_budget_on_one_rank_sets_the_batch_of_both(tmp_path):
     uneven = run_tune(tmp_path / "uneven", *PROBE, env={"ADAPTIVE_BATCH_MAX_MEMORY": "256MiB,160MiB"}, **DIST)
