@@ -27,6 +27,8 @@ LARGE_VOCABULARY = {
     "configs/tiny/qwen2_5_vocab152k_full_single_device.yaml": ["1.5GiB", "2.5GiB", "4GiB"],
     "configs/tiny/qwen2_5_vocab152k_lora_single_device.yaml": ["1GiB", "2GiB", "3GiB"],
     "configs/tiny/llama3_2_vocab128k_full_single_device.yaml": ["1.5GiB", "2.5GiB", "4GiB"],
+    # deeper: 8 layers, planned from 2 and 3 (layer extrapolation) against the probe's real steps
+    "configs/tiny/llama3_2_vocab32k_8layers_full_single_device.yaml": ["512MiB", "1GiB", "2GiB"],
 }
 REAL = [
     "configs/llama3_2/1B_full_single_device.yaml",
