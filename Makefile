@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test test-fast test-unit bench bench-plan bench-estimate gpu-check venv clean
+.PHONY: run run-distributed test test-fast test-unit bench bench-plan bench-plan-torchtune bench-estimate gpu-check venv clean
 
 venv: $(STAMP)
 
@@ -50,6 +50,10 @@ bench-estimate: $(STAMP)
 
 bench-plan: $(STAMP)
 	$(BIN)/python benchmarks/bench_plan.py $(ARGS)
+
+# Every fine-tuning config torchtune's wheel ships, planned as shipped (about 30 minutes).
+bench-plan-torchtune: $(STAMP)
+	$(BIN)/python benchmarks/bench_plan_torchtune.py $(ARGS)
 
 # The CUDA paths on a real card (real CUDA OOMs, set_per_process_memory_fraction, the planner
 # against max_memory_allocated); says "no CUDA device" and exits 0 elsewhere.

@@ -74,8 +74,8 @@ def find_max_batch_size(
     options = ProbeOptions(max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size)
     if device is None:
         device = next(model.parameters()).device
-    budget, _ = step_budget(options, device=device, model=model, optimizer=optimizer)
-    address_space = trial_address_space(budget, device=device, model=model, optimizer=optimizer)
+    budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
+    address_space = trial_address_space(budget, capacity, device=device, model=model, optimizer=optimizer)
     result = probe_max_batch_size(
         train_step=train_step,
         make_batch=make_batch,

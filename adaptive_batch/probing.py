@@ -37,7 +37,7 @@ from adaptive_batch.probe import (
 )
 from adaptive_batch.probe_cache import default_cache_dir, library_versions, ProbeCache
 from adaptive_batch.ranks import LockstepTrial, RankGroup
-from adaptive_batch.search import ROUNDING_MODES, round_batch_size
+from adaptive_batch.search import MAX_TRIAL_OVERSHOOT, ROUNDING_MODES, round_batch_size
 from adaptive_batch.throughput import OBJECTIVES, probe_throughput
 from adaptive_batch.validation import check_bool, check_choice, check_fraction, check_positive_int, ConfigError
 
@@ -170,6 +170,7 @@ def step_budget(
 
 def trial_address_space(
     budget: MemoryBudget,
+    capacity: DeviceCapacity,
     *,
     device: torch.device,
     model: nn.Module,
@@ -178,14 +179,18 @@ def trial_address_space(
     """The soft ``RLIMIT_AS`` the probe's trials run under on CPU, ``None`` elsewhere.
 
     Available RAM and a cgroup limit are soft: a trial past them is ended by the kernel's OOM
-    killer, not refused. Under this limit (the address space now plus the budget's limit less
-    the training state already in it: what ``prlimit --as`` would give for that headroom) a
-    trial that overshoots fails to allocate, which the search catches.
+    killer, not refused. Under this limit (the address space now plus a headroom: what
+    ``prlimit --as`` would give) a trial that overshoots fails to allocate, which the search
+    catches. The headroom is what the machine can give (``capacity``); with ``max_memory``
+    below that, the budget's headroom times the trials' overshoot bound, so the user's budget
+    is judged by the probe's measure (tensor bytes), as the planner's is, and a runaway trial
+    still stops well short of the machine.
     """
     vm_size = proc_status_bytes("VmSize") if device.type == "cpu" else None
     if vm_size is None:
         return None
-    return vm_size + max(0, budget.limit_bytes - training_state_bytes(model, optimizer))
+    budget_headroom = max(0, budget.limit_bytes - training_state_bytes(model, optimizer))
+    return vm_size + min(capacity.headroom_bytes, int(MAX_TRIAL_OVERSHOOT * budget_headroom))
 
 
 @contextmanager
@@ -298,7 +303,7 @@ def probe_batch_size(
         lockstep.append(ranks.lockstep_trial(run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget))
         return lockstep[-1]
 
-    address_space = trial_address_space(budget, device=device, model=model, optimizer=optimizer)
+    address_space = trial_address_space(budget, capacity, device=device, model=model, optimizer=optimizer)
     result = probe_max_batch_size(
         budget_bytes=common_budget,
         max_batch_size=cap,

@@ -85,7 +85,7 @@ def short(note: str) -> str:
     if note.startswith("optimizer in backward"):
         return "optim in bwd"
     if note.startswith("enable_activation_offloading"):
-        return "offloaded activations not counted"
+        return "offloading not modelled"
     if note.startswith("one rank's share"):
         return "FSDP2 share"
     return note[:40]

@@ -143,8 +143,8 @@ def plan_from_config(
     activation_checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
     if cfg.get("enable_activation_offloading", False):
         assumptions.append(
-            "enable_activation_offloading=True: checkpointed activations moved to the CPU are not counted on the "
-            "device; the stream buffers of the copies are not counted either"
+            "enable_activation_offloading=True is not modelled: the checkpointed activations torchtune moves to the "
+            "CPU are counted on the device, so the plan overstates the peak"
         )
     make_optimizer = _optimizer_factory(cfg.optimizer, assumptions)
     cfg_model, adjust_bytes = _nf4_base_weights(cfg.model, dtype, assumptions)
