@@ -49,37 +49,34 @@ def check_seed(seed: Any) -> None:
 def check_writable_dir(key: str, path: Any) -> str:
     """Makes sure ``path`` is, or can be created as, a directory this process can write in.
 
-    It really creates the missing directories and a file in the last one (so permissions,
-    read-only mounts and quotas all count), then removes what it created: the check leaves
-    nothing behind.
+    It really writes (so permissions, read-only mounts and quotas all count): a temporary file
+    in ``path`` when it exists, else a temporary directory in its nearest existing ancestor.
+    Both have unique names and are removed, so the check leaves nothing behind and ranks
+    checking the same path at once do not trip over each other.
 
     Raises:
-        ConfigError: for a path that is not a string, is a file, or cannot be created or
-            written, with the reason.
+        ConfigError: for a path that is not a string, is a file or lies under one, or cannot
+            be written, with the reason.
     """
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{key}={path!r} must be a directory path.")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}={path!r} is a file, not a directory: point {key} at a directory.")
-    missing = []
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        missing.append(parent)
-        parent = os.path.dirname(parent)
+    ancestor = os.path.abspath(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    fix = f"point {key} at a directory you can write"
+    if not os.path.isdir(ancestor):
+        raise ConfigError(f"{key}={path!r} cannot be written ({ancestor!r} is a file): {fix}.")
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        if os.path.isdir(path):
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        else:
+            with tempfile.TemporaryDirectory(dir=ancestor):
+                pass
     except OSError as e:
-        raise ConfigError(
-            f"{key}={path!r} cannot be written ({e.strerror or e}): point {key} at a directory you can write."
-        ) from None
-    finally:
-        for created in missing:  # deepest first
-            try:
-                os.rmdir(created)
-            except OSError:
-                break
+        raise ConfigError(f"{key}={path!r} cannot be written ({e.strerror or e}): {fix}.") from None
     return path
 
 

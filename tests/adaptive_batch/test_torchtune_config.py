@@ -118,3 +118,40 @@ def test_load_config_errors(tmp_path):
         load_config(str(tmp_path / "nope.yaml"), [])
     with pytest.raises(ConfigError, match="override 'batch_size' is not key=value"):
         load_config(str(REPO / "configs" / "tiny" / "full_single_device.yaml"), ["batch_size"])
+
+
+def test_writable_dir_check_leaves_nothing_and_names_what_is_in_the_way(tmp_path):
+    from adaptive_batch.torchtune.checks import check_writable_dir
+
+    target = tmp_path / "a" / "b" / "c"
+    assert check_writable_dir("output_dir", str(target)) == str(target)
+    assert list(tmp_path.iterdir()) == []  # nothing created, nothing left
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_writable_dir("output_dir", str(blocker))
+    with pytest.raises(ConfigError, match=r"cannot be written \('.*file' is a file\)"):
+        check_writable_dir("output_dir", str(blocker / "sub"))
+
+
+def test_writable_dir_check_is_safe_when_ranks_run_it_at_once(tmp_path):
+    # Two ranks check the same missing directory together (the distributed recipe does).
+    import threading
+
+    from adaptive_batch.torchtune.checks import check_writable_dir
+
+    errors = []
+
+    def check():
+        try:
+            for _ in range(200):
+                check_writable_dir("probe_cache_dir", str(tmp_path / "out" / "probe_cache"))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=check) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
