@@ -102,10 +102,6 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def with_world_size(self, world_size: int) -> "MemoryPlan":
-        self.world_size = world_size
-        return self
-
 
 def build_fake_model(
     build_model: Callable[[], nn.Module],
@@ -224,16 +220,6 @@ def fake_step_phases(
     return StepPhases(backward, _tracked_peak(model, optimizers, step_and_zero))
 
 
-def fake_step_peak(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    forward_backward: ForwardBackward,
-    batch: Dict[str, torch.Tensor],
-) -> PlanRow:
-    """Runs one fake training step; its peak by category."""
-    return fake_step_phases(model, [optimizer], forward_backward, batch).peak(int(batch["tokens"].shape[0]))
-
-
 def _extrapolate(a: PlanRow, b: PlanRow, at_a: int, at_b: int, to: int) -> PlanRow:
     """The line through ``a`` (at ``at_a``) and ``b`` (at ``at_b``), peak and categories, at ``to``."""
 
@@ -323,7 +309,8 @@ def plan_memory(
             assumptions=[*assumptions] + ([f"one rank's share of {world_size} under FSDP2; the batch is per rank"] if mesh else []),
             adjust_bytes=adjust_bytes,
             shard=None if mesh is None else (lambda model: shard(model, mesh)),
-        ).with_world_size(world_size)
+            world_size=world_size,
+        )
 
 
 @contextlib.contextmanager
@@ -359,6 +346,7 @@ def _plan(
     assumptions: List[str],
     adjust_bytes: Optional[Dict[str, int]],
     shard: Optional[Callable[[nn.Module], None]],
+    world_size: int,
 ) -> MemoryPlan:
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -421,6 +409,7 @@ def _plan(
         rows=rows,
         seconds=time.perf_counter() - start,
         assumptions=notes,
+        world_size=world_size,
     )
 
 

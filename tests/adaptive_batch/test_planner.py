@@ -122,38 +122,19 @@ def test_real_vocabulary_plan_answers_with_a_fake_step_within_the_budget():
     """Qwen2.5's 151,936-token vocabulary, tied: at batch 1 and 2 the optimizer step over the
     embedding sets the peak, so the line through them is nearly flat and overstated the batch.
     The plan searches in fake steps, and its peak at the answer is the real step's."""
-    from torchtune.models.qwen2 import qwen2
+    from tests.adaptive_batch.conftest import one_layer_qwen, real_step_memory
 
-    from adaptive_batch import worst_case_text_batch
-    from adaptive_batch.probe import measure_training_step
-
-    def build():
-        return qwen2(vocab_size=151_936, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64,
-                     intermediate_dim=128, max_seq_len=64, tie_word_embeddings=True)
-
-    def set_chunks(model):
-        model.set_num_output_chunks(loss_fn.num_output_chunks)
-        return model
-
-    loss_fn = CEWithChunkedOutputLoss()
-    torch.manual_seed(0)
-    model = set_chunks(build())
-    optimizer = torch.optim.AdamW(model.parameters(), fused=False)
-
-    def step(batch):
-        next_token_loss(model, loss_fn, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    build, loss_fn = one_layer_qwen(151_936, tie=True)
+    measure = real_step_memory(build, loss_fn, 151_936)
 
     def real_peak(b):
-        batch = worst_case_text_batch(b, seq_len=64, vocab_size=151_936, device=torch.device("cpu"))
-        return measure_training_step(step, batch, model=model, optimizer=optimizer, device=torch.device("cpu")).peak_bytes
+        return measure(b).peak_bytes
 
     real_peak(1)
     six, seven = real_peak(6), real_peak(7)
     budget = (six + seven) // 2
     plan = plan_memory(
-        build_model=lambda: set_chunks(build()),
+        build_model=build,
         build_optimizer=lambda params: torch.optim.AdamW(params, fused=False),
         forward_backward=lambda m, b: next_token_loss(m, loss_fn, dict(b)).backward(),
         seq_len=64,

@@ -76,30 +76,10 @@ def test_a_failed_step_leaves_nothing_alive(limited_address_space):
     ids=["vocab259", "vocab152k"],
 )
 def test_operator_lines_from_batch_2_and_3_predict_the_peak_at_8(vocab_size, tie):
-    from torchtune.models.qwen2 import qwen2
-    from torchtune.modules.loss import CEWithChunkedOutputLoss
-
-    from adaptive_batch import worst_case_text_batch
     from adaptive_batch.estimator import OperatorMemoryEstimate
-    from adaptive_batch.torchtune import next_token_loss
-    from adaptive_batch.probe import measure_training_step
+    from tests.adaptive_batch.conftest import one_layer_qwen, real_step_memory
 
-    torch.manual_seed(0)
-    model = qwen2(vocab_size=vocab_size, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64,
-                  intermediate_dim=128, max_seq_len=64, tie_word_embeddings=tie)
-    loss_fn = CEWithChunkedOutputLoss()
-    model.set_num_output_chunks(loss_fn.num_output_chunks)
-    optimizer = torch.optim.AdamW(model.parameters(), fused=False)
-
-    def step(batch):
-        next_token_loss(model, loss_fn, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def measure(b):
-        batch = worst_case_text_batch(b, seq_len=64, vocab_size=vocab_size, device=torch.device("cpu"))
-        return measure_training_step(step, batch, model=model, optimizer=optimizer, device=torch.device("cpu"))
-
+    measure = real_step_memory(*one_layer_qwen(vocab_size, tie), vocab_size)
     measure(1)  # the optimizer state exists from here on
     two, three, eight = measure(2), measure(3), measure(8)
     assert set(eight.phase_peak_bytes) == {"forward", "backward", "optimizer"}
