@@ -18,8 +18,10 @@ Layout, from the entry points down:
   :mod:`~adaptive_batch.throughput`.
 - :mod:`~adaptive_batch.batching`: fixed-sample or token-budget batches;
   :mod:`~adaptive_batch.batch_state`, :mod:`~adaptive_batch.token_batching`,
-  :mod:`~adaptive_batch.growth`, :mod:`~adaptive_batch.accumulation`,
+  :mod:`~adaptive_batch.growth`, :mod:`~adaptive_batch.interval`,
+  :mod:`~adaptive_batch.global_batch`, :mod:`~adaptive_batch.accumulation`,
   :mod:`~adaptive_batch.lr_scaling`, :mod:`~adaptive_batch.lr_progress`.
+- :mod:`~adaptive_batch.step_checkpoint`: checkpoints every N steps, exact mid-epoch resume.
 - :mod:`~adaptive_batch.ranks`: what data-parallel ranks agree on.
 - :mod:`~adaptive_batch.memory`, :mod:`~adaptive_batch.oom`, :mod:`~adaptive_batch.validation`:
   leaves.
@@ -38,6 +40,7 @@ from adaptive_batch.batch_state import BATCH_STATE_KEY, BatchState, ResizableBat
 from adaptive_batch.batching import SampleBatches, TokenBatches
 from adaptive_batch.controller import AdaptiveBatchController, AdaptiveBatchOptions, StepOutcome
 from adaptive_batch.estimator import LinearMemoryEstimate
+from adaptive_batch.global_batch import fastest_split, GlobalBatchOptions, MicroBatchPlan, split_global_batch
 from adaptive_batch.growth import (
     BatchIncreaseFunctionError,
     double_every_epoch,
@@ -45,10 +48,13 @@ from adaptive_batch.growth import (
     GrowthDecision,
     GrowthOptions,
     linear_ramp,
+    linear_rampup,
     multiply_every,
     resolve_batch_increase_function,
+    seesaw,
     step_increments,
 )
+from adaptive_batch.interval import GrowthInterval, parse_interval
 from adaptive_batch.lengths import sample_lengths
 from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.lr_scaling import BatchLRScaler, lr_scale_factor, LRScalingOptions
@@ -94,6 +100,13 @@ from adaptive_batch.search import (
     Trial,
 )
 from adaptive_batch.snapshot import TrainingStateSnapshot
+from adaptive_batch.step_checkpoint import (
+    LR_SCHEDULER_KEY,
+    rng_state,
+    RNG_KEY,
+    set_rng_state,
+    StepCheckpoints,
+)
 from adaptive_batch.throughput import (
     choose_by_throughput,
     probe_throughput,
@@ -112,6 +125,19 @@ from adaptive_batch.tracker import LiveTensorCounter, live_tensor_bytes, measure
 from adaptive_batch.validation import check_bool, check_known_keys, ConfigError
 
 __all__ = [
+    "fastest_split",
+    "GlobalBatchOptions",
+    "GrowthInterval",
+    "linear_rampup",
+    "LR_SCHEDULER_KEY",
+    "MicroBatchPlan",
+    "parse_interval",
+    "rng_state",
+    "RNG_KEY",
+    "seesaw",
+    "set_rng_state",
+    "split_global_batch",
+    "StepCheckpoints",
     "AccumulatedStep",
     "AdaptiveBatchController",
     "AdaptiveBatchOptions",

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sized
 from torch.utils.data import Sampler
 
 from adaptive_batch.growth import BatchIncreaseFunction, grow_batch_size, GrowthDecision
+from adaptive_batch.interval import GrowthInterval
 
 BATCH_STATE_KEY = "adaptive_batch_state"
 
@@ -50,6 +51,15 @@ class BatchState:
         self.samples_seen = 0
         self.global_step = 0
         self.oom_retries = 0
+        # All ranks' samples and loss-carrying tokens: what growth intervals count.
+        self.global_samples_seen = 0
+        self.tokens_seen = 0
+        # Growth boundaries already applied: none is applied twice, even across a resume.
+        self.intervals_done = 0
+        # The epoch in progress and how far into it: a mid-epoch checkpoint resumes there.
+        self.epoch = -1
+        self.epoch_steps = 0
+        self.epoch_samples = 0
 
     @property
     def grad_accum_steps(self) -> int:
@@ -68,24 +78,69 @@ class BatchState:
             return self.samples_per_epoch
         return min(self.max_micro_batch_size, self.samples_per_epoch)
 
+    def enter_epoch(self, epoch: int) -> bool:
+        """Marks ``epoch`` as in progress; returns ``False`` when it already was (a run resumed
+        from a mid-epoch checkpoint), whose steps so far are kept."""
+        if epoch == self.epoch:
+            return False
+        self.epoch, self.epoch_steps, self.epoch_samples = epoch, 0, 0
+        return True
+
     def start_epoch(self, fn: Optional[BatchIncreaseFunction], *, epoch: int) -> Optional[GrowthDecision]:
-        """Applies the batch increase function for ``epoch``; ``None`` when there is none.
+        """Applies the batch increase function for ``epoch``; ``None`` when there is none, or
+        when the epoch's call was already made (a run resumed inside the epoch).
 
         Raises:
             BatchIncreaseFunctionError: if the function fails or returns a bad increment.
         """
-        if fn is None:
+        if fn is None or epoch < self.intervals_done:
             return None
+        return self.grow_at(fn, epoch, label="epoch")
+
+    def pending_boundaries(self, interval: GrowthInterval) -> range:
+        """The boundaries of a steps, samples or tokens interval reached and not yet applied."""
+        reached = interval.index(
+            steps=self.global_step, samples=self.global_samples_seen, tokens=self.tokens_seen
+        )
+        return range(self.intervals_done, reached + 1)
+
+    def grow_at(self, fn: BatchIncreaseFunction, k: int, *, label: str = "interval") -> GrowthDecision:
+        """Applies the batch increase function at boundary ``k``.
+
+        Raises:
+            BatchIncreaseFunctionError: if the function fails or returns a bad increment.
+        """
         decision = grow_batch_size(
-            fn, epoch=epoch, current_batch_size=self.batch_size, bound=self.growth_bound()
+            fn, epoch=k, current_batch_size=self.batch_size, bound=self.growth_bound(), label=label
         )
         self.batch_size = decision.batch_size
+        self.intervals_done = k + 1
         return decision
 
-    def record_step(self, *, samples: int, micro_batch_limit: int, oom_retries: int) -> None:
-        """Counts an optimizer step and keeps a limit lowered by an out-of-memory retry."""
+    def record_step(
+        self,
+        *,
+        samples: int,
+        micro_batch_limit: int,
+        oom_retries: int,
+        global_samples: Optional[int] = None,
+        tokens: int = 0,
+    ) -> None:
+        """Counts an optimizer step and keeps a limit lowered by an out-of-memory retry.
+
+        Args:
+            samples: this rank's samples.
+            micro_batch_limit: the micro-batch limit the step ended with.
+            oom_retries: restarts the step needed.
+            global_samples: all ranks' samples (``samples`` when ``None``).
+            tokens: all ranks' loss-carrying tokens.
+        """
         self.samples_seen += samples
+        self.global_samples_seen += samples if global_samples is None else global_samples
+        self.tokens_seen += int(tokens)
         self.global_step += 1
+        self.epoch_steps += 1
+        self.epoch_samples += samples
         self.oom_retries += oom_retries
         self.max_micro_batch_size = min(self.max_micro_batch_size, micro_batch_limit)
 
@@ -99,6 +154,12 @@ class BatchState:
             "samples_seen": self.samples_seen,
             "global_step": self.global_step,
             "oom_retries": self.oom_retries,
+            "global_samples_seen": self.global_samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "intervals_done": self.intervals_done,
+            "epoch": self.epoch,
+            "epoch_steps": self.epoch_steps,
+            "epoch_samples": self.epoch_samples,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -110,13 +171,23 @@ class BatchState:
         self.samples_seen = int(state["samples_seen"])
         self.global_step = int(state["global_step"])
         self.oom_retries = int(state.get("oom_retries", 0))
+        # States written before growth intervals and mid-epoch checkpoints lack these.
+        self.global_samples_seen = int(state.get("global_samples_seen", self.samples_seen))
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.intervals_done = int(state.get("intervals_done", 0))
+        self.epoch = int(state.get("epoch", -1))
+        self.epoch_steps = int(state.get("epoch_steps", 0))
+        self.epoch_samples = int(state.get("epoch_samples", 0))
 
 
 class ResizableBatchSampler(Sampler[List[int]]):
     """Batches of ``batch_size`` indices from ``sampler``, at most ``samples_per_epoch`` of
     them an epoch; the last batch of an epoch may be smaller, so no sample is dropped.
 
-    ``batch_size`` may change between epochs. ``set_epoch`` is passed to the sampler.
+    ``batch_size`` may change at any time: the next batch takes the new size. ``set_epoch`` is
+    passed to the sampler. The state (how many samples of the epoch were handed out, and the
+    sampler's own state) lets a dataloader resume in the middle of an epoch, whatever sizes
+    the batches before had.
 
     Raises:
         ValueError: for a batch size or epoch size under 1.
@@ -129,6 +200,8 @@ class ResizableBatchSampler(Sampler[List[int]]):
         self.samples_per_epoch = available if samples_per_epoch is None else min(samples_per_epoch, available)
         if self.samples_per_epoch < 1:
             raise ValueError(f"samples_per_epoch={samples_per_epoch} leaves no samples in an epoch.")
+        self._taken = 0
+        self._resume_at = 0
 
     @property
     def batch_size(self) -> int:
@@ -144,16 +217,39 @@ class ResizableBatchSampler(Sampler[List[int]]):
         self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return math.ceil(self.samples_per_epoch / self.batch_size)
+        return math.ceil((self.samples_per_epoch - self._resume_at) / self.batch_size)
 
     def __iter__(self) -> Iterator[List[int]]:
+        # A resumed sampler (its own state loaded) skips what the epoch already handed out.
+        start, self._resume_at = self._resume_at, 0
+        self._taken = start
         batch: List[int] = []
-        for taken, index in enumerate(self.sampler):
-            if taken == self.samples_per_epoch:
+        indices = iter(self.sampler)
+        while self._taken < self.samples_per_epoch:
+            index = next(indices, None)
+            if index is None:
                 break
             batch.append(int(index))
+            self._taken += 1
             if len(batch) == self.batch_size:
                 yield batch
                 batch = []
         if batch:
             yield batch
+
+    def state_dict(self) -> Dict[str, Any]:
+        """How many samples of the epoch were handed out, and the sampler's state."""
+        inner = self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None
+        return {"taken": self._taken, "sampler": inner}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continues after the samples handed out before ``state`` was taken.
+
+        Raises:
+            ValueError: for a sampler without state, which cannot skip what it handed out.
+        """
+        if state.get("sampler") is not None:
+            self.sampler.load_state_dict(state["sampler"])
+        elif state["taken"]:
+            raise ValueError("a mid-epoch batch-sampler state needs a stateful sampler to resume from.")
+        self._resume_at = self._taken = int(state["taken"])

@@ -9,13 +9,13 @@ torchtune's order::
     sampler = controller.batch_sampler(dataset, shuffle=...)
     controller.attach_lr(optimizer, lr_scheduler, read_lr)
     for epoch in ...:
-        steps = controller.start_epoch(epoch, dataloader)   # growth
+        steps = controller.start_epoch(epoch, dataloader)   # growth per epoch; the steps left
         for batch in dataloader:
             step = controller.run_step(forward_backward, batch, zero_grad=...)
             lr = controller.before_optimizer_step(step)     # LR scaling
             ...optimizer step...
-            controller.after_optimizer_step(step)           # scheduler, batch state
-    recipe_state.update(controller.state_dict())
+            controller.after_optimizer_step(step)           # scheduler, batch state, growth
+    recipe_state.update(controller.state_dict())            # by steps, samples or tokens
 
 Whether batches hold a number of samples or a token budget is decided once, as a
 :mod:`adaptive_batch.batching` object.
@@ -29,6 +29,14 @@ import torch
 from adaptive_batch.accumulation import accumulate_gradients, AccumulatedStep, batch_rows
 from adaptive_batch.batch_state import BATCH_STATE_KEY, BatchState
 from adaptive_batch.batching import SampleBatches, TokenBatches
+from adaptive_batch.global_batch import (
+    check_global_batch,
+    fastest_split,
+    GlobalBatchOptions,
+    KEY as GLOBAL_KEY,
+    MicroBatchPlan,
+    split_global_batch,
+)
 from adaptive_batch.growth import BatchIncreaseFunctionError, GrowthOptions, KEY as GROWTH_KEY
 from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.lr_scaling import BatchLRScaler, LRScalingOptions
@@ -53,10 +61,12 @@ class AdaptiveBatchOptions:
         growth: growing the batch during training.
         tokens: token-budget batches.
         lr_scaling: the LR following the batch.
+        global_batch: a fixed global batch with probed micro-batches.
     """
 
     probe: ProbeOptions = field(default_factory=ProbeOptions)
     growth: GrowthOptions = field(default_factory=GrowthOptions)
+    global_batch: GlobalBatchOptions = field(default_factory=GlobalBatchOptions)
     tokens: TokenBatchOptions = field(default_factory=TokenBatchOptions)
     lr_scaling: LRScalingOptions = field(default_factory=LRScalingOptions)
 
@@ -93,6 +103,7 @@ class StepOutcome:
         num_tokens: the tokens that carry a loss, all ranks.
         padded_tokens: the batch's padded size in tokens, all ranks.
         loss: the mean loss per counted token, all ranks.
+        interval: the growth boundary whose batch the step ran (the epoch, per epoch).
     """
 
     accumulated: AccumulatedStep
@@ -101,6 +112,7 @@ class StepOutcome:
     num_tokens: float
     padded_tokens: float
     loss: float
+    interval: int = 0
 
 
 class AdaptiveBatchController:
@@ -151,6 +163,7 @@ class AdaptiveBatchController:
         self._batch_size = batch_size
         self._accumulation = gradient_accumulation_steps
         self._check_combinations(packed=packed, optimizer_in_bwd=optimizer_in_bwd)
+        self.micro_batch_plan: Optional[MicroBatchPlan] = None
         self.mode = (
             TokenBatches(options.tokens, options.probe.max_batch_size)
             if options.tokens.max_tokens is not None
@@ -160,6 +173,7 @@ class AdaptiveBatchController:
         self.batch: Optional[BatchState] = None
         self._batch_state: Optional[Dict[str, Any]] = None
         self._max_steps_per_epoch: Optional[int] = None
+        self._sampler: Any = None
         self._lr_progress: Optional[SampleProgressLR] = None
         self._lr_scaler: Optional[BatchLRScaler] = None
         self._lr_scheduler: Any = None
@@ -187,6 +201,22 @@ class AdaptiveBatchController:
                 f"gradient_accumulation_steps={self._accumulation} with max_tokens={tokens.max_tokens}: "
                 "a token batch is one optimizer step (split into micro-batches only if it runs out "
                 "of memory); set gradient_accumulation_steps=1 and raise max_tokens instead."
+            )
+        global_batch = self.options.global_batch.global_batch_size
+        if global_batch is not None:
+            if tokens.max_tokens is not None:
+                raise ConfigError(
+                    f"{GLOBAL_KEY}={global_batch} with max_tokens={tokens.max_tokens}: a token budget "
+                    f"sets each step's samples; set max_tokens=null or {GLOBAL_KEY}=null."
+                )
+            if optimizer_in_bwd:
+                raise ConfigError(
+                    f"{GLOBAL_KEY}={global_batch} with optimizer_in_bwd=True: a global batch is run in "
+                    f"accumulated micro-batches, which an optimizer stepping inside backward cannot do; "
+                    f"set optimizer_in_bwd=False or {GLOBAL_KEY}=null."
+                )
+            check_global_batch(
+                global_batch, world_size=self.ranks.world_size, gradient_accumulation_steps=self._accumulation
             )
         growing = growth.batch_increase_function is not None
         if optimizer_in_bwd and (growth.retry_on_oom or growing):
@@ -316,11 +346,15 @@ class AdaptiveBatchController:
             save_probe_report(self.probe_report, self.output_dir, self.ranks)
         self.mode.prepare(lengths, self.log)
 
-        start, micro = self._starting_batch()
+        if self.options.global_batch.global_batch_size is not None:
+            start, micro = self._global_batch(dataset_size)
+        else:
+            start, micro = self._starting_batch()
         self.batch = BatchState(
             batch_size=start,
             max_micro_batch_size=self.mode.max_micro_batch_size(micro, dataset_size),
-            grow_with_accumulation=growth.grow_with_accumulation,
+            # A global batch runs in accumulated micro-batches, and grows the same way.
+            grow_with_accumulation=growth.grow_with_accumulation or self.micro_batch_plan is not None,
             samples_per_epoch=self.mode.samples_per_epoch(dataset_size, start, max_steps_per_epoch),
         )
         if self._batch_state is not None:
@@ -357,9 +391,43 @@ class AdaptiveBatchController:
             start = bound
         return start, bound
 
+    def _global_batch(self, dataset_size: int) -> "tuple[int, int]":
+        """A rank's share of ``global_batch_size`` and the micro-batch limit: the probed batch
+        (or the fastest split of it), else ``batch_size``. Recorded in ``batch_probe.json``.
+
+        Raises:
+            ConfigError: when a rank's share is more than its samples.
+        """
+        global_batch, world = self.options.global_batch.global_batch_size, self.ranks.world_size
+        share = global_batch // world
+        if share > dataset_size:
+            raise ConfigError(
+                f"{GLOBAL_KEY}={global_batch} is {share} samples a rank a step, more than the "
+                f"{dataset_size} samples a rank has: lower {GLOBAL_KEY} to at most {dataset_size * world}."
+            )
+        report = self.probe_report
+        trials = (report or {}).get("throughput", {}).get("trials")
+        if report is not None and trials:
+            plan = fastest_split(
+                global_batch, world_size=world, trials=trials, tolerance=self.options.probe.throughput_tolerance
+            )
+        elif report is not None:
+            plan = split_global_batch(global_batch, world_size=world, largest_micro_batch=report["batch_size"])
+        else:
+            plan = split_global_batch(
+                global_batch, world_size=world, largest_micro_batch=self._batch_size, chosen_by="batch_size"
+            )
+        self.micro_batch_plan = plan
+        self.log(plan.describe() + "; the global batch and the LR stay, an out-of-memory error halves the micro-batch.")
+        if report is not None:
+            report["global_batch"] = plan.to_dict()
+            save_probe_report(report, self.output_dir, self.ranks)
+        return share, plan.micro_batch_limit
+
     def batch_sampler(self, dataset: Any, *, shuffle: bool) -> Any:
         """The batch sampler of this rank's share of ``dataset``, following the batch."""
-        return self.mode.batch_sampler(dataset, self.batch, self.ranks, shuffle)
+        self._sampler = self.mode.batch_sampler(dataset, self.batch, self.ranks, shuffle)
+        return self._sampler
 
     def collate(self, collate_fn: Callable) -> Callable:
         """``collate_fn`` as the batches need it (truncated to the token budget)."""
@@ -398,15 +466,23 @@ class AdaptiveBatchController:
             self._lr_scaler = BatchLRScaler(
                 optimizer,
                 rule=scaling.lr_scaling,
-                reference=float(reference if reference is not None else self._batch_size * self._accumulation),
+                reference=float(reference if reference is not None else self._configured_batch()),
                 unit=scaling.lr_scaling_unit,
                 lr_scheduler=self._lr_progress or lr_scheduler,
             )
 
+    def _configured_batch(self) -> int:
+        """The per-rank batch the config's LR was set for."""
+        if self.micro_batch_plan is not None:
+            return self.micro_batch_plan.per_rank
+        return self._batch_size * self._accumulation
+
     # ------------------------------------------------------------------ training
 
     def start_epoch(self, epoch: int, dataloader: Any) -> int:
-        """Grows the batch for ``epoch`` and points the sampler at it; returns the epoch's steps.
+        """Starts (or, after a mid-epoch resume, continues) ``epoch``: growth at the epoch's
+        boundary, or at boundary 0 of a steps, samples or tokens interval; returns the steps
+        the epoch has left.
 
         Rank 0 calls the batch increase function (with global batch sizes) and every rank
         takes its decision, so all ranks keep the same batch whatever the function does.
@@ -414,24 +490,55 @@ class AdaptiveBatchController:
         Raises:
             BatchIncreaseFunctionError: on every rank, when the function fails.
         """
-        growth = per_rank_increase(self.options.growth.batch_increase_function, self.ranks.world_size)
-        decision = self.ranks.decide_on_main(
-            lambda: self.batch.start_epoch(growth, epoch=epoch), errors=(BatchIncreaseFunctionError,)
-        )
-        if decision is not None:
-            self.batch.batch_size = decision.batch_size
-            if decision.requested != decision.previous:
-                self._log_growth(epoch, decision)
+        continuing = not self.batch.enter_epoch(epoch)
+        if self._growth is not None:
+            if self._interval.per_epoch:
+                if epoch >= self.batch.intervals_done:
+                    self._grow(epoch)
+            else:
+                self._grow_at_boundaries()
         self.mode.start_epoch(dataloader.batch_sampler, self.batch, epoch, self.log)
-        return self.mode.steps_per_epoch(len(dataloader), self._max_steps_per_epoch)
+        if continuing:
+            self.log(
+                f"Epoch {epoch}: resuming after its step {self.batch.epoch_steps} "
+                f"(global step {self.batch.global_step})."
+            )
+        return self.mode.steps_left(dataloader.batch_sampler, self.batch, len(dataloader), self._max_steps_per_epoch)
 
-    def _log_growth(self, epoch: int, decision: Any) -> None:
+    @property
+    def _growth(self) -> Any:
+        return per_rank_increase(self.options.growth.batch_increase_function, self.ranks.world_size)
+
+    @property
+    def _interval(self) -> Any:
+        return self.options.growth.batch_increase_interval
+
+    def _grow(self, k: int) -> None:
+        """Boundary ``k``'s call, decided on rank 0 and taken by every rank."""
+        label = "epoch" if self._interval.per_epoch else "interval"
+        growth = self._growth
+        decision = self.ranks.decide_on_main(
+            lambda: self.batch.grow_at(growth, k, label=label), errors=(BatchIncreaseFunctionError,)
+        )
+        self.batch.batch_size, self.batch.intervals_done = decision.batch_size, k + 1
+        if decision.requested != decision.previous:
+            self._log_growth(k, decision)
+
+    def _grow_at_boundaries(self) -> None:
+        """Every steps, samples or tokens boundary reached and not yet applied, in order."""
+        for k in self.batch.pending_boundaries(self._interval):
+            self._grow(k)
+
+    def _log_growth(self, k: int, decision: Any) -> None:
         note = ""
         if decision.clamped:
             why = "an epoch's samples" if decision.bound == self.batch.samples_per_epoch else "the largest micro-batch"
             note = f" (clamped from {decision.requested} to {decision.bound}, {why})"
         per_rank = f" per rank, x{self.ranks.world_size} ranks" if self.ranks.distributed else ""
-        self.log(f"Epoch {epoch}: batch_size {decision.previous} -> {decision.batch_size}{per_rank}{note}.")
+        where = self._interval.describe(k).capitalize()
+        if not self._interval.per_epoch:
+            where += f" at step {self.batch.global_step}"
+        self.log(f"{where}: batch_size {decision.previous} -> {decision.batch_size}{per_rank}{note}.")
 
     def run_step(self, forward_backward: Callable, batch: Dict[str, torch.Tensor], *, zero_grad: Callable[[], None]) -> StepOutcome:
         """Forward and backward of a step's batch in micro-batches of at most the largest that
@@ -460,7 +567,8 @@ class AdaptiveBatchController:
             agree_on_oom=self.ranks.any if self.ranks.distributed else None,
         )
         global_samples, tokens, padded, loss_sum = self.ranks.sums(samples, step.num_tokens, padded, step.loss_sum)
-        return StepOutcome(step, samples, int(global_samples), tokens, padded, loss_sum / tokens)
+        interval = self.batch.intervals_done - 1
+        return StepOutcome(step, samples, int(global_samples), tokens, padded, loss_sum / tokens, interval)
 
     def before_optimizer_step(self, step: StepOutcome) -> float:
         """Scales the LR for the step's batch; returns the LR the step uses."""
@@ -471,29 +579,41 @@ class AdaptiveBatchController:
         return self._lr_scaler.apply(samples=step.global_samples / world, tokens=int(step.num_tokens / world))
 
     def after_optimizer_step(self, step: StepOutcome) -> None:
-        """Puts the unscaled LR back, advances a step-counted scheduler and counts the step."""
+        """Puts the unscaled LR back, advances a step-counted scheduler, counts the step, and
+        grows the batch at the steps, samples or tokens boundaries the step reached (the next
+        step takes the new batch)."""
         if self._lr_scaler is not None:
             self._lr_scaler.restore()
         if self._lr_scheduler is not None and self._lr_progress is None:
             self._lr_scheduler.step()
         accumulated = step.accumulated
         self.batch.record_step(
-            samples=step.samples, micro_batch_limit=accumulated.micro_batch_limit, oom_retries=accumulated.oom_retries
+            samples=step.samples,
+            micro_batch_limit=accumulated.micro_batch_limit,
+            oom_retries=accumulated.oom_retries,
+            global_samples=step.global_samples,
+            tokens=int(step.num_tokens),
         )
         if accumulated.oom_retries:
             self.warn(
                 f"Step {self.batch.global_step}: recovered from out of memory in micro-batches "
                 f"of {accumulated.micro_batch_sizes}; steps from now on use at most {self.batch.max_micro_batch_size}."
             )
+        if self._growth is not None and not self._interval.per_epoch:
+            self._grow_at_boundaries()
+            self.mode.resize(self._sampler, self.batch)
 
     def step_metrics(self, step: StepOutcome, seconds: float) -> Dict[str, float]:
         """The batch's per-step metrics, for the metric logger."""
         world = self.ranks.world_size
+        growth = {} if self._growth is None else {"growth_interval": step.interval}
         return {
+            **growth,
             "batch_size": step.global_samples,
             "micro_batch_size": max(step.accumulated.micro_batch_sizes),
             "grad_accum_steps": len(step.accumulated.micro_batch_sizes),
-            "samples_seen": self.batch.samples_seen * world,
+            "samples_seen": self.batch.global_samples_seen,
+            "tokens_seen": self.batch.tokens_seen,
             "oom_retries": step.accumulated.oom_retries,
             "tokens_per_second_per_gpu": step.num_tokens / world / seconds,
             "real_tokens": int(step.num_tokens),

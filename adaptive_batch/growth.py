@@ -1,8 +1,10 @@
 """The user's batch increase function: resolving it, checking it, calling it, and built-ins.
 
 A batch increase function is ``f(epoch, current_batch_size) -> increment``, as in torchtune's
-adaptive-batching RFC. The recipe calls it at the start of every epoch (0-based) with the
-current global batch size and adds the returned increment, clamped to an upper bound.
+adaptive-batching RFC. The recipe calls it at every boundary of ``batch_increase_interval``
+(the start of every epoch by default; every N steps, samples or tokens otherwise, see
+:mod:`adaptive_batch.interval`) with the 0-based boundary index and the current global batch
+size, and adds the returned increment, clamped to an upper bound.
 
 The built-ins are factories, so a config can parameterise them with a ``_component_`` node::
 
@@ -18,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Union
 
+from adaptive_batch.interval import GrowthInterval, parse_interval
 from adaptive_batch.validation import check_bool, ConfigError
 
 KEY = "batch_increase_function"
@@ -111,14 +114,19 @@ def function_name(fn: Callable) -> str:
     return f"{module}.{qualname}" if module and qualname else repr(fn)
 
 
-def call_batch_increase_function(fn: BatchIncreaseFunction, epoch: int, current_batch_size: int) -> int:
+def call_batch_increase_function(
+    fn: BatchIncreaseFunction, epoch: int, current_batch_size: int, *, label: str = "epoch"
+) -> int:
     """Calls ``fn(epoch, current_batch_size)`` and checks the increment.
+
+    Args:
+        label: what the first argument counts in messages (``"epoch"`` or ``"interval"``).
 
     Raises:
         BatchIncreaseFunctionError: if the function raises, or returns anything but a
             non-negative ``int`` (``bool`` and ``float`` included).
     """
-    where = f"{KEY} {function_name(fn)} at epoch={epoch}, current_batch_size={current_batch_size}"
+    where = f"{KEY} {function_name(fn)} at {label}={epoch}, current_batch_size={current_batch_size}"
     try:
         increment = fn(epoch, current_batch_size)
     except BatchIncreaseFunctionError:
@@ -142,7 +150,7 @@ class GrowthDecision:
     """What one epoch's call decided.
 
     Attributes:
-        epoch: the epoch it was called for.
+        epoch: the epoch (or interval boundary) it was called for.
         previous: the global batch before.
         requested: ``previous + increment``.
         batch_size: the global batch from this epoch on (``requested`` clamped to the bound).
@@ -161,14 +169,14 @@ class GrowthDecision:
 
 
 def grow_batch_size(
-    fn: BatchIncreaseFunction, *, epoch: int, current_batch_size: int, bound: Optional[int]
+    fn: BatchIncreaseFunction, *, epoch: int, current_batch_size: int, bound: Optional[int], label: str = "epoch"
 ) -> GrowthDecision:
-    """Asks ``fn`` for this epoch's increment and clamps the new batch to ``bound``.
+    """Asks ``fn`` for this epoch's (or boundary's) increment and clamps the new batch to ``bound``.
 
     Raises:
         BatchIncreaseFunctionError: see :func:`call_batch_increase_function`.
     """
-    increment = call_batch_increase_function(fn, epoch, current_batch_size)
+    increment = call_batch_increase_function(fn, epoch, current_batch_size, label=label)
     requested = current_batch_size + increment
     new = requested if bound is None else min(requested, max(bound, current_batch_size))
     return GrowthDecision(epoch, current_batch_size, requested, new, bound)
@@ -181,6 +189,9 @@ class GrowthOptions:
     Attributes:
         batch_increase_function: ``None`` for a fixed batch, a dotted path ``"pkg.module.fn"``
             or a callable (an instantiated ``_component_`` node); held resolved and checked.
+        batch_increase_interval: when the function is called: ``"epoch"`` or
+            ``"<N> steps|samples|tokens"``; held parsed, as a
+            :class:`~adaptive_batch.interval.GrowthInterval`.
         grow_with_accumulation: growth may pass the memory maximum through gradient
             accumulation (else it stops there).
         retry_on_oom: a step that runs out of memory is retried in smaller micro-batches.
@@ -191,10 +202,12 @@ class GrowthOptions:
     """
 
     batch_increase_function: Union[None, str, BatchIncreaseFunction] = None
+    batch_increase_interval: Union[str, GrowthInterval] = "epoch"
     grow_with_accumulation: bool = False
     retry_on_oom: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_increase_interval", parse_interval(self.batch_increase_interval))
         check_bool("grow_with_accumulation", self.grow_with_accumulation)
         check_bool("retry_on_oom", self.retry_on_oom)
         if self.batch_increase_function is not None:
@@ -225,6 +238,10 @@ def step_increments(epochs: Sequence[int], increments: Sequence[int]) -> BatchIn
         return table.get(epoch, 0)
 
     return step_increment
+
+
+# With batch_increase_interval other than epoch, the built-ins' "epochs" are intervals: the
+# first argument they get is the boundary index either way.
 
 
 def linear_ramp(increment: int, every_n_epochs: int = 1) -> BatchIncreaseFunction:
@@ -270,6 +287,72 @@ def multiply_every(factor: float, every_n_epochs: int = 1) -> BatchIncreaseFunct
 def double_every_epoch(epoch: int, current_batch_size: int) -> int:
     """Doubles the batch at the start of every epoch after the first (usable as a dotted path)."""
     return current_batch_size if epoch > 0 else 0
+
+
+def linear_rampup(start_batch_size: int, final_batch_size: int, ramp_intervals: int) -> BatchIncreaseFunction:
+    """Megatron's ``--rampup-batch-size`` and GPT-3's shape: the global batch goes linearly from
+    ``start_batch_size`` at boundary 0 to ``final_batch_size`` at boundary ``ramp_intervals``,
+    and stays there. With ``batch_increase_interval: "<N> samples"`` (or tokens) the ramp
+    lasts ``N x ramp_intervals`` samples (tokens).
+
+    The target depends on the boundary index alone, so a resumed run continues the ramp.
+
+    Raises:
+        ValueError: for sizes under 1, a final batch under the start, or no intervals.
+    """
+    if _bad_int(start_batch_size, 1) or _bad_int(final_batch_size, 1) or _bad_int(ramp_intervals, 1):
+        raise ValueError(
+            f"linear_rampup(start_batch_size={start_batch_size!r}, final_batch_size={final_batch_size!r}, "
+            f"ramp_intervals={ramp_intervals!r}): all three must be ints >= 1."
+        )
+    if final_batch_size < start_batch_size:
+        raise ValueError(
+            f"linear_rampup: final_batch_size={final_batch_size} is under start_batch_size={start_batch_size}; "
+            "the batch only grows."
+        )
+
+    def rampup(k: int, current_batch_size: int) -> int:
+        target = start_batch_size + (final_batch_size - start_batch_size) * min(k, ramp_intervals) // ramp_intervals
+        return max(0, target - current_batch_size)
+
+    return rampup
+
+
+def seesaw(total_intervals: int, warmup_intervals: int = 0, factor: int = 2) -> BatchIncreaseFunction:
+    """Seesaw (Meterez et al. 2025, arXiv 2510.14717): where a cosine schedule's LR has fallen
+    by another ``factor`` (to 1/2, 1/4, ... of the peak, for ``factor=2``), multiply the batch
+    by ``factor`` instead of cutting the LR that much.
+
+    Pair it with the cosine schedule (``get_cosine_schedule_with_warmup``, counted in samples)
+    and ``lr_scaling: sqrt``: at every cut the LR then falls by ``sqrt(factor)`` while the batch
+    grows by ``factor``, which is the paper's rule. ``total_intervals`` and ``warmup_intervals``
+    are the schedule's length and warmup in ``batch_increase_interval`` units.
+
+    Raises:
+        ValueError: for intervals under 1 (warmup under 0 or not shorter) or a factor under 2.
+    """
+    if _bad_int(total_intervals, 1) or _bad_int(warmup_intervals, 0) or warmup_intervals >= total_intervals:
+        raise ValueError(
+            f"seesaw(total_intervals={total_intervals!r}, warmup_intervals={warmup_intervals!r}): the "
+            "schedule needs total_intervals >= 1 and 0 <= warmup_intervals < total_intervals."
+        )
+    if _bad_int(factor, 2):
+        raise ValueError(f"seesaw(factor={factor!r}): the factor must be an int >= 2.")
+
+    def cuts(k: int) -> int:
+        """How many times the cosine LR has fallen by ``factor`` at boundary ``k``."""
+        if k <= warmup_intervals:
+            return 0
+        progress = min(1.0, (k - warmup_intervals) / (total_intervals - warmup_intervals))
+        multiplier = 0.5 * (1.0 + math.cos(math.pi * progress))
+        # The schedule reaches 0 at its end; the batch bound stops growth long before.
+        return int(math.floor(-math.log(max(multiplier, 1e-12)) / math.log(factor) + 1e-9))
+
+    def seesaw_increment(k: int, current_batch_size: int) -> int:
+        new_cuts = cuts(k) - (cuts(k - 1) if k > 0 else 0)
+        return current_batch_size * (factor**new_cuts - 1)
+
+    return seesaw_increment
 
 
 def _bad_int(value: object, minimum: int) -> bool:

@@ -52,6 +52,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         - Every step runs its batch in micro-batches of at most the largest size that fits;
           with ``retry_on_oom`` a step that runs out of memory is rerun in halves.
         - Token-budget batches (``max_tokens``) and LR scaling with the batch.
+        - ``batch_increase_interval``: growth every N steps, samples or tokens instead of
+          every epoch; ``global_batch_size``: a fixed global batch whose micro-batch the
+          probe chooses.
+        - ``save_every_n_steps``: checkpoints inside an epoch (the last
+          ``keep_last_n_checkpoints`` kept); ``resume_from_checkpoint`` continues from the
+          newest one at the exact step.
         - Batch state in the recipe state: a resumed run continues with the same batch sizes.
         - Per-step ``batch_size``, ``micro_batch_size``, ``grad_accum_steps``,
           ``samples_seen`` and peak memory metrics, on CPU too (the process's peak RSS).
@@ -100,6 +106,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             warn=log.warning,
         )
         self._ranks = self._batching.ranks
+        self._step_checkpoints = ab.StepCheckpoints(
+            f"{cfg.output_dir}/{ab.step_checkpoint.DIRNAME}",
+            every_n_steps=cfg.get("save_every_n_steps", None),
+            keep_last=cfg.get("keep_last_n_checkpoints", 2),
+            log=log.info,
+        )
+        self._resume_step_state: Optional[Dict[str, Any]] = None
         if self._batching.probe_cache_dir is not None:
             abt.check_writable_dir("probe_cache_dir", self._batching.probe_cache_dir)
         if cfg.get("plot", False):
@@ -132,17 +145,36 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def load_checkpoint(self, cfg_checkpointer: DictConfig) -> Dict[str, Any]:
         """
         Extract the checkpoint state from file and validate. If resume_from_checkpoint
-        is True, this also includes the recipe state.
+        is True, this also includes the recipe state: from the newest step checkpoint when it
+        is newer than the last epoch's, which then replaces the weights and optimizer too.
         """
+        if self._resume_from_checkpoint:
+            self._resume_step_state = self._newer_step_checkpoint(cfg_checkpointer)
         self._checkpointer = config.instantiate(
             cfg_checkpointer,
-            should_load_recipe_state=self._resume_from_checkpoint,
+            should_load_recipe_state=self._resume_from_checkpoint and self._resume_step_state is None,
         )
         checkpoint_dict = self._checkpointer.load_checkpoint()
+        if self._resume_step_state is not None:
+            checkpoint_dict.update(self._resume_step_state)
 
         if self._resume_from_checkpoint:
             self._update_recipe_state(checkpoint_dict)
         return checkpoint_dict
+
+    def _newer_step_checkpoint(self, cfg_checkpointer: DictConfig) -> Optional[Dict[str, Any]]:
+        """The newest step checkpoint's state, when it is newer than the epoch checkpoint."""
+        latest = self._step_checkpoints.latest()
+        if latest is None:
+            return None
+        step, path = latest
+        epoch_step = abt.epoch_checkpoint_step(cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"))
+        if step <= epoch_step:
+            log.info(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is not newer.")
+            return None
+        since = f"the epoch checkpoint is at step {epoch_step}" if epoch_step >= 0 else "no epoch checkpoint yet"
+        log.info(f"Resuming from the step checkpoint {path} (step {step}; {since}).")
+        return ab.StepCheckpoints.load(path)
 
     def _update_recipe_state(self, ckpt_dict: Dict[str, Any]) -> None:
         """
@@ -171,6 +203,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """
         self._metric_logger = None
         if self._ranks.is_main:
+            self._step_checkpoints.remove_partial_writes()
             self._metric_logger = abt.build("metric_logger", cfg.metric_logger)
             self._metric_logger.log_config(cfg)
 
@@ -267,7 +300,28 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         optimizer = self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper
         self._batching.attach_lr(self._optimizer, self._lr_scheduler, read_lr=partial(get_lr, optimizer))
+        if self._resume_step_state is not None:
+            self._restore_step_position(self._resume_step_state)
+            self._resume_step_state = None
         self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
+
+    def _restore_step_position(self, state: Dict[str, Any]) -> None:
+        """Where a step checkpoint left off: the dataloader inside its epoch, the LR
+        scheduler, and this rank's random generators.
+
+        Raises:
+            ConfigError: when the checkpoint was written by another number of ranks.
+        """
+        rng = state[ab.RNG_KEY]
+        if len(rng) != self._ranks.world_size:
+            raise ab.ConfigError(
+                f"resume_from_checkpoint=True: the step checkpoint was written by {len(rng)} ranks and this run "
+                f"has {self._ranks.world_size}; resume with --nproc_per_node {len(rng)}."
+            )
+        self._dataloader.load_state_dict(state[training.DATALOADER_KEY])
+        if self._lr_scheduler is not None and ab.LR_SCHEDULER_KEY in state:
+            self._lr_scheduler.load_state_dict(state[ab.LR_SCHEDULER_KEY])
+        ab.set_rng_state(rng[self._ranks.rank])
 
     def _probe_cache_fields(self, cfg: DictConfig) -> Dict[str, Any]:
         """What changes a step's memory, for the probe cache's key."""
@@ -466,6 +520,22 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             return self._optimizer.state_dict()
         return self._optim_ckpt_wrapper.state_dict()
 
+    def _trainable_state_dict(self) -> Dict[str, Any]:
+        """The weights a step checkpoint holds: all of them here (the LoRA recipe: adapters)."""
+        return {training.MODEL_KEY: self._model_state_dict()}
+
+    def save_step_checkpoint(self) -> None:
+        """Everything the next step depends on, written by rank 0 as
+        ``<output_dir>/step_checkpoints/step_<N>.pt`` (atomically, the last few kept)."""
+        # Every rank takes part in gathering the state and its RNG; rank 0 writes.
+        state = {**self._recipe_state(), **self._trainable_state_dict()}
+        if self._lr_scheduler is not None:
+            state[ab.LR_SCHEDULER_KEY] = self._lr_scheduler.state_dict()
+        state[ab.RNG_KEY] = self._ranks.gather(ab.rng_state())
+        if self._ranks.is_main:
+            self._step_checkpoints.save(self.global_step, state)
+        self._ranks.barrier()
+
     def save_checkpoint(self, epoch: int) -> None:
         """
         Save state dict to file. The recipe save_checkpoint method is responsible for
@@ -542,7 +612,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         reset_peak_rss()
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            # The batch grows here (batch_increase_function), before the epoch's first step.
+            # Per-epoch growth happens here, before the epoch's first step (growth by steps,
+            # samples or tokens after a step); a run resumed mid-epoch gets the steps left.
             steps_this_epoch = self._batching.start_epoch(curr_epoch, self._dataloader)
             pbar = tqdm(total=steps_this_epoch, disable=not self._ranks.is_main)
             t0 = time.perf_counter()
@@ -588,6 +659,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     and self._device.type == "cuda"
                 ):
                     torch.cuda.memory._record_memory_history(enabled=None)
+
+                if self._step_checkpoints.due(self.global_step):
+                    self.save_step_checkpoint()
 
                 t0 = time.perf_counter()
                 self._profiler.step()

@@ -112,6 +112,10 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
         )
         training.validate_expected_param_dtype(self.adapter_params.items(), dtype=self._dtype)
 
+    def _trainable_state_dict(self) -> Dict[str, Any]:
+        """A step checkpoint holds the adapters; the base weights come from checkpoint_files."""
+        return {training.ADAPTER_KEY: get_adapter_state_dict(self._model.state_dict())}
+
     def save_checkpoint(self, epoch: int) -> None:
         """Adapter weights, merged weights (unless ``save_adapter_weights_only``), and the
         recipe state while training is in progress."""

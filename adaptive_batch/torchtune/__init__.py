@@ -6,7 +6,11 @@ the ``adaptive-batch`` command do.
 """
 
 from adaptive_batch.torchtune.checks import build, check_run_settings, check_writable_dir, check_writable_file
-from adaptive_batch.torchtune.checkpoint import initial_checkpoint_filename, write_random_init_checkpoint
+from adaptive_batch.torchtune.checkpoint import (
+    epoch_checkpoint_step,
+    initial_checkpoint_filename,
+    write_random_init_checkpoint,
+)
 from adaptive_batch.torchtune.config import (
     adaptive_options,
     check_profiler,
@@ -30,6 +34,7 @@ __all__ = [
     "check_writable_dir",
     "check_writable_file",
     "check_stock_recipe_options",
+    "epoch_checkpoint_step",
     "initial_checkpoint_filename",
     "load_config",
     "next_token_loss",

@@ -61,3 +61,18 @@ def write_random_init_checkpoint(
     torch.save(state_dict, tmp)
     os.replace(tmp, path)
     return filename
+
+
+def epoch_checkpoint_step(output_dir: str, recipe_checkpoint: Optional[str] = None) -> int:
+    """The global step of the recipe state an epoch-end checkpoint left, or -1 when there is
+    none: what a step checkpoint must be newer than to be resumed from."""
+    from torchtune.training.checkpointing._utils import get_recipe_checkpoint_path
+
+    from adaptive_batch.batch_state import BATCH_STATE_KEY
+
+    try:
+        path = get_recipe_checkpoint_path(output_dir, recipe_checkpoint, should_load_recipe_state=True)
+    except ValueError:  # no recipe state yet
+        return -1
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return int(state.get(BATCH_STATE_KEY, {}).get("global_step", -1))

@@ -28,9 +28,14 @@ TORCHTUNE_KEYS = frozenset(
 )
 
 
+# Mid-epoch checkpoints (torchtune main's names; 0.6.1 saves at epoch ends only).
+STEP_CHECKPOINT_KEYS = frozenset({"save_every_n_steps", "keep_last_n_checkpoints"})
+
+
 def recipe_keys(extra: Iterable[str] = ()) -> frozenset:
-    """Every top-level key a recipe reads: torchtune's, the adaptive ones, and ``extra``."""
-    return TORCHTUNE_KEYS | AdaptiveBatchOptions.keys() | frozenset(extra)
+    """Every top-level key a recipe reads: torchtune's, the adaptive ones, the step-checkpoint
+    ones, and ``extra``."""
+    return TORCHTUNE_KEYS | AdaptiveBatchOptions.keys() | STEP_CHECKPOINT_KEYS | frozenset(extra)
 
 
 def _increase_function(node: Any) -> Any:
