@@ -521,7 +521,9 @@ class AdaptiveBatchController:
             lambda: self.batch.grow_at(growth, k, label=label), errors=(BatchIncreaseFunctionError,)
         )
         self.batch.batch_size, self.batch.intervals_done = decision.batch_size, k + 1
-        if decision.requested != decision.previous:
+        # Per epoch, a request held at the bound is said too; per step it would repeat each step.
+        asked = decision.requested != decision.previous and self._interval.per_epoch
+        if decision.batch_size != decision.previous or asked:
             self._log_growth(k, decision)
 
     def _grow_at_boundaries(self) -> None:

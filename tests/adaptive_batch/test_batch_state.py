@@ -90,3 +90,53 @@ def test_sampler_stops_at_samples_per_epoch():
     assert list(sampler) == [list(range(20))]
     with pytest.raises(ValueError, match="must be a positive int"):
         sampler.batch_size = 0
+
+
+def _loader(n=23, batch_size=3, samples_per_epoch=None):
+    sampler = ResizableBatchSampler(
+        StatefulDistributedSampler(Data(n), num_replicas=1, rank=0, shuffle=True, seed=0), batch_size, samples_per_epoch
+    )
+    sampler.set_epoch(2)
+    return sampler, StatefulDataLoader(Data(n), batch_sampler=sampler, collate_fn=list)
+
+
+def test_a_resumed_sampler_continues_mid_epoch_after_the_batch_grew():
+    sampler, loader = _loader(samples_per_epoch=21)
+    whole, state = [], None
+    for i, batch in enumerate(loader):
+        whole.append(batch)
+        if i == 1:
+            sampler.batch_size = 5  # growth after the second step
+        if i == 2:
+            state = loader.state_dict()  # a step checkpoint after the third step
+    assert [len(b) for b in whole] == [3, 3, 5, 5, 5]
+    sampler2, loader2 = _loader(samples_per_epoch=21)  # a new process: configured batch, epoch 2
+    sampler2.batch_size = 5  # the batch state's batch
+    loader2.load_state_dict(state)
+    assert list(loader2) == whole[3:]
+    assert state["_index_sampler_state"]["taken"] == 11
+
+
+def test_batch_state_counts_global_progress_and_boundaries():
+    from adaptive_batch import GrowthInterval
+
+    state = BatchState(batch_size=4, max_micro_batch_size=8, grow_with_accumulation=False, samples_per_epoch=100)
+    every = GrowthInterval("samples", 6)
+    assert list(state.pending_boundaries(every)) == [0]
+    state.grow_at(double_every_epoch, 0)
+    state.record_step(samples=4, global_samples=8, tokens=300, micro_batch_limit=8, oom_retries=0)
+    state.record_step(samples=4, global_samples=8, tokens=300, micro_batch_limit=8, oom_retries=0)
+    # 16 samples over all ranks: boundaries 1 and 2 (6 and 12) were crossed, in order
+    assert list(state.pending_boundaries(every)) == [1, 2]
+    assert [state.grow_at(double_every_epoch, k).batch_size for k in (1, 2)] == [8, 8]  # clamped to 8
+    assert list(state.pending_boundaries(every)) == [] and state.intervals_done == 3
+    assert (state.samples_seen, state.global_samples_seen, state.tokens_seen) == (8, 16, 600)
+    # an epoch already in progress (a resumed run) keeps its steps; a new one starts at zero
+    assert state.enter_epoch(0) and (state.epoch_steps, state.epoch_samples) == (0, 0)
+    state.record_step(samples=4, micro_batch_limit=8, oom_retries=0)
+    assert not state.enter_epoch(0) and state.epoch_steps == 1
+    copy = BatchState(batch_size=1, max_micro_batch_size=1, grow_with_accumulation=False, samples_per_epoch=1)
+    copy.load_state_dict(state.state_dict())
+    assert copy.state_dict() == state.state_dict()
+    # per-epoch growth is not called twice for an epoch (a run resumed inside it)
+    assert copy.start_epoch(double_every_epoch, epoch=2) is None

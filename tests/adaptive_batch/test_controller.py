@@ -276,3 +276,51 @@ def test_state_round_trip_skips_the_probe(tmp_path):
     assert probe.calls == [] and resumed.probe_report["max_batch_size"] == 12
     assert (batch.batch_size, batch.samples_seen, resumed.global_step, batch.max_micro_batch_size) == (8, 24, 5, 12)
     assert math.isclose(resumed.lr_schedule_steps(1, 10), 40 / 4)
+
+
+def test_growth_by_samples_after_the_step_that_crossed_each_boundary(tmp_path):
+    calls = []
+
+    def add_two(k, current_batch_size):
+        calls.append((k, current_batch_size))
+        return 2 if k > 0 else 0
+
+    growth = GrowthOptions(batch_increase_function=add_two, batch_increase_interval="5 samples")
+    ctl = controller(tmp_path, batch_size=4, growth=growth, probe=ProbeOptions(max_batch_size=9))
+    ctl.settle(dataset_size=40)
+    loader = StatefulDataLoader(Rows(), batch_sampler=ctl.batch_sampler(Rows(), shuffle=False), collate_fn=list)
+    model, optimizer, forward_backward = _linear_step_parts()
+    ctl.attach_lr(optimizer, None, read_lr=lambda: 0.0)
+    assert ctl.start_epoch(0, loader) == 10 and calls == [(0, 4)]
+    sizes, intervals = [], []
+    for indices in loader:
+        step = ctl.run_step(forward_backward, _batch(len(indices)), zero_grad=optimizer.zero_grad)
+        ctl.after_optimizer_step(step)
+        sizes.append(len(indices))
+        intervals.append(ctl.step_metrics(step, seconds=1.0)["growth_interval"])
+    # 4 (4 seen) | 4 (8: boundary 1) | 6 (14: 2) | 8 (22: 3, 4) | 9, clamped (31: 5, 6) | 9 (40: 7, 8)
+    assert sizes == [4, 4, 6, 8, 9, 9]
+    assert intervals == [0, 0, 1, 2, 4, 6]
+    assert [k for k, _ in calls] == list(range(9))
+    assert ctl.lines[1:] == [
+        "Interval 1 (5 samples) at step 2: batch_size 4 -> 6.",
+        "Interval 2 (10 samples) at step 3: batch_size 6 -> 8.",
+        "Interval 3 (15 samples) at step 4: batch_size 8 -> 9 (clamped from 10 to 9, the largest micro-batch).",
+    ]  # held at the bound afterwards: no line a boundary
+
+
+def test_growth_by_tokens_counts_the_tokens_that_carry_a_loss(tmp_path):
+    growth = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch", batch_increase_interval="40 tokens")
+    ctl = controller(tmp_path, batch_size=2, growth=growth, probe=ProbeOptions(max_batch_size=16))
+    ctl.settle(dataset_size=40)
+    loader = StatefulDataLoader(Rows(), batch_sampler=ctl.batch_sampler(Rows(), shuffle=False), collate_fn=list)
+    model, optimizer, forward_backward = _linear_step_parts()
+    ctl.attach_lr(optimizer, None, read_lr=lambda: 0.0)
+    ctl.start_epoch(0, loader)
+    sizes = []
+    for indices in loader:
+        step = ctl.run_step(forward_backward, _batch(len(indices)), zero_grad=optimizer.zero_grad)
+        ctl.after_optimizer_step(step)
+        sizes.append(len(indices))
+    # 4 tokens a sample: 8 a step at 2 (40 tokens after 5 steps), then 4 a step, 8, 16
+    assert sizes[:8] == [2, 2, 2, 2, 2, 4, 4, 4] and ctl.batch.tokens_seen == 160

@@ -175,3 +175,50 @@ def test_bad_growth_options(changes, message):
     with pytest.raises(ConfigError) as info:
         GrowthOptions(**changes)
     assert message in str(info.value)
+
+
+def test_linear_rampup_follows_the_boundary_index_and_holds_at_the_end():
+    from adaptive_batch import linear_rampup
+
+    ramp = linear_rampup(start_batch_size=4, final_batch_size=16, ramp_intervals=4)
+    sizes, current = [], 2  # configured under the start: boundary 0 lifts it to the start
+    for k in range(7):
+        current += ramp(k, current)
+        sizes.append(current)
+    assert sizes == [4, 7, 10, 13, 16, 16, 16]
+    # a clamped batch is lifted back to the ramp's target, and a resumed run rejoins it
+    assert ramp(2, 8) == 2 and ramp(3, 20) == 0
+
+
+def test_seesaw_doubles_where_the_cosine_lr_halves():
+    import math
+
+    from adaptive_batch import seesaw
+
+    total, warmup = 100, 10
+    grow = seesaw(total_intervals=total, warmup_intervals=warmup)
+    doublings, current = [], 8
+    for k in range(total):
+        increment = grow(k, current)
+        if increment:
+            times = (current + increment) // current  # 2**n: n halvings since the last boundary
+            assert times & (times - 1) == 0 and (current + increment) % current == 0
+            doublings += [k] * (times.bit_length() - 1)
+            current += increment
+    cosine = lambda k: 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup)))
+    # each doubling is the first boundary where the schedule has fallen by another half
+    assert doublings == [55, 70, 80, 86, 90, 93, 95, 97, 98, 99, 99]
+    for j, k in enumerate(doublings[:-1], start=1):
+        assert cosine(k) <= 2.0**-j * (1 + 1e-9) < cosine(k - 1)
+    assert cosine(99) <= 2.0**-11  # the last boundary crosses two halvings: x4 at once
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: __import__("adaptive_batch").linear_rampup(8, 4, 2), "final_batch_size=4 is under start_batch_size=8"),
+    (lambda: __import__("adaptive_batch").linear_rampup(0, 4, 2), "all three must be ints >= 1"),
+    (lambda: __import__("adaptive_batch").seesaw(10, 10), "0 <= warmup_intervals < total_intervals"),
+    (lambda: __import__("adaptive_batch").seesaw(10, factor=1), "the factor must be an int >= 2"),
+])
+def test_bad_built_in_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
