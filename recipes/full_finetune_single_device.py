@@ -145,8 +145,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def load_checkpoint(self, cfg_checkpointer: DictConfig) -> Dict[str, Any]:
         """
         Extract the checkpoint state from file and validate. If resume_from_checkpoint
-        is True, this also includes the recipe state: from the newest step checkpoint when it
-        is newer than the last epoch's, which then replaces the weights and optimizer too.
+        is True, this also includes the recipe state: from the newest step checkpoint unless
+        the last epoch's is newer; a step checkpoint replaces the weights and optimizer too.
         """
         if self._resume_from_checkpoint:
             self._resume_step_state = self._newer_step_checkpoint(cfg_checkpointer)
@@ -163,14 +163,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         return checkpoint_dict
 
     def _newer_step_checkpoint(self, cfg_checkpointer: DictConfig) -> Optional[Dict[str, Any]]:
-        """The newest step checkpoint's state, when it is newer than the epoch checkpoint."""
+        """The newest step checkpoint's state, unless the epoch checkpoint is newer."""
         latest = self._step_checkpoints.latest()
         if latest is None:
             return None
         step, path = latest
         epoch_step = abt.epoch_checkpoint_step(cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"))
-        if step <= epoch_step:
-            log.info(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is not newer.")
+        # At the same step both hold the same state; the step checkpoint also holds the weights.
+        if step < epoch_step:
+            log.info(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is older.")
             return None
         since = f"the epoch checkpoint is at step {epoch_step}" if epoch_step >= 0 else "no epoch checkpoint yet"
         log.info(f"Resuming from the step checkpoint {path} (step {step}; {since}).")

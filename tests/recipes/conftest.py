@@ -177,6 +177,9 @@ def schedules(tmp_path_factory):
             def add_three_first(epoch, current_batch_size):
                 return 3 if epoch == 0 else 0
 
+            def double_after_first(k, current_batch_size):
+                return current_batch_size if k > 0 else 0
+
             def double_or_stop(epoch, current_batch_size):
                 if str(epoch) == os.environ.get("STOP_AT_EPOCH"):
                     raise RuntimeError("preempted")
@@ -185,3 +188,27 @@ def schedules(tmp_path_factory):
         )
     )
     return where
+
+
+def run_tune_until_killed(output_dir, *overrides, after, nproc=None, extra_path=None, timeout=300, **kw):
+    """Starts `tune run` in a process of its own and kills it (SIGKILL, the whole process group,
+    as a preemption would) as soon as the file ``after`` exists."""
+    import signal
+    import time
+
+    launch = [] if nproc is None else ["--nproc_per_node", str(nproc)]
+    cmd = [TUNE, "run", *launch, kw.get("recipe", RECIPE), "--config", kw.get("config", CONFIG),
+           f"output_dir={output_dir}", *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=tune_env(extra_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not Path(after).exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {after} was written:\n{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"{after} was not written in {timeout} s")
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return proc

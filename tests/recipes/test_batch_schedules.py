@@ -1,0 +1,119 @@
+"""Batch schedules through the real `tune run` on CPU: growth every N steps, samples or tokens;
+a fixed global batch with probed micro-batches; step checkpoints and exact mid-epoch resume."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.recipes.conftest import FIXED, read_metric_log, run_tune, run_tune_until_killed
+
+LR = 1e-3  # the tiny config's optimizer.lr
+COSINE = [
+    "lr_scheduler._component_=torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+    "lr_scheduler.num_warmup_steps=1",
+]
+
+
+@pytest.mark.parametrize("interval,progress", [
+    ("3 steps", "step"), ("5 samples", "samples_seen"), ("1500 tokens", "tokens_seen"),
+], ids=["steps", "samples", "tokens"])
+def test_growth_every_n_steps_samples_or_tokens_clamped_with_the_lr_following(tmp_path, schedules, interval, progress):
+    every = int(interval.split()[0])
+    proc = run_tune(
+        tmp_path, "batch_increase_function=my_growth.double_after_first", f"batch_increase_interval={interval}",
+        "batch_size=2", "max_batch_size=6", "max_steps_per_epoch=15", "lr_scaling=linear", extra_path=schedules,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metric_log(tmp_path)
+    before = 0  # the progress before each step decides its batch: boundaries k * every reached
+    for r in rows:
+        k = int(before) // every
+        last = r is rows[-1]  # the epoch's leftover samples may make a smaller last batch
+        assert r["batch_size"] == min(2 * 2**k, 6) or (last and r["batch_size"] < min(2 * 2**k, 6)), (r, before)
+        assert r["growth_interval"] == k
+        assert r["lr"] == pytest.approx(LR * r["batch_size"] / 2, rel=1e-6)
+        before = r["step"] if progress == "step" else r[progress]
+    sizes = [int(r["batch_size"]) for r in rows]
+    assert sizes[0] == 2 and 4 in sizes and sizes.count(6) >= 2  # grew, and held at the bound
+    assert rows[-1]["samples_seen"] == 30  # 15 steps of 2: the epoch keeps its samples
+    assert "batch_size 4 -> 6 (clamped from 8 to 6, the largest micro-batch)." in proc.stderr
+    assert "Interval 1 (" in proc.stderr and "Epoch 1" not in proc.stderr
+
+
+def test_fixed_global_batch_with_the_probed_micro_batch_equals_accumulation_set_by_hand(tmp_path):
+    common = [FIXED, "max_steps_per_epoch=3", "lr_scaling=linear"]
+    auto = run_tune(
+        tmp_path / "auto", *common, "global_batch_size=24", "use_maximum_batch_size=True", "max_memory=128MiB",
+        "batch_size_rounding=power_of_two",
+    )
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    report = json.loads((tmp_path / "auto" / "batch_probe.json").read_text())
+    plan = report["global_batch"]
+    assert plan["global_batch_size"] == 24 and plan["micro_batch_size"] <= report["batch_size"] < 24
+    assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == 24 and plan["even"]
+    rows = read_metric_log(tmp_path / "auto")
+    assert len(rows) == 3
+    for r in rows:  # the global batch and the LR never change; the accumulation follows the probe
+        assert r["batch_size"] == 24 and r["lr"] == pytest.approx(LR, rel=1e-9)
+        assert r["micro_batch_size"] == plan["micro_batch_size"]
+        assert r["grad_accum_steps"] == plan["gradient_accumulation_steps"]
+    by_hand = run_tune(
+        tmp_path / "hand", *common, f"batch_size={plan['micro_batch_size']}",
+        f"gradient_accumulation_steps={plan['gradient_accumulation_steps']}",
+    )
+    assert by_hand.returncode == 0, by_hand.stderr[-3000:]
+    hand = read_metric_log(tmp_path / "hand")
+    for key in ("batch_size", "micro_batch_size", "grad_accum_steps", "samples_seen", "real_tokens", "lr", "loss"):
+        assert [r[key] for r in rows] == [r[key] for r in hand], key
+
+
+def _resume_and_compare(tmp_path, common, *, kill_after, nproc=None, extra_path=None, **kw):
+    """The uninterrupted run, a run killed once ``kill_after`` exists, and its resumption: the
+    resumed run's steps equal the uninterrupted run's. Returns the step it resumed after."""
+    whole = run_tune(tmp_path / "whole", *common, nproc=nproc, extra_path=extra_path, **kw)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out = tmp_path / "killed"
+    run_tune_until_killed(out, *common, after=out / "step_checkpoints" / kill_after, nproc=nproc, extra_path=extra_path, **kw)
+    saved = sorted(Path(out, "step_checkpoints").glob("step_*.pt"))
+    assert 1 <= len(saved) <= 2  # keep_last_n_checkpoints=2, and never a temporary left
+    assert not list(Path(out, "step_checkpoints").glob(".*"))
+    resumed = run_tune(
+        out, *common, "resume_from_checkpoint=True", f"metric_logger.log_dir={out}/logs_resumed",
+        nproc=nproc, extra_path=extra_path, **kw,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming from the step checkpoint" in resumed.stderr
+    expected, got = read_metric_log(tmp_path / "whole"), read_metric_log(out, "logs_resumed")
+    start = int(got[0]["step"]) - 1
+    assert start >= int(kill_after.split("_")[1].split(".")[0]) and got[-1]["step"] == expected[-1]["step"]
+    for key in ("step", "batch_size", "micro_batch_size", "grad_accum_steps", "samples_seen", "tokens_seen", "lr", "loss"):
+        assert [r[key] for r in got] == [r[key] for r in expected[start:]], key
+    return start
+
+
+def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_growth_by_steps(tmp_path, schedules):
+    common = [
+        "batch_increase_function=my_growth.double_after_first", "batch_increase_interval=3 steps", "batch_size=2",
+        "max_batch_size=4", "epochs=2", "max_steps_per_epoch=6", "lr_scaling=linear", *COSINE,
+        "save_every_n_steps=1", "keep_last_n_checkpoints=2",
+    ]
+    # epoch 0: 2, 2, 2, 4, 2 (12 samples); the kill comes inside epoch 1
+    _resume_and_compare(tmp_path, common, kill_after="step_6.pt", extra_path=schedules)
+
+
+def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_token_batches(tmp_path):
+    common = [FIXED, "max_tokens=768", "epochs=2", "max_steps_per_epoch=4", "save_every_n_steps=1",
+              "keep_last_n_checkpoints=2", *COSINE]
+    _resume_and_compare(tmp_path, common, kill_after="step_5.pt")
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_mid_epoch_and_resumed_equal_the_uninterrupted_run(tmp_path):
+    common = [FIXED, "batch_size=2", "epochs=2", "max_steps_per_epoch=3", "save_every_n_steps=1",
+              "keep_last_n_checkpoints=2", *COSINE]
+    _resume_and_compare(
+        tmp_path, common, kill_after="step_4.pt", nproc=2,
+        recipe="recipes/full_finetune_distributed.py", config="configs/tiny/full_distributed.yaml",
+    )
