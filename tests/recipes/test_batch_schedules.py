@@ -111,9 +111,12 @@ def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_token_ba
 
 @pytest.mark.slow
 def test_two_ranks_killed_mid_epoch_and_resumed_equal_the_uninterrupted_run(tmp_path):
-    common = [FIXED, "batch_size=2", "epochs=2", "max_steps_per_epoch=3", "save_every_n_steps=1",
-              "keep_last_n_checkpoints=2", *COSINE]
+    # a global batch of 8: 4 a rank, in 2 micro-batches of batch_size=2 (no probe)
+    common = [FIXED, "batch_size=2", "global_batch_size=8", "epochs=2", "max_steps_per_epoch=3",
+              "save_every_n_steps=1", "keep_last_n_checkpoints=2", *COSINE]
     _resume_and_compare(
         tmp_path, common, kill_after="step_4.pt", nproc=2,
         recipe="recipes/full_finetune_distributed.py", config="configs/tiny/full_distributed.yaml",
     )
+    rows = read_metric_log(tmp_path / "whole")
+    assert all(r["batch_size"] == 8 and r["grad_accum_steps"] == 2 and r["micro_batch_size"] == 2 for r in rows)
