@@ -93,6 +93,7 @@ def _resume_and_compare(tmp_path, common, *, kill_after, nproc=None, extra_path=
     return start
 
 
+@pytest.mark.slow
 def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_growth_by_steps(tmp_path, schedules):
     common = [
         "batch_increase_function=my_growth.double_after_first", "batch_increase_interval=3 steps", "batch_size=2",
@@ -103,6 +104,7 @@ def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_growth_b
     _resume_and_compare(tmp_path, common, kill_after="step_6.pt", extra_path=schedules)
 
 
+@pytest.mark.slow
 def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_token_batches(tmp_path):
     common = [FIXED, "max_tokens=768", "epochs=2", "max_steps_per_epoch=4", "save_every_n_steps=1",
               "keep_last_n_checkpoints=2", *COSINE]
