@@ -122,3 +122,25 @@ def test_two_ranks_killed_mid_epoch_and_resumed_equal_the_uninterrupted_run(tmp_
     )
     rows = read_metric_log(tmp_path / "whole")
     assert all(r["batch_size"] == 8 and r["grad_accum_steps"] == 2 and r["micro_batch_size"] == 2 for r in rows)
+
+
+def test_lora_stopped_mid_epoch_resumes_from_its_adapter_step_checkpoint(tmp_path, schedules):
+    common = [
+        "batch_increase_function=my_growth.double_or_stop", "batch_increase_interval=2 steps", "batch_size=2",
+        "max_batch_size=4", "max_steps_per_epoch=8", "save_every_n_steps=1", *COSINE,
+    ]
+    kw = dict(recipe="recipes/lora_finetune_single_device.py", config="configs/tiny/lora_single_device.yaml",
+              extra_path=schedules)
+    whole = run_tune(tmp_path / "whole", *common, **kw)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out = tmp_path / "stopped"
+    stopped = run_tune(out, *common, env={"STOP_AT_EPOCH": "2"}, **kw)
+    # the function fails at boundary 2, after step 4: the last checkpoint is step 3's, mid-epoch
+    assert stopped.returncode != 0 and "at interval=2, current_batch_size=4 raised RuntimeError: preempted" in stopped.stderr
+    assert sorted(p.name for p in (out / "step_checkpoints").iterdir()) == ["step_2.pt", "step_3.pt"]
+    resumed = run_tune(out, *common, "resume_from_checkpoint=True", f"metric_logger.log_dir={out}/logs_resumed", **kw)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = read_metric_log(tmp_path / "whole"), read_metric_log(out, "logs_resumed")
+    assert got[0]["step"] == 4 and len(got) == len(expected) - 3
+    for key in ("batch_size", "samples_seen", "tokens_seen", "lr", "loss"):
+        assert [r[key] for r in got] == [r[key] for r in expected[3:]], key
