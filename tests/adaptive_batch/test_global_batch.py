@@ -110,3 +110,23 @@ def test_probed_micro_batch_and_constant_lr_through_an_out_of_memory_error(tmp_p
     # 8 ran out: halved to 4, six micro-batches; the step still held all 24 samples
     assert step.accumulated.micro_batch_sizes == [4] * 6 and step.global_samples == 24
     assert (ctl.batch.batch_size, ctl.batch.max_micro_batch_size) == (24, 4)
+
+
+def test_the_global_batch_grows_by_accumulation_within_what_fits(tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from adaptive_batch import GrowthOptions
+
+    ctl = controller(
+        tmp_path, 8, probe=ProbeOptions(use_maximum_batch_size=True),
+        growth=GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch"),
+    )
+    batch = ctl.settle(dataset_size=64, probe=lambda options, **kw: {"max_batch_size": 4, "batch_size": 4})
+    rows = list(range(64))
+    loader = StatefulDataLoader(rows, batch_sampler=ctl.batch_sampler(rows, shuffle=False), collate_fn=list)
+    sizes = []
+    for epoch in range(3):
+        ctl.start_epoch(epoch, loader)
+        sizes.append((batch.batch_size, batch.micro_batch_size, batch.grad_accum_steps))
+    # from the global 8: doubled each epoch past the probed 4 (grow_with_accumulation implied)
+    assert sizes == [(8, 4, 2), (16, 4, 4), (32, 4, 8)]
