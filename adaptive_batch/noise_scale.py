@@ -1,0 +1,124 @@
+"""The gradient noise scale: the batch the gradient itself asks for.
+
+McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training") show that training up to
+the *critical batch* ``B_noise = tr(Sigma) / |G|^2`` loses little per sample, and past it mostly
+wastes samples (``G`` is the true gradient, ``Sigma`` the per-sample gradient covariance). Both
+terms come from gradient norms at two batch sizes, because a mean over ``B`` independent
+samples has ``E|G_B|^2 = |G|^2 + tr(Sigma) / B`` (their Appendix A.1):
+
+    |G|^2    ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
+
+A step run as micro-batches (or on several ranks) has both for free: the micro-batches' own
+gradients are the small batches, the step's is the big one. One step's estimates are noisy (the
+|G|^2 one may be negative), so :class:`GradientNoiseScale` keeps exponential moving averages of
+both and reports the ratio of the averages, as the paper does.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence
+
+from adaptive_batch.validation import ConfigError
+
+NOISE_SCALE_STATE_KEY = "gradient_noise_scale"
+
+
+@dataclass(frozen=True)
+class NoiseEstimate:
+    """One step's unbiased estimates.
+
+    Attributes:
+        gradient_sq: the estimate of ``|G|^2``.
+        trace: the estimate of ``tr(Sigma)``, per unit of batch (a sample or a token).
+    """
+
+    gradient_sq: float
+    trace: float
+
+
+def estimate_noise(
+    small_sq_norms: Sequence[float], small_sizes: Sequence[float], big_sq_norm: float, big_size: float
+) -> NoiseEstimate:
+    """The two unbiased estimates from one step.
+
+    Args:
+        small_sq_norms: ``|g_i|^2`` of each part's mean gradient (a micro-batch, a rank).
+        small_sizes: each part's size (samples or tokens); unequal sizes enter through the
+            mean of ``1/size``, which is what the mean of ``|g_i|^2`` is unbiased for.
+        big_sq_norm: ``|g|^2`` of the whole step's mean gradient.
+        big_size: the step's size, the sum of ``small_sizes``.
+
+    Raises:
+        ValueError: with fewer than two parts, or sizes that are not positive.
+    """
+    if len(small_sq_norms) < 2 or len(small_sq_norms) != len(small_sizes):
+        raise ValueError("the noise scale needs at least two parts of a step, each with its size.")
+    if min(small_sizes) <= 0 or big_size <= 0:
+        raise ValueError(f"sizes must be positive: parts {list(small_sizes)}, step {big_size}.")
+    inv_small = sum(1.0 / s for s in small_sizes) / len(small_sizes)
+    inv_big = 1.0 / big_size
+    small = sum(small_sq_norms) / len(small_sq_norms)
+    trace = (small - big_sq_norm) / (inv_small - inv_big)
+    return NoiseEstimate(gradient_sq=big_sq_norm - trace * inv_big, trace=trace)
+
+
+class GradientNoiseScale:
+    """Moving averages of ``|G|^2`` and ``tr(Sigma)``, and their ratio ``B_noise``.
+
+    Args:
+        ema_decay: weight of the past in each average (0.95: about the last 20 steps).
+
+    Raises:
+        ConfigError: for a decay outside ``[0, 1)``.
+    """
+
+    def __init__(self, ema_decay: float = 0.95) -> None:
+        if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0 <= ema_decay < 1:
+            raise ConfigError(f"gradient_noise_ema={ema_decay!r} must be a number in [0, 1), e.g. 0.95.")
+        self.ema_decay = float(ema_decay)
+        self._gradient_sq = 0.0
+        self._trace = 0.0
+        self._weight = 0.0  # sum of the weights so far: the averages are bias-corrected by it
+        self.updates = 0
+
+    def update(self, estimate: NoiseEstimate) -> Optional[float]:
+        """Folds one step's estimates in; returns :attr:`value`. Non-finite ones are skipped."""
+        if math.isfinite(estimate.gradient_sq) and math.isfinite(estimate.trace):
+            d = self.ema_decay
+            self._gradient_sq = d * self._gradient_sq + (1 - d) * estimate.gradient_sq
+            self._trace = d * self._trace + (1 - d) * estimate.trace
+            self._weight = d * self._weight + (1 - d)
+            self.updates += 1
+        return self.value
+
+    @property
+    def gradient_sq(self) -> Optional[float]:
+        return self._gradient_sq / self._weight if self._weight else None
+
+    @property
+    def trace(self) -> Optional[float]:
+        return self._trace / self._weight if self._weight else None
+
+    @property
+    def value(self) -> Optional[float]:
+        """``B_noise`` in the unit of the sizes given (``None`` until ``|G|^2`` averages above 0)."""
+        if not self._weight or self._gradient_sq <= 0:
+            return None
+        return self._trace / self._gradient_sq
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "ema_decay": self.ema_decay,
+            "gradient_sq": self._gradient_sq,
+            "trace": self._trace,
+            "weight": self._weight,
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores the averages (the decay stays the configured one)."""
+        self._gradient_sq = float(state["gradient_sq"])
+        self._trace = float(state["trace"])
+        self._weight = float(state["weight"])
+        self.updates = int(state["updates"])
