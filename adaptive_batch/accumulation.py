@@ -10,7 +10,7 @@ twice, and the lowered limit is returned for the steps after.
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -96,6 +96,7 @@ def accumulate_gradients(
     device: Optional[torch.device] = None,
     log: Callable[[str], None] = lambda message: None,
     agree_on_oom: Optional[Callable[[bool], bool]] = None,
+    observer: Optional[Any] = None,
 ) -> AccumulatedStep:
     """Runs forward and backward over ``batch`` in micro-batches, accumulating gradients.
 
@@ -114,6 +115,9 @@ def accumulate_gradients(
             of them restart the step with the same smaller micro-batches, so their collectives
             stay matched. It can only help when the error is raised outside a collective (or
             on every rank at once); a rank left waiting in one cannot be reached.
+        observer: told ``start()`` at every attempt of the step and
+            ``after_micro_batch(tokens)`` after each micro-batch's backward (the gradient
+            noise measurement, :class:`~adaptive_batch.noise_scale.MicroBatchGradients`).
 
     Returns:
         The step's summed loss, token count and what ran.
@@ -129,8 +133,10 @@ def accumulate_gradients(
     while True:
         sizes = micro_batch_sizes(rows, limit)
         message = None
+        if observer is not None:
+            observer.start()
         try:
-            loss_sum, num_tokens = _run_micro_batches(forward_backward, batch, sizes, agree_on_oom)
+            loss_sum, num_tokens = _run_micro_batches(forward_backward, batch, sizes, agree_on_oom, observer)
         except (RuntimeError, MemoryError) as e:
             if not (retry_on_oom and is_oom_error(e)):
                 raise
@@ -158,6 +164,7 @@ def _run_micro_batches(
     batch: Batch,
     sizes: List[int],
     agree_on_oom: Optional[Callable[[bool], bool]],
+    observer: Optional[Any] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     loss_sum = num_tokens = None
     for piece in split_batch(batch, sizes):
@@ -173,6 +180,8 @@ def _run_micro_batches(
                 failure = str(e).splitlines()[0]
             if agree_on_oom(failure is not None):
                 raise PeerOutOfMemoryError(failure or "out of memory on another rank")
+        if observer is not None:
+            observer.after_micro_batch(tokens)
         loss_sum = loss if loss_sum is None else loss_sum + loss
         num_tokens = tokens if num_tokens is None else num_tokens + tokens
     return loss_sum, num_tokens

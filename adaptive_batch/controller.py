@@ -41,6 +41,13 @@ from adaptive_batch.growth import BatchIncreaseFunctionError, GrowthOptions, KEY
 from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.lr_scaling import BatchLRScaler, LRScalingOptions
 from adaptive_batch.memory import address_space_limit, device_capacity, return_freed_memory_to_os
+from adaptive_batch.noise_scale import (
+    estimate_noise,
+    GradientNoiseScale,
+    MicroBatchGradients,
+    NOISE_SCALE_STATE_KEY,
+    NoiseScaleOptions,
+)
 from adaptive_batch.probe import PROBE_STATE_KEY
 from adaptive_batch.probe_cache import default_cache_dir
 from adaptive_batch.probing import ProbeOptions, save_probe_report
@@ -62,11 +69,13 @@ class AdaptiveBatchOptions:
         tokens: token-budget batches.
         lr_scaling: the LR following the batch.
         global_batch: a fixed global batch with probed micro-batches.
+        noise: measuring the gradient noise scale.
     """
 
     probe: ProbeOptions = field(default_factory=ProbeOptions)
     growth: GrowthOptions = field(default_factory=GrowthOptions)
     global_batch: GlobalBatchOptions = field(default_factory=GlobalBatchOptions)
+    noise: NoiseScaleOptions = field(default_factory=NoiseScaleOptions)
     tokens: TokenBatchOptions = field(default_factory=TokenBatchOptions)
     lr_scaling: LRScalingOptions = field(default_factory=LRScalingOptions)
 
@@ -104,6 +113,7 @@ class StepOutcome:
         padded_tokens: the batch's padded size in tokens, all ranks.
         loss: the mean loss per counted token, all ranks.
         interval: the growth boundary whose batch the step ran (the epoch, per epoch).
+        noise_scale: the gradient noise scale in samples after this step, when measured.
     """
 
     accumulated: AccumulatedStep
@@ -113,6 +123,7 @@ class StepOutcome:
     padded_tokens: float
     loss: float
     interval: int = 0
+    noise_scale: Optional[float] = None
 
 
 class AdaptiveBatchController:
@@ -174,6 +185,11 @@ class AdaptiveBatchController:
         self._batch_state: Optional[Dict[str, Any]] = None
         self._max_steps_per_epoch: Optional[int] = None
         self._sampler: Any = None
+        self._gradients: Optional[MicroBatchGradients] = None
+        self.noise_scale: Optional[GradientNoiseScale] = (
+            GradientNoiseScale(options.noise.noise_scale_ema) if options.noise.measure_noise_scale else None
+        )
+        self._samples_per_token: Optional[float] = None
         self._lr_progress: Optional[SampleProgressLR] = None
         self._lr_scaler: Optional[BatchLRScaler] = None
         self._lr_scheduler: Any = None
@@ -280,6 +296,8 @@ class AdaptiveBatchController:
         state: Dict[str, Any] = {BATCH_STATE_KEY: self.batch.state_dict()}
         if self.probe_report is not None:
             state[PROBE_STATE_KEY] = self.probe_report
+        if self.noise_scale is not None:
+            state[NOISE_SCALE_STATE_KEY] = self.noise_scale.state_dict()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -287,6 +305,8 @@ class AdaptiveBatchController:
         keys are ignored); the batch state applies once :meth:`settle` has built the batch."""
         self.probe_report = state.get(PROBE_STATE_KEY)
         self._batch_state = state.get(BATCH_STATE_KEY)
+        if self.noise_scale is not None and state.get(NOISE_SCALE_STATE_KEY) is not None:
+            self.noise_scale.load_state_dict(state[NOISE_SCALE_STATE_KEY])
         if self.batch is not None and self._batch_state is not None:
             self.batch.load_state_dict(self._batch_state)
 
@@ -423,6 +443,36 @@ class AdaptiveBatchController:
             report["global_batch"] = plan.to_dict()
             save_probe_report(report, self.output_dir, self.ranks)
         return share, plan.micro_batch_limit
+
+    def track_gradients(self, params: Any) -> None:
+        """With ``measure_noise_scale``, allocates the gradient copy the measurement needs;
+        called before :meth:`settle`, so the probe counts it as training state."""
+        if self.noise_scale is not None:
+            self._gradients = MicroBatchGradients(list(params))
+            self._gradients.allocate()
+
+    def _measure_noise(self, global_samples: float) -> Optional[float]:
+        """Folds the step's micro-batch gradients into the noise scale; ``None`` for a step of
+        one micro-batch (nothing to compare) or before tracking."""
+        gradients = self._gradients
+        if gradients is None or len(gradients.sq_norms) < 2:
+            return None if self.noise_scale is None else self._noise_in_samples(global_samples)
+        n = len(gradients.sq_norms)
+        # Sharded gradients: a norm is the sum of the ranks' local ones; tokens are all ranks'.
+        totals = self.ranks.sums(*gradients.sq_norms, *gradients.tokens, gradients.step_sq_norm())
+        sq, tokens, step_sq = totals[:n], totals[n : 2 * n], totals[-1]
+        # .grad holds summed-loss gradients averaged over ranks: per-token means need x world / tokens.
+        world = self.ranks.world_size
+        means = [s * world**2 / t**2 for s, t in zip(sq, tokens)]
+        step_tokens = sum(tokens)
+        self.noise_scale.update(estimate_noise(means, tokens, step_sq * world**2 / step_tokens**2, step_tokens))
+        self._samples_per_token = global_samples / step_tokens
+        return self._noise_in_samples(global_samples)
+
+    def _noise_in_samples(self, global_samples: float) -> Optional[float]:
+        value = self.noise_scale.value
+        ratio = self._samples_per_token
+        return None if value is None or ratio is None else value * ratio
 
     def batch_sampler(self, dataset: Any, *, shuffle: bool) -> Any:
         """The batch sampler of this rank's share of ``dataset``, following the batch."""
@@ -567,10 +617,12 @@ class AdaptiveBatchController:
             device=self.device,
             log=self.warn,
             agree_on_oom=self.ranks.any if self.ranks.distributed else None,
+            observer=self._gradients,
         )
         global_samples, tokens, padded, loss_sum = self.ranks.sums(samples, step.num_tokens, padded, step.loss_sum)
         interval = self.batch.intervals_done - 1
-        return StepOutcome(step, samples, int(global_samples), tokens, padded, loss_sum / tokens, interval)
+        noise = self._measure_noise(global_samples)
+        return StepOutcome(step, samples, int(global_samples), tokens, padded, loss_sum / tokens, interval, noise)
 
     def before_optimizer_step(self, step: StepOutcome) -> float:
         """Scales the LR for the step's batch; returns the LR the step uses."""
@@ -609,8 +661,10 @@ class AdaptiveBatchController:
         """The batch's per-step metrics, for the metric logger."""
         world = self.ranks.world_size
         growth = {} if self._growth is None else {"growth_interval": step.interval}
+        noise = {} if step.noise_scale is None else {"gradient_noise_scale": step.noise_scale}
         return {
             **growth,
+            **noise,
             "batch_size": step.global_samples,
             "micro_batch_size": max(step.accumulated.micro_batch_sizes),
             "grad_accum_steps": len(step.accumulated.micro_batch_sizes),

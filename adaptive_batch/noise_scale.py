@@ -75,7 +75,7 @@ class GradientNoiseScale:
 
     def __init__(self, ema_decay: float = 0.95) -> None:
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0 <= ema_decay < 1:
-            raise ConfigError(f"gradient_noise_ema={ema_decay!r} must be a number in [0, 1), e.g. 0.95.")
+            raise ConfigError(f"noise_scale_ema={ema_decay!r} must be a number in [0, 1), e.g. 0.95.")
         self.ema_decay = float(ema_decay)
         self._gradient_sq = 0.0
         self._trace = 0.0
@@ -122,3 +122,80 @@ class GradientNoiseScale:
         self._trace = float(state["trace"])
         self._weight = float(state["weight"])
         self.updates = int(state["updates"])
+
+
+def _local(tensor: Any) -> Any:
+    """A DTensor's local shard (FSDP2), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class MicroBatchGradients:
+    """Each micro-batch's own gradient norm, read from the accumulating ``.grad``.
+
+    After micro-batch ``i``'s backward the accumulated gradient is ``S_i``; its own part is
+    ``S_i - S_{i-1}``. Keeping ``S_{i-1}`` costs one copy of the (local, under FSDP2 sharded)
+    gradients, allocated once by :meth:`allocate` (before the probe, so the probe counts it).
+
+    Args:
+        params: the trainable parameters.
+    """
+
+    def __init__(self, params: Sequence[Any]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self._previous: Optional[list] = None
+        self.sq_norms: list = []
+        self.tokens: list = []
+
+    def allocate(self) -> None:
+        """The copy of the gradients, held for the run."""
+        import torch
+
+        self._previous = [torch.zeros_like(_local(p), dtype=torch.float32) for p in self.params]
+
+    def start(self) -> None:
+        """A step (or its retry) begins: gradients are zero."""
+        if self._previous is None:
+            self.allocate()
+        for buffer in self._previous:
+            buffer.zero_()
+        self.sq_norms, self.tokens = [], []
+
+    def after_micro_batch(self, tokens: Any) -> None:
+        """Records the micro-batch's own squared norm (summed-loss units) and its tokens."""
+        total = 0.0
+        for p, previous in zip(self.params, self._previous):
+            if p.grad is None:
+                continue
+            grad = _local(p.grad).float()
+            total = total + (grad - previous).pow(2).sum()
+            previous.copy_(grad)
+        self.sq_norms.append(float(total))
+        self.tokens.append(float(tokens))
+
+    def step_sq_norm(self) -> float:
+        """The whole step's squared norm (summed-loss units), before any scaling."""
+        return float(sum(b.pow(2).sum() for b in self._previous))
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoiseScaleOptions:
+    """Measuring the gradient noise scale; checks itself when built.
+
+    Attributes:
+        measure_noise_scale: log ``gradient_noise_scale`` every step that runs in two or more
+            micro-batches (costs one copy of the gradients in memory, and a norm per
+            micro-batch).
+        noise_scale_ema: the moving averages' decay.
+
+    Raises:
+        ConfigError: for a bad value.
+    """
+
+    measure_noise_scale: bool = False
+    noise_scale_ema: float = 0.95
+
+    def __post_init__(self) -> None:
+        from adaptive_batch.validation import check_bool
+
+        check_bool("measure_noise_scale", self.measure_noise_scale)
+        GradientNoiseScale(self.noise_scale_ema)  # checks the decay

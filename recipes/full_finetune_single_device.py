@@ -264,6 +264,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 warn=log.warning,
             )
 
+        # measure_noise_scale's gradient copy exists before the probe, which counts it.
+        self._batching.track_gradients(self._model.parameters())
         # The batch (probed, resumed or configured) is settled before the dataloader is built
         # with it. Each rank trains on its share of the data (the sampler pads it to equal shares).
         self._batching.settle(

@@ -69,10 +69,56 @@ def test_state_round_trip_keeps_the_averages():
 
 @pytest.mark.parametrize("decay", [1.0, -0.1, "0.9", True])
 def test_bad_decay(decay):
-    with pytest.raises(ConfigError, match="gradient_noise_ema="):
+    with pytest.raises(ConfigError, match="noise_scale_ema="):
         GradientNoiseScale(decay)
 
 
 def test_needs_two_parts():
     with pytest.raises(ValueError, match="at least two parts"):
         estimate_noise([1.0], [4], 1.0, 4)
+
+
+def test_the_controller_measures_it_from_micro_batches_and_keeps_it_across_a_resume(tmp_path):
+    from adaptive_batch import AdaptiveBatchController, AdaptiveBatchOptions
+    from adaptive_batch.noise_scale import NOISE_SCALE_STATE_KEY, NoiseScaleOptions
+
+    def make():
+        return AdaptiveBatchController(
+            AdaptiveBatchOptions(noise=NoiseScaleOptions(measure_noise_scale=True, noise_scale_ema=0.5)),
+            batch_size=3, gradient_accumulation_steps=2, device=torch.device("cpu"), output_dir=str(tmp_path),
+            max_seq_len=4,
+        )
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    tokens_per_row = torch.tensor([3, 4, 2, 4, 1, 3])  # tokens that carry a loss, per row
+
+    def forward_backward(piece):
+        n = piece["n"].sum()
+        loss = (model(piece["tokens"]).squeeze(-1) * piece["n"]).sum() ** 2 / n  # a per-token mean
+        (loss * n).backward()
+        return (loss * n).detach(), n
+
+    batch = {"tokens": torch.randn(6, 4), "labels": torch.zeros(6, 4), "n": tokens_per_row.float()}
+    ctl = make()
+    ctl.track_gradients(model.parameters())
+    ctl.settle(dataset_size=60)
+    step = ctl.run_step(forward_backward, batch, zero_grad=lambda: model.zero_grad(set_to_none=True))
+    # the same estimate from each micro-batch's own per-token mean gradient, by hand
+    parts = []
+    for rows in (slice(0, 3), slice(3, 6)):
+        model.zero_grad()
+        piece = {k: v[rows] for k, v in batch.items()}
+        loss, n = forward_backward(piece)
+        parts.append((model.weight.grad.clone() / n, float(n)))
+    step_mean = sum(g * n for g, n in parts) / sum(n for _, n in parts)
+    by_hand = estimate_noise([float(g.pow(2).sum()) for g, _ in parts], [n for _, n in parts],
+                             float(step_mean.pow(2).sum()), sum(n for _, n in parts))
+    assert ctl.noise_scale.trace == pytest.approx(by_hand.trace, rel=1e-5)
+    assert ctl.noise_scale.gradient_sq == pytest.approx(by_hand.gradient_sq, rel=1e-5)
+    assert by_hand.gradient_sq > 0  # so a value exists: in samples, x 6 samples / 17 tokens
+    assert step.noise_scale == pytest.approx(by_hand.trace / by_hand.gradient_sq * 6 / 17, rel=1e-5)
+    state = ctl.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.noise_scale.state_dict() == state[NOISE_SCALE_STATE_KEY] == ctl.noise_scale.state_dict()

@@ -88,8 +88,9 @@ def _resume_and_compare(tmp_path, common, *, kill_after, nproc=None, extra_path=
     expected, got = read_metric_log(tmp_path / "whole"), read_metric_log(out, "logs_resumed")
     start = int(got[0]["step"]) - 1
     assert start >= int(kill_after.split("_")[1].split(".")[0]) and got[-1]["step"] == expected[-1]["step"]
-    for key in ("step", "batch_size", "micro_batch_size", "grad_accum_steps", "samples_seen", "tokens_seen", "lr", "loss"):
-        assert [r[key] for r in got] == [r[key] for r in expected[start:]], key
+    keys = ["step", "batch_size", "micro_batch_size", "grad_accum_steps", "samples_seen", "tokens_seen", "lr", "loss"]
+    for key in keys + (["gradient_noise_scale"] if "gradient_noise_scale" in expected[0] else []):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in expected[start:]], rel=1e-9), key
     return start
 
 
@@ -113,15 +114,27 @@ def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_token_ba
 
 @pytest.mark.slow
 def test_two_ranks_killed_mid_epoch_and_resumed_equal_the_uninterrupted_run(tmp_path):
-    # a global batch of 8: 4 a rank, in 2 micro-batches of batch_size=2 (no probe)
+    # a global batch of 8: 4 a rank, in 2 micro-batches of batch_size=2 (no probe); the noise
+    # scale is measured from them, and its moving averages resume with the run
     common = [FIXED, "batch_size=2", "global_batch_size=8", "epochs=2", "max_steps_per_epoch=3",
-              "save_every_n_steps=1", "keep_last_n_checkpoints=2", *COSINE]
+              "save_every_n_steps=1", "keep_last_n_checkpoints=2", "measure_noise_scale=True", *COSINE]
     _resume_and_compare(
         tmp_path, common, kill_after="step_4.pt", nproc=2,
         recipe="recipes/full_finetune_distributed.py", config="configs/tiny/full_distributed.yaml",
     )
     rows = read_metric_log(tmp_path / "whole")
     assert all(r["batch_size"] == 8 and r["grad_accum_steps"] == 2 and r["micro_batch_size"] == 2 for r in rows)
+    assert all(math.isfinite(r["gradient_noise_scale"]) and r["gradient_noise_scale"] > 0 for r in rows)
+
+
+def test_noise_scale_is_logged_every_step_of_accumulated_micro_batches(tmp_path):
+    proc = run_tune(tmp_path, FIXED, "batch_size=4", "gradient_accumulation_steps=2", "measure_noise_scale=True",
+                    "max_steps_per_epoch=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metric_log(tmp_path)
+    assert len(rows) == 6 and all(r["grad_accum_steps"] == 2 for r in rows)
+    # early in training the gradient dwarfs its noise: a critical batch of a few samples
+    assert all(0 < r["gradient_noise_scale"] < 100 for r in rows)
 
 
 def test_lora_stopped_mid_epoch_resumes_from_its_adapter_step_checkpoint(tmp_path, schedules):
