@@ -179,8 +179,9 @@ class TokenBatches:
         return num_batches if max_steps_per_epoch is None else min(num_batches, max_steps_per_epoch)
 
     def steps_left(self, sampler: Any, batch: BatchState, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
-        """The epoch's steps after those already run (a resumed epoch)."""
-        return self.steps_per_epoch(len(sampler.batches()), max_steps_per_epoch) - batch.epoch_steps
+        """The epoch's steps after those already run (a resumed epoch); ``num_batches`` is the
+        whole epoch's, however far the sampler has got."""
+        return self.steps_per_epoch(num_batches, max_steps_per_epoch) - batch.epoch_steps
 
     def resize(self, sampler: Any, batch: BatchState) -> None:
         """Token batches do not grow."""

@@ -185,6 +185,8 @@ class AdaptiveBatchController:
         self._batch_state: Optional[Dict[str, Any]] = None
         self._max_steps_per_epoch: Optional[int] = None
         self._sampler: Any = None
+        # The user's function seen from a rank (global sizes in and out), built once.
+        self._growth = per_rank_increase(options.growth.batch_increase_function, self.ranks.world_size)
         self._gradients: Optional[MicroBatchGradients] = None
         self.noise_scale: Optional[GradientNoiseScale] = (
             GradientNoiseScale(options.noise.noise_scale_ema) if options.noise.measure_noise_scale else None
@@ -456,7 +458,7 @@ class AdaptiveBatchController:
         one micro-batch (nothing to compare) or before tracking."""
         gradients = self._gradients
         if gradients is None or len(gradients.sq_norms) < 2:
-            return None if self.noise_scale is None else self._noise_in_samples(global_samples)
+            return None if self.noise_scale is None else self._noise_in_samples()
         n = len(gradients.sq_norms)
         # Sharded gradients: a norm is the sum of the ranks' local ones; tokens are all ranks'.
         totals = self.ranks.sums(*gradients.sq_norms, *gradients.tokens, gradients.step_sq_norm())
@@ -467,9 +469,10 @@ class AdaptiveBatchController:
         step_tokens = sum(tokens)
         self.noise_scale.update(estimate_noise(means, tokens, step_sq * world**2 / step_tokens**2, step_tokens))
         self._samples_per_token = global_samples / step_tokens
-        return self._noise_in_samples(global_samples)
+        return self._noise_in_samples()
 
-    def _noise_in_samples(self, global_samples: float) -> Optional[float]:
+    def _noise_in_samples(self) -> Optional[float]:
+        """The averaged noise scale (per token) in samples, at the last measured step's ratio."""
         value = self.noise_scale.value
         ratio = self._samples_per_token
         return None if value is None or ratio is None else value * ratio
@@ -554,10 +557,6 @@ class AdaptiveBatchController:
                 f"(global step {self.batch.global_step})."
             )
         return self.mode.steps_left(dataloader.batch_sampler, self.batch, len(dataloader), self._max_steps_per_epoch)
-
-    @property
-    def _growth(self) -> Any:
-        return per_rank_increase(self.options.growth.batch_increase_function, self.ranks.world_size)
 
     @property
     def _interval(self) -> Any:

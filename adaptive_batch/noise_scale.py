@@ -161,7 +161,8 @@ class MicroBatchGradients:
         self.sq_norms, self.tokens = [], []
 
     def after_micro_batch(self, tokens: Any) -> None:
-        """Records the micro-batch's own squared norm (summed-loss units) and its tokens."""
+        """Records the micro-batch's own squared norm (summed-loss units) and its tokens, as
+        tensors on the device: nothing waits for the device until the step is done."""
         total = 0.0
         for p, previous in zip(self.params, self._previous):
             if p.grad is None:
@@ -169,12 +170,13 @@ class MicroBatchGradients:
             grad = _local(p.grad).float()
             total = total + (grad - previous).pow(2).sum()
             previous.copy_(grad)
-        self.sq_norms.append(float(total))
-        self.tokens.append(float(tokens))
+        self.sq_norms.append(total)
+        self.tokens.append(tokens)
 
-    def step_sq_norm(self) -> float:
-        """The whole step's squared norm (summed-loss units), before any scaling."""
-        return float(sum(b.pow(2).sum() for b in self._previous))
+    def step_sq_norm(self) -> Any:
+        """The whole step's squared norm (summed-loss units), before any scaling: the copy
+        holds the accumulated gradient after the last micro-batch."""
+        return sum(b.pow(2).sum() for b in self._previous)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -168,7 +168,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if latest is None:
             return None
         step, path = latest
-        epoch_step = abt.epoch_checkpoint_step(cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"))
+        epoch_step = abt.epoch_checkpoint_step(
+            cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"), warn=log.warning
+        )
         # At the same step both hold the same state; the step checkpoint also holds the weights.
         if step < epoch_step:
             log.info(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is older.")

@@ -63,9 +63,12 @@ def write_random_init_checkpoint(
     return filename
 
 
-def epoch_checkpoint_step(output_dir: str, recipe_checkpoint: Optional[str] = None) -> int:
+def epoch_checkpoint_step(
+    output_dir: str, recipe_checkpoint: Optional[str] = None, warn: Callable[[str], None] = print
+) -> int:
     """The global step of the recipe state an epoch-end checkpoint left, or -1 when there is
-    none: what a step checkpoint must be newer than to be resumed from."""
+    none (or it cannot be read, which ``warn`` reports): what a step checkpoint must be at
+    least as new as to be resumed from."""
     from torchtune.training.checkpointing._utils import get_recipe_checkpoint_path
 
     from adaptive_batch.batch_state import BATCH_STATE_KEY
@@ -74,5 +77,9 @@ def epoch_checkpoint_step(output_dir: str, recipe_checkpoint: Optional[str] = No
         path = get_recipe_checkpoint_path(output_dir, recipe_checkpoint, should_load_recipe_state=True)
     except ValueError:  # no recipe state yet
         return -1
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torchtune writes it in place: a crash mid-write leaves it cut short
+        warn(f"The epoch recipe state {path} cannot be read ({type(e).__name__}); looking to step checkpoints.")
+        return -1
     return int(state.get(BATCH_STATE_KEY, {}).get("global_step", -1))

@@ -33,3 +33,19 @@ def test_seeds_differ_and_bad_seed(tmp_path):
     assert not torch.equal(torch.load(tmp_path / a)["weight"], torch.load(tmp_path / b)["weight"])
     with pytest.raises(ValueError, match="seed=None"):
         write_random_init_checkpoint(build, str(tmp_path), seed=None)
+
+
+def test_epoch_checkpoint_step_reads_the_recipe_state_and_survives_a_cut_file(tmp_path):
+    from adaptive_batch import BATCH_STATE_KEY
+    from adaptive_batch.torchtune import epoch_checkpoint_step
+
+    assert epoch_checkpoint_step(str(tmp_path)) == -1  # no epoch checkpoint yet
+    state_dir = tmp_path / "recipe_state"
+    state_dir.mkdir()
+    torch.save({BATCH_STATE_KEY: {"global_step": 12}}, state_dir / "recipe_state.pt")
+    assert epoch_checkpoint_step(str(tmp_path)) == 12
+    whole = (state_dir / "recipe_state.pt").read_bytes()
+    (state_dir / "recipe_state.pt").write_bytes(whole[: len(whole) // 2])  # a crash mid-write
+    warnings = []
+    assert epoch_checkpoint_step(str(tmp_path), warn=warnings.append) == -1
+    assert "cannot be read" in warnings[0]
