@@ -237,6 +237,11 @@ class AdaptiveBatchController:
                 global_batch, world_size=self.ranks.world_size, gradient_accumulation_steps=self._accumulation
             )
         growing = growth.batch_increase_function is not None
+        if not growing and not growth.batch_increase_interval.per_epoch:
+            raise ConfigError(
+                f"batch_increase_interval='{growth.batch_increase_interval}' without a batch_increase_function: "
+                "nothing would grow; set batch_increase_function, or batch_increase_interval=epoch."
+            )
         if optimizer_in_bwd and (growth.retry_on_oom or growing):
             what, off = (
                 (f"{GROWTH_KEY}={growth.batch_increase_function!r}", f"{GROWTH_KEY}=null")

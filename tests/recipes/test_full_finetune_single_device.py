@@ -34,6 +34,7 @@ BAD_INPUTS = [
     (["retry_on_oom=2"], "retry_on_oom=2 must be true or false"),
     (["optimizer_in_bwd=True", "batch_increase_function=null"], "retry_on_oom=True with optimizer_in_bwd=True"),
     (["batch_increase_interval=10 minutes"], "batch_increase_interval='10 minutes' is not an interval"),
+    (["batch_increase_interval=5 steps", "batch_increase_function=null"], "without a batch_increase_function: nothing would grow"),
     (["global_batch_size=6", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=2 with global_batch_size=6"),
     (["global_batch_size=-4"], "global_batch_size=-4 must be"),
     (["save_every_n_steps=0"], "save_every_n_steps=0 must be"),
