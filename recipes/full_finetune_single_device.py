@@ -163,7 +163,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         return checkpoint_dict
 
     def _newer_step_checkpoint(self, cfg_checkpointer: DictConfig) -> Optional[Dict[str, Any]]:
-        """The newest step checkpoint's state, unless the epoch checkpoint is newer."""
+        """The newest step checkpoint's state, unless the epoch checkpoint is newer.
+
+        Raises:
+            ConfigError: when it was written by another number of ranks.
+        """
         latest = self._step_checkpoints.latest()
         if latest is None:
             return None
@@ -177,7 +181,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             return None
         since = f"the epoch checkpoint is at step {epoch_step}" if epoch_step >= 0 else "no epoch checkpoint yet"
         log.info(f"Resuming from the step checkpoint {path} (step {step}; {since}).")
-        return ab.StepCheckpoints.load(path)
+        state = ab.StepCheckpoints.load(path)
+        # Before the model is built: the data shards and RNGs are per rank.
+        ranks = len(state[ab.RNG_KEY])
+        if ranks != self._ranks.world_size:
+            raise ab.ConfigError(
+                f"resume_from_checkpoint=True: the step checkpoint {path} was written by {ranks} ranks and this "
+                f"run has {self._ranks.world_size}; resume with --nproc_per_node {ranks}."
+            )
+        return state
 
     def _update_recipe_state(self, ckpt_dict: Dict[str, Any]) -> None:
         """
@@ -312,21 +324,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _restore_step_position(self, state: Dict[str, Any]) -> None:
         """Where a step checkpoint left off: the dataloader inside its epoch, the LR
-        scheduler, and this rank's random generators.
-
-        Raises:
-            ConfigError: when the checkpoint was written by another number of ranks.
-        """
-        rng = state[ab.RNG_KEY]
-        if len(rng) != self._ranks.world_size:
-            raise ab.ConfigError(
-                f"resume_from_checkpoint=True: the step checkpoint was written by {len(rng)} ranks and this run "
-                f"has {self._ranks.world_size}; resume with --nproc_per_node {len(rng)}."
-            )
+        scheduler, and this rank's random generators."""
         self._dataloader.load_state_dict(state[training.DATALOADER_KEY])
         if self._lr_scheduler is not None and ab.LR_SCHEDULER_KEY in state:
             self._lr_scheduler.load_state_dict(state[ab.LR_SCHEDULER_KEY])
-        ab.set_rng_state(rng[self._ranks.rank])
+        ab.set_rng_state(state[ab.RNG_KEY][self._ranks.rank])
 
     def _probe_cache_fields(self, cfg: DictConfig) -> Dict[str, Any]:
         """What changes a step's memory, for the probe cache's key."""

@@ -159,3 +159,14 @@ def test_lora_stopped_mid_epoch_resumes_from_its_adapter_step_checkpoint(tmp_pat
     assert got[0]["step"] == 4 and len(got) == len(expected) - 3
     for key in ("batch_size", "samples_seen", "tokens_seen", "lr", "loss"):
         assert [r[key] for r in got] == [r[key] for r in expected[3:]], key
+
+
+def test_a_step_checkpoint_of_another_rank_count_is_one_line_before_the_model_is_built(tmp_path):
+    from adaptive_batch import RNG_KEY, rng_state, StepCheckpoints
+
+    StepCheckpoints(str(tmp_path / "step_checkpoints")).save(3, {RNG_KEY: [rng_state(), rng_state()]})
+    proc = run_tune(tmp_path, FIXED, "resume_from_checkpoint=True")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "error: resume_from_checkpoint=True: the step checkpoint" in proc.stderr
+    assert "was written by 2 ranks and this run has 1; resume with --nproc_per_node 2." in proc.stderr
+    assert "Model is initialized" not in proc.stderr
