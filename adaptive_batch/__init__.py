@@ -66,6 +66,7 @@ from adaptive_batch.memory import (
     format_bytes,
     parse_memory,
     return_freed_memory_to_os,
+    use_expandable_segments,
 )
 from adaptive_batch.oom import is_oom_error, release_memory
 from adaptive_batch.planner import MemoryPlan, plan_memory, PlanRow
@@ -216,6 +217,7 @@ __all__ = [
     "release_memory",
     "resolve_batch_increase_function",
     "return_freed_memory_to_os",
+    "use_expandable_segments",
     "round_batch_size",
     "sample_lengths",
     "save_probe_report",

@@ -40,7 +40,12 @@ from adaptive_batch.global_batch import (
 from adaptive_batch.growth import BatchIncreaseFunctionError, GrowthOptions, KEY as GROWTH_KEY
 from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.lr_scaling import BatchLRScaler, LRScalingOptions
-from adaptive_batch.memory import address_space_limit, device_capacity, return_freed_memory_to_os
+from adaptive_batch.memory import (
+    address_space_limit,
+    device_capacity,
+    return_freed_memory_to_os,
+    use_expandable_segments,
+)
 from adaptive_batch.noise_scale import (
     estimate_noise,
     GradientNoiseScale,
@@ -199,6 +204,9 @@ class AdaptiveBatchController:
         # Under an address-space limit glibc's cache of freed blocks would count against it.
         if device.type == "cpu" and address_space_limit() is not None:
             return_freed_memory_to_os()
+        # Likewise the CUDA allocator's split blocks would make the probed batch fail its second step.
+        if device.type == "cuda" and self.needs_probe:
+            use_expandable_segments(log=self.log, warn=self.warn)
 
     def _check_combinations(self, *, packed: bool, optimizer_in_bwd: bool) -> None:
         probe, growth, tokens = self.options.probe, self.options.growth, self.options.tokens

@@ -7,11 +7,12 @@ the cgroup memory limit and the RAM the kernel reports available.
 
 import ctypes
 import math
+import os
 import re
 import resource
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
@@ -315,6 +316,48 @@ def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:
     mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes))
     arena_ok = libc.mallopt(_M_ARENA_MAX, 1)
     return bool(mmap_ok and arena_ok)
+
+
+# Where torch reads the caching allocator's settings (the second is the newer, device-neutral name).
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_expandable_segments(log: Callable[[str], None], warn: Callable[[str], None]) -> bool:
+    """Turns on the CUDA caching allocator's expandable segments, unless the user chose.
+
+    With fixed-size segments, memory freed by one training step stays split into blocks the
+    next step's larger tensors cannot reuse. On an H200 the 152K-vocabulary model at the probed
+    batch of 438 ran its first step, then failed the second needing 7.9 GiB with 7.8 GiB
+    "reserved but unallocated"; with expandable segments every step ran and the reserved peak
+    stayed within 0.3 GiB of the allocated one, so the probe's batch holds across steps.
+
+    Args:
+        log: told what was set.
+        warn: told when ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) turns them off.
+
+    Returns:
+        Whether expandable segments are on.
+    """
+    settings = {name: os.environ.get(name, "").replace(" ", "") for name in ALLOC_CONF_VARS}
+    if any("expandable_segments:True" in value for value in settings.values()):
+        return True
+    for name, value in settings.items():
+        if "expandable_segments:False" in value:
+            warn(
+                f"{name}={value} turns the CUDA allocator's expandable segments off: fragmentation between steps "
+                "can make the probed batch run out of memory after its first step (the OOM recovery then halves "
+                "it); remove expandable_segments:False to keep the probed batch."
+            )
+            return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch before 2.9
+        setter = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
+    setter("expandable_segments:True")
+    log(
+        "CUDA allocator: expandable_segments:True, so memory freed by one step fits the next step's tensors "
+        "(set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False to keep fixed segments)."
+    )
+    return True
 
 
 def device_name(device: torch.device) -> str:

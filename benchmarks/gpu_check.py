@@ -5,7 +5,7 @@ margin, then the whole card with the default margin):
 
 1. the card is held to the budget's limit with ``torch.cuda.set_per_process_memory_fraction``,
    so a trial past it is a real CUDA OOM, and the probe (real steps) finds the largest batch;
-2. the found batch trains a few steps;
+2. the found batch trains a few steps back to back (expandable segments on, as the recipe sets them);
 3. the card is held to the probe's budget and batch + 10% (at least +1) must run out of memory;
 4. the planner's prediction at the found batch (fake tensors, nothing allocated) is compared
    with ``torch.cuda.max_memory_allocated`` of those training steps.
@@ -113,7 +113,7 @@ def check(config_path: Path, device, max_memory: Optional[str], margin: Optional
     plan = plan_from_config(
         plan_cfg, device_memory_bytes=budget.limit_bytes, safety_margin=budget.safety_margin
     )
-    planned = plan.estimate.fixed_bytes + plan.estimate.bytes_per_sample * found
+    planned = plan.row_at(found).peak_bytes
     error = f"{(planned - measured) / measured:+.1%}" if measured else "n/a"
     overshoot = result.max_overshoot
     return [
@@ -148,6 +148,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":  # as the recipe does before probing
+        import adaptive_batch as ab
+
+        ab.use_expandable_segments(log=print, warn=print)
     configs = [Path(c) for c in args.config] if args.config else CONFIGS
     settings = [(args.small_memory, 0.0)] + ([] if args.small_only else [(None, None)])
     rows = []

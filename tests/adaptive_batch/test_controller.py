@@ -14,6 +14,7 @@ from adaptive_batch import (
     BATCH_STATE_KEY,
     BatchIncreaseFunctionError,
     ConfigError,
+    DeviceCapacity,
     GrowthOptions,
     LRScalingOptions,
     PROBE_STATE_KEY,
@@ -324,3 +325,18 @@ def test_growth_by_tokens_counts_the_tokens_that_carry_a_loss(tmp_path):
         sizes.append(len(indices))
     # 4 tokens a sample: 8 a step at 2 (40 tokens after 5 steps), then 4 a step, 8, 16
     assert sizes[:8] == [2, 2, 2, 2, 2, 4, 4, 4] and ctl.batch.tokens_seen == 160
+
+
+@pytest.mark.parametrize("device, probing, expected", [("cuda", True, 1), ("cuda", False, 0), ("cpu", True, 0)])
+def test_expandable_segments_before_probing_on_cuda(tmp_path, monkeypatch, device, probing, expected):
+    """The probed batch failed its second CUDA step on fixed segments (H200, 152K vocabulary)."""
+    calls = []
+    monkeypatch.setattr("adaptive_batch.controller.use_expandable_segments", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(
+        "adaptive_batch.controller.device_capacity", lambda d: DeviceCapacity(device=str(d), headroom_bytes=2**30, source="test", hard_limit=True)
+    )
+    AdaptiveBatchController(
+        AdaptiveBatchOptions(probe=ProbeOptions(use_maximum_batch_size=probing)),
+        batch_size=1, device=torch.device(device), output_dir=str(tmp_path), max_seq_len=8,
+    )
+    assert len(calls) == expected

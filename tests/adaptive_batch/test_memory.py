@@ -1,7 +1,8 @@
 import pytest
+import torch
 
 from adaptive_batch import DeviceCapacity, device_capacity, format_bytes, parse_memory
-from adaptive_batch.memory import cpu_capacity
+from adaptive_batch.memory import ALLOC_CONF_VARS, cpu_capacity, use_expandable_segments
 
 GiB = 1024**3
 
@@ -126,3 +127,40 @@ def test_address_space_limit_at_sets_keeps_a_tighter_one_and_restores():
         with address_space_limit_at(wanted + GiB) as looser:
             assert looser == wanted  # the tighter one stays
     assert resource.getrlimit(resource.RLIMIT_AS) == before
+
+
+class AllocatorSettings:
+    """Stands in for torch's allocator-settings setter (no CUDA here): records each call."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = []
+        for name in ALLOC_CONF_VARS:
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", self.calls.append, raising=False)
+
+
+def test_expandable_segments_are_turned_on_and_said(monkeypatch):
+    settings = AllocatorSettings(monkeypatch)
+    logged, warned = [], []
+    assert use_expandable_segments(log=logged.append, warn=warned.append)
+    assert settings.calls == ["expandable_segments:True"]
+    assert len(logged) == 1 and "expandable_segments:True" in logged[0] and not warned
+
+
+@pytest.mark.parametrize("name", ALLOC_CONF_VARS)
+def test_expandable_segments_the_user_turned_on_are_left_alone(monkeypatch, name):
+    settings = AllocatorSettings(monkeypatch)
+    monkeypatch.setenv(name, "max_split_size_mb:512, expandable_segments:True")
+    logged = []
+    assert use_expandable_segments(log=logged.append, warn=logged.append)
+    assert settings.calls == [] and logged == []
+
+
+def test_expandable_segments_the_user_turned_off_stay_off_with_a_warning(monkeypatch):
+    settings = AllocatorSettings(monkeypatch)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    logged, warned = [], []
+    assert not use_expandable_segments(log=logged.append, warn=warned.append)
+    assert settings.calls == [] and logged == []
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in warned[0]
+    assert "remove expandable_segments:False" in warned[0]

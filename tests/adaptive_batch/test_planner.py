@@ -4,7 +4,8 @@ from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from adaptive_batch import measure_peak_bytes, plan_memory
+from adaptive_batch import measure_peak_bytes, MemoryPlan, plan_memory, PlanRow
+from adaptive_batch.planner import CATEGORY_ORDER
 from adaptive_batch.torchtune import next_token_loss
 
 SEQ = 128
@@ -211,3 +212,23 @@ def test_known_state_optimizer_creates_its_stated_bytes():
     optimizer.step()
     assert optimizer.state[big]["state"].numel() == 25_000 and optimizer.state[small]["state"].numel() == 800
     assert torch.equal(big.detach(), before)  # it plans, it does not train
+
+
+def _row(b: int, peak: int) -> PlanRow:
+    return PlanRow(batch_size=b, peak_bytes=peak, categories={name: peak if name == "activations" else 0 for name in CATEGORY_ORDER})
+
+
+def test_rows_between_measured_steps_use_the_nearest_ones_not_batch_1_and_2():
+    """The line through batch 1 and 2 put the 152K model's CUDA peak at batch 438 at half the
+    measured one: its per-sample memory grows faster above batch 1."""
+    measured = [_row(1, 100), _row(2, 110), _row(10, 300), _row(12, 360)]
+    plan = MemoryPlan(seq_len=8, measured=measured, estimate=None, device_memory_bytes=None, budget_bytes=None,
+                      max_batch_size=None)
+    assert plan.row_at(10).peak_bytes == 300
+    assert plan.row_at(11).peak_bytes == 330  # between 10 and 12
+    assert plan.row_at(6).peak_bytes == 205  # between 2 and 10
+    assert plan.row_at(20).peak_bytes == 600  # past the last two: their line
+    assert plan.row_at(20).categories["activations"] == 600
+    with pytest.raises(ValueError, match="two measured batch sizes"):
+        MemoryPlan(seq_len=8, measured=[_row(1, 100)], estimate=None, device_memory_bytes=None, budget_bytes=None,
+                   max_batch_size=None).row_at(3)
