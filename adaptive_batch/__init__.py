@@ -47,6 +47,7 @@ from adaptive_batch.growth import (
     grow_batch_size,
     GrowthDecision,
     GrowthOptions,
+    GrowthStatistics,
     linear_ramp,
     linear_rampup,
     multiply_every,
@@ -58,6 +59,12 @@ from adaptive_batch.interval import GrowthInterval, parse_interval
 from adaptive_batch.lengths import sample_lengths
 from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.lr_scaling import BatchLRScaler, lr_scale_factor, LRScalingOptions
+from adaptive_batch.noise_scale import (
+    estimate_noise,
+    GradientNoiseScale,
+    noise_scale_growth,
+    NoiseScaleOptions,
+)
 from adaptive_batch.memory import (
     address_space_limit,
     device_capacity,
@@ -130,6 +137,10 @@ __all__ = [
     "GlobalBatchOptions",
     "GrowthInterval",
     "linear_rampup",
+    "noise_scale_growth",
+    "NoiseScaleOptions",
+    "GradientNoiseScale",
+    "estimate_noise",
     "LR_SCHEDULER_KEY",
     "MicroBatchPlan",
     "parse_interval",
@@ -151,6 +162,7 @@ __all__ = [
     "DeviceCapacity",
     "GrowthDecision",
     "GrowthOptions",
+    "GrowthStatistics",
     "LRScalingOptions",
     "LinearMemoryEstimate",
     "LiveTensorCounter",

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sized
 
 from torch.utils.data import Sampler
 
-from adaptive_batch.growth import BatchIncreaseFunction, grow_batch_size, GrowthDecision
+from adaptive_batch.growth import BatchIncreaseFunction, grow_batch_size, GrowthDecision, GrowthStatistics
 from adaptive_batch.interval import GrowthInterval
 
 BATCH_STATE_KEY = "adaptive_batch_state"
@@ -104,14 +104,16 @@ class BatchState:
         )
         return range(self.intervals_done, reached + 1)
 
-    def grow_at(self, fn: BatchIncreaseFunction, k: int, *, label: str = "interval") -> GrowthDecision:
-        """Applies the batch increase function at boundary ``k``.
+    def grow_at(
+        self, fn: BatchIncreaseFunction, k: int, *, label: str = "interval", stats: Optional[GrowthStatistics] = None
+    ) -> GrowthDecision:
+        """Applies the batch increase function at boundary ``k`` (``stats`` for one that takes them).
 
         Raises:
             BatchIncreaseFunctionError: if the function fails or returns a bad increment.
         """
         decision = grow_batch_size(
-            fn, epoch=k, current_batch_size=self.batch_size, bound=self.growth_bound(), label=label
+            fn, epoch=k, current_batch_size=self.batch_size, bound=self.growth_bound(), label=label, stats=stats
         )
         self.batch_size = decision.batch_size
         self.intervals_done = k + 1

@@ -21,6 +21,7 @@ Whether batches hold a number of samples or a token budget is decided once, as a
 :mod:`adaptive_batch.batching` object.
 """
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
@@ -37,7 +38,13 @@ from adaptive_batch.global_batch import (
     MicroBatchPlan,
     split_global_batch,
 )
-from adaptive_batch.growth import BatchIncreaseFunctionError, GrowthOptions, KEY as GROWTH_KEY
+from adaptive_batch.growth import (
+    BatchIncreaseFunctionError,
+    function_name,
+    GrowthOptions,
+    GrowthStatistics,
+    KEY as GROWTH_KEY,
+)
 from adaptive_batch.lr_progress import SampleProgressLR
 from adaptive_batch.lr_scaling import BatchLRScaler, LRScalingOptions
 from adaptive_batch.memory import (
@@ -197,6 +204,7 @@ class AdaptiveBatchController:
             GradientNoiseScale(options.noise.noise_scale_ema) if options.noise.measure_noise_scale else None
         )
         self._samples_per_token: Optional[float] = None
+        self._warned_no_noise = False
         self._lr_progress: Optional[SampleProgressLR] = None
         self._lr_scaler: Optional[BatchLRScaler] = None
         self._lr_scheduler: Any = None
@@ -245,6 +253,13 @@ class AdaptiveBatchController:
                 global_batch, world_size=self.ranks.world_size, gradient_accumulation_steps=self._accumulation
             )
         growing = growth.batch_increase_function is not None
+        if getattr(growth.batch_increase_function, "needs_gradient_noise_scale", False):
+            if not self.options.noise.measure_noise_scale:
+                raise ConfigError(
+                    f"{GROWTH_KEY}={function_name(growth.batch_increase_function)} grows toward the gradient noise "
+                    "scale, with measure_noise_scale=False: set measure_noise_scale=True (and, for steps of one "
+                    "micro-batch on one device, noise_scale_split_step=True)."
+                )
         if not growing and not growth.batch_increase_interval.per_epoch:
             raise ConfigError(
                 f"batch_increase_interval='{growth.batch_increase_interval}' without a batch_increase_function: "
@@ -527,15 +542,19 @@ class AdaptiveBatchController:
                 raise ConfigError(f"lr_scheduler: {e}") from None
             self._lr_progress.set_progress(self.batch.samples_seen)
         scaling = self.options.lr_scaling
-        if scaling.lr_scaling != "none":
+        if scaling.scales:
             reference = scaling.lr_scaling_reference
-            self._lr_scaler = BatchLRScaler(
-                optimizer,
-                rule=scaling.lr_scaling,
-                reference=float(reference if reference is not None else self._configured_batch()),
-                unit=scaling.lr_scaling_unit,
-                lr_scheduler=self._lr_progress or lr_scheduler,
-            )
+            try:
+                self._lr_scaler = BatchLRScaler(
+                    optimizer,
+                    rule=scaling.lr_scaling,
+                    reference=float(reference if reference is not None else self._configured_batch()),
+                    unit=scaling.lr_scaling_unit,
+                    lr_scheduler=self._lr_progress or lr_scheduler,
+                    weight_decay_scaling=scaling.weight_decay_scaling,
+                )
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def _configured_batch(self) -> int:
         """The per-rank batch the config's LR was set for."""
@@ -578,15 +597,38 @@ class AdaptiveBatchController:
     def _grow(self, k: int) -> None:
         """Boundary ``k``'s call, decided on rank 0 and taken by every rank."""
         label = "epoch" if self._interval.per_epoch else "interval"
-        growth = self._growth
+        growth, stats = self._growth, self._growth_statistics()
+        if getattr(growth, "needs_gradient_noise_scale", False) and stats.gradient_noise_scale is None:
+            self._warn_no_noise_scale(k)
         decision = self.ranks.decide_on_main(
-            lambda: self.batch.grow_at(growth, k, label=label), errors=(BatchIncreaseFunctionError,)
+            lambda: self.batch.grow_at(growth, k, label=label, stats=stats), errors=(BatchIncreaseFunctionError,)
         )
         self.batch.batch_size, self.batch.intervals_done = decision.batch_size, k + 1
         # Per epoch, a request held at the bound is said too; per step it would repeat each step.
         asked = decision.requested != decision.previous and self._interval.per_epoch
         if decision.batch_size != decision.previous or asked:
             self._log_growth(k, decision)
+
+    def _growth_statistics(self) -> GrowthStatistics:
+        """What a growth function taking ``stats`` sees, in global sizes."""
+        batch = self.batch
+        return GrowthStatistics(
+            global_step=batch.global_step,
+            samples_seen=batch.global_samples_seen,
+            tokens_seen=batch.tokens_seen,
+            gradient_noise_scale=None if self.noise_scale is None else self._noise_in_samples(),
+            max_batch_size=batch.growth_bound() * self.ranks.world_size,
+        )
+
+    def _warn_no_noise_scale(self, k: int) -> None:
+        if self._warned_no_noise:
+            return
+        self._warned_no_noise = True
+        self.warn(
+            f"{self._interval.describe(k).capitalize()}: no gradient noise scale measured yet, so the batch stays; it "
+            "is measured on steps of two or more micro-batches (set noise_scale_split_step=True to split steps of "
+            "one)."
+        )
 
     def _grow_at_boundaries(self) -> None:
         """Every steps, samples or tokens boundary reached and not yet applied, in order."""
@@ -620,10 +662,14 @@ class AdaptiveBatchController:
         samples, padded = batch_rows(batch), batch["tokens"].numel()
         if self._lr_progress is not None:
             self._lr_progress.set_progress(self.batch.samples_seen)
+        limit = self.batch.max_micro_batch_size
+        if self.options.noise.noise_scale_split_step and samples > 1:
+            # Two gradients to compare; this step's limit only (record_step keeps OOM-lowered ones).
+            limit = min(limit, math.ceil(samples / 2))
         step = accumulate_gradients(
             forward_backward,
             batch,
-            micro_batch_limit=self.batch.max_micro_batch_size,
+            micro_batch_limit=limit,
             zero_grad=zero_grad,
             retry_on_oom=self.options.growth.retry_on_oom,
             device=self.device,
@@ -655,7 +701,7 @@ class AdaptiveBatchController:
         accumulated = step.accumulated
         self.batch.record_step(
             samples=step.samples,
-            micro_batch_limit=accumulated.micro_batch_limit,
+            micro_batch_limit=accumulated.micro_batch_limit if accumulated.oom_retries else self.batch.max_micro_batch_size,
             oom_retries=accumulated.oom_retries,
             global_samples=step.global_samples,
             tokens=int(step.num_tokens),
@@ -674,9 +720,12 @@ class AdaptiveBatchController:
         world = self.ranks.world_size
         growth = {} if self._growth is None else {"growth_interval": step.interval}
         noise = {} if step.noise_scale is None else {"gradient_noise_scale": step.noise_scale}
+        scaler = self._lr_scaler
+        decay = {} if scaler is None or scaler.last_weight_decay is None else {"weight_decay": scaler.last_weight_decay}
         return {
             **growth,
             **noise,
+            **decay,
             "batch_size": step.global_samples,
             "micro_batch_size": max(step.accumulated.micro_batch_sizes),
             "grad_accum_steps": len(step.accumulated.micro_batch_sizes),

@@ -6,6 +6,11 @@ adaptive-batching RFC. The recipe calls it at every boundary of ``batch_increase
 :mod:`adaptive_batch.interval`) with the 0-based boundary index and the current global batch
 size, and adds the returned increment, clamped to an upper bound.
 
+A function that also wants to see how training goes declares a keyword argument ``stats``:
+``f(epoch, current_batch_size, *, stats=None)`` then receives a :class:`GrowthStatistics`
+(steps, samples and tokens so far, the gradient noise scale, the bound). Functions without it
+are called as before.
+
 The built-ins are factories, so a config can parameterise them with a ``_component_`` node::
 
     batch_increase_function:
@@ -30,6 +35,40 @@ BatchIncreaseFunction = Callable[[int, int], int]
 
 class BatchIncreaseFunctionError(ConfigError):
     """The batch increase function failed or returned something that is not an increment."""
+
+
+@dataclass(frozen=True)
+class GrowthStatistics:
+    """What a batch increase function sees of training, through its ``stats`` argument.
+
+    Attributes:
+        global_step: optimizer steps taken.
+        samples_seen: samples trained on, all ranks.
+        tokens_seen: loss-carrying tokens trained on, all ranks.
+        gradient_noise_scale: the moving average of ``B_noise = tr(Sigma) / |G|^2`` in samples
+            (McCandlish et al. 2018), or ``None`` when not measured (``measure_noise_scale``
+            off, or no step of two or more micro-batches yet).
+        max_batch_size: the global batch growth is clamped to, or ``None`` for no bound.
+    """
+
+    global_step: int
+    samples_seen: int
+    tokens_seen: int
+    gradient_noise_scale: Optional[float]
+    max_batch_size: Optional[int]
+
+
+def accepts_statistics(fn: Callable) -> bool:
+    """Whether ``fn`` takes the ``stats`` keyword (by name, or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "stats" and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        for p in parameters
+    )
 
 
 def _import_dotted(path: str) -> object:
@@ -115,12 +154,18 @@ def function_name(fn: Callable) -> str:
 
 
 def call_batch_increase_function(
-    fn: BatchIncreaseFunction, epoch: int, current_batch_size: int, *, label: str = "epoch"
+    fn: BatchIncreaseFunction,
+    epoch: int,
+    current_batch_size: int,
+    *,
+    label: str = "epoch",
+    stats: Optional[GrowthStatistics] = None,
 ) -> int:
     """Calls ``fn(epoch, current_batch_size)`` and checks the increment.
 
     Args:
         label: what the first argument counts in messages (``"epoch"`` or ``"interval"``).
+        stats: passed as ``stats=`` when ``fn`` takes it.
 
     Raises:
         BatchIncreaseFunctionError: if the function raises, or returns anything but a
@@ -128,7 +173,10 @@ def call_batch_increase_function(
     """
     where = f"{KEY} {function_name(fn)} at {label}={epoch}, current_batch_size={current_batch_size}"
     try:
-        increment = fn(epoch, current_batch_size)
+        if accepts_statistics(fn):
+            increment = fn(epoch, current_batch_size, stats=stats)
+        else:
+            increment = fn(epoch, current_batch_size)
     except BatchIncreaseFunctionError:
         raise  # already names the user's function (a wrapper such as per_rank_increase)
     except Exception as e:
@@ -169,14 +217,20 @@ class GrowthDecision:
 
 
 def grow_batch_size(
-    fn: BatchIncreaseFunction, *, epoch: int, current_batch_size: int, bound: Optional[int], label: str = "epoch"
+    fn: BatchIncreaseFunction,
+    *,
+    epoch: int,
+    current_batch_size: int,
+    bound: Optional[int],
+    label: str = "epoch",
+    stats: Optional[GrowthStatistics] = None,
 ) -> GrowthDecision:
     """Asks ``fn`` for this epoch's (or boundary's) increment and clamps the new batch to ``bound``.
 
     Raises:
         BatchIncreaseFunctionError: see :func:`call_batch_increase_function`.
     """
-    increment = call_batch_increase_function(fn, epoch, current_batch_size, label=label)
+    increment = call_batch_increase_function(fn, epoch, current_batch_size, label=label, stats=stats)
     requested = current_batch_size + increment
     new = requested if bound is None else min(requested, max(bound, current_batch_size))
     return GrowthDecision(epoch, current_batch_size, requested, new, bound)

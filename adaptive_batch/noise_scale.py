@@ -17,7 +17,7 @@ both and reports the ratio of the averages, as the paper does.
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from adaptive_batch.validation import ConfigError
 
@@ -188,16 +188,64 @@ class NoiseScaleOptions:
             micro-batches (costs one copy of the gradients in memory, and a norm per
             micro-batch).
         noise_scale_ema: the moving averages' decay.
+        noise_scale_split_step: run a step that would be one micro-batch as two halves, so
+            there are two gradients to compare (one device, no accumulation). The update is the
+            same; the cost is a second, half-size forward and backward per step.
 
     Raises:
-        ConfigError: for a bad value.
+        ConfigError: for a bad value, or a split without the measurement.
     """
 
     measure_noise_scale: bool = False
     noise_scale_ema: float = 0.95
+    noise_scale_split_step: bool = False
 
     def __post_init__(self) -> None:
         from adaptive_batch.validation import check_bool
 
         check_bool("measure_noise_scale", self.measure_noise_scale)
+        check_bool("noise_scale_split_step", self.noise_scale_split_step)
         GradientNoiseScale(self.noise_scale_ema)  # checks the decay
+        if self.noise_scale_split_step and not self.measure_noise_scale:
+            raise ConfigError(
+                "noise_scale_split_step=True with measure_noise_scale=False: the split only serves the "
+                "measurement; set measure_noise_scale=True or noise_scale_split_step=False."
+            )
+
+
+def noise_scale_growth(max_factor: float = 2.0, target_fraction: float = 1.0) -> Callable[..., int]:
+    """A batch increase function that grows the global batch toward the measured critical
+    batch ``B_noise`` (McCandlish et al. 2018: below it, a larger batch buys nearly
+    proportionally fewer steps; above it, little).
+
+    At each boundary of ``batch_increase_interval`` the batch moves to
+    ``target_fraction x B_noise``, by at most ``max_factor`` times the current batch, and never
+    down: a noise scale at or under the batch (or not measured yet) leaves it. The recipe's
+    bound (what fits, or with ``grow_with_accumulation`` an epoch's samples) still clamps it.
+    Needs ``measure_noise_scale: True``; with steps of one micro-batch on one device, also
+    ``noise_scale_split_step: True``.
+
+    Raises:
+        ValueError: for ``max_factor`` not above 1 or ``target_fraction`` not above 0 (or not
+            finite).
+    """
+    bad = [
+        f"{name}={value!r}"
+        for name, value, low in (("max_factor", max_factor, 1.0), ("target_fraction", target_fraction, 0.0))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= low
+    ]
+    if bad:
+        raise ValueError(
+            f"noise_scale_growth({', '.join(bad)}): max_factor must be a finite number above 1 (the most the batch "
+            "grows at one boundary, e.g. 2) and target_fraction one above 0 (the share of B_noise aimed at, e.g. 1)."
+        )
+
+    def grow_toward_noise_scale(k: int, current_batch_size: int, *, stats: Optional[Any] = None) -> int:
+        noise = None if stats is None else stats.gradient_noise_scale
+        if noise is None or not math.isfinite(noise) or noise <= 0:
+            return 0
+        target = min(target_fraction * noise, current_batch_size * max_factor)
+        return max(0, int(target) - current_batch_size)
+
+    grow_toward_noise_scale.needs_gradient_noise_scale = True
+    return grow_toward_noise_scale

@@ -21,7 +21,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Un
 import torch
 import torch.distributed as dist
 
-from adaptive_batch.growth import BatchIncreaseFunction, call_batch_increase_function, function_name
+from adaptive_batch.growth import (
+    BatchIncreaseFunction,
+    call_batch_increase_function,
+    function_name,
+    GrowthStatistics,
+)
 from adaptive_batch.memory import parse_memory
 from adaptive_batch.oom import is_oom_error, release_memory
 from adaptive_batch.tracker import STEP_PHASES, StepMemory
@@ -281,9 +286,11 @@ def per_rank_increase(fn: Optional[BatchIncreaseFunction], world_size: int) -> O
     if fn is None or world_size == 1:
         return fn
 
-    def per_rank(epoch: int, current_batch_size: int) -> int:
-        increment = call_batch_increase_function(fn, epoch, current_batch_size * world_size)
+    def per_rank(epoch: int, current_batch_size: int, *, stats: Optional[GrowthStatistics] = None) -> int:
+        increment = call_batch_increase_function(fn, epoch, current_batch_size * world_size, stats=stats)
         return increment // world_size
+
+    per_rank.needs_gradient_noise_scale = getattr(fn, "needs_gradient_noise_scale", False)
 
     per_rank.__qualname__ = function_name(fn)
     return per_rank

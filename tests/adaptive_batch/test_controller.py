@@ -59,7 +59,7 @@ class ScriptedProbe:
 def test_keys_are_the_sections_fields():
     keys = AdaptiveBatchOptions.keys()
     assert {"use_maximum_batch_size", "max_memory", "batch_increase_function", "max_tokens", "lr_scaling"} <= keys
-    assert len(keys) == 24  # + batch_increase_interval, global_batch_size, measure_noise_scale, noise_scale_ema
+    assert len(keys) == 26  # + noise_scale_split_step, weight_decay_scaling
     opts = AdaptiveBatchOptions.from_flat({"max_tokens": 64, "lr_scaling": "sqrt", "plot": False})
     assert opts.tokens.max_tokens == 64 and opts.lr_scaling.lr_scaling == "sqrt" and opts.probe == ProbeOptions()
     with pytest.raises(ConfigError, match="unknown adaptive-batch setting 'max_tokenz'"):
