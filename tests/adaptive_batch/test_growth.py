@@ -222,3 +222,29 @@ def test_seesaw_doubles_where_the_cosine_lr_halves():
 def test_bad_built_in_arguments(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_statistics_reach_only_the_functions_that_take_them():
+    from adaptive_batch import GrowthStatistics
+    from adaptive_batch.growth import accepts_statistics, call_batch_increase_function
+
+    stats = GrowthStatistics(global_step=3, samples_seen=24, tokens_seen=240, gradient_noise_scale=12.5,
+                             max_batch_size=32)
+    seen = []
+
+    def plain(epoch, current_batch_size):
+        return 1
+
+    def keyword(epoch, current_batch_size, *, stats=None):
+        seen.append(stats)
+        return int(stats.gradient_noise_scale) - current_batch_size
+
+    def catch_all(epoch, current_batch_size, **kwargs):
+        seen.append(kwargs["stats"])
+        return 0
+
+    assert [accepts_statistics(f) for f in (plain, keyword, catch_all, len)] == [False, True, True, False]
+    assert call_batch_increase_function(plain, 1, 4, stats=stats) == 1
+    assert call_batch_increase_function(keyword, 1, 4, stats=stats) == 8
+    assert call_batch_increase_function(catch_all, 1, 4, stats=stats) == 0
+    assert seen == [stats, stats]

@@ -44,3 +44,45 @@ def test_bad_reference_and_unit():
         BatchLRScaler(opt(), rule="linear", reference=0)
     with pytest.raises(ValueError, match="lr_scaling_unit='bytes'"):
         BatchLRScaler(opt(), rule="linear", reference=1, unit="bytes")
+
+
+@pytest.mark.parametrize("rule, decay_at_4x", [("linear", 0.01), ("sqrt", 0.02), ("none", 0.04)])
+def test_weight_decay_keeps_the_adamw_timescale(rule, decay_at_4x):
+    """Power Lines: B / (lr x weight_decay) stays the configured 8 / (0.1 x 0.01)."""
+    o = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1, weight_decay=0.01)
+    s = BatchLRScaler(o, rule=rule, reference=8, weight_decay_scaling="timescale")
+    lr = s.apply(samples=32, tokens=0)
+    assert o.param_groups[0]["weight_decay"] == pytest.approx(decay_at_4x) == s.last_weight_decay
+    assert 32 / (lr * o.param_groups[0]["weight_decay"]) == pytest.approx(8 / (0.1 * 0.01))
+    s.restore()
+    assert o.param_groups[0]["weight_decay"] == 0.01 and o.param_groups[0]["lr"] == 0.1
+
+
+def test_weight_decay_left_alone_by_default_and_refused_without_one():
+    o = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1, weight_decay=0.01)
+    s = BatchLRScaler(o, rule="linear", reference=8)
+    s.apply(samples=32, tokens=0)
+    assert o.param_groups[0]["weight_decay"] == 0.01 and s.last_weight_decay is None
+    with pytest.raises(ValueError, match="weight_decay_scaling='timescale' with NoDecay, which has no weight_decay"):
+        BatchLRScaler(NoDecay(), rule="none", reference=8, weight_decay_scaling="timescale")
+    with pytest.raises(ValueError, match="weight_decay_scaling='always'"):
+        BatchLRScaler(o, rule="none", reference=8, weight_decay_scaling="always")
+
+
+class NoDecay(torch.optim.Optimizer):
+    """An optimizer whose param groups have no weight_decay."""
+
+    def __init__(self):
+        super().__init__([torch.nn.Parameter(torch.zeros(2))], {"lr": 0.1})
+
+    def step(self, closure=None):
+        return None
+
+
+def test_weight_decay_scaling_option_checks():
+    from adaptive_batch import ConfigError, LRScalingOptions
+
+    with pytest.raises(ConfigError, match="weight_decay_scaling='yes'"):
+        LRScalingOptions(weight_decay_scaling="yes")
+    assert LRScalingOptions(weight_decay_scaling="timescale").scales
+    assert not LRScalingOptions().scales

@@ -122,3 +122,127 @@ def test_the_controller_measures_it_from_micro_batches_and_keeps_it_across_a_res
     resumed = make()
     resumed.load_state_dict(state)
     assert resumed.noise_scale.state_dict() == state[NOISE_SCALE_STATE_KEY] == ctl.noise_scale.state_dict()
+
+
+def _stats(noise, bound=None):
+    from adaptive_batch import GrowthStatistics
+
+    return GrowthStatistics(global_step=5, samples_seen=40, tokens_seen=400, gradient_noise_scale=noise,
+                            max_batch_size=bound)
+
+
+@pytest.mark.parametrize(
+    "noise, current, increment",
+    [
+        (None, 4, 0),  # not measured yet: stay
+        (float("nan"), 4, 0),
+        (-3.0, 4, 0),  # a negative average |G|^2 estimate: stay
+        (3.5, 4, 0),  # at or under the batch: never shrinks
+        (4.9, 4, 0),  # toward 4.9: not a whole sample more
+        (6.7, 4, 2),  # toward 6.7, floored
+        (100.0, 4, 4),  # bounded by max_factor=2 a boundary
+        (100.0, 50, 50),
+    ],
+)
+def test_noise_scale_growth_decisions_on_scripted_statistics(noise, current, increment):
+    from adaptive_batch import noise_scale_growth
+
+    assert noise_scale_growth()(3, current, stats=_stats(noise)) == increment
+
+
+def test_noise_scale_growth_fraction_factor_and_the_clamp():
+    from adaptive_batch import grow_batch_size, noise_scale_growth
+
+    half = noise_scale_growth(max_factor=1.5, target_fraction=0.5)
+    assert half(1, 10, stats=_stats(100.0)) == 5  # 1.5 x 10 before 0.5 x 100
+    assert half(1, 10, stats=_stats(24.0)) == 2  # 0.5 x 24
+    decision = grow_batch_size(noise_scale_growth(), epoch=1, current_batch_size=8, bound=12, stats=_stats(64.0))
+    assert (decision.requested, decision.batch_size) == (16, 12)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_factor": 1.0}, {"max_factor": float("inf")}, {"target_fraction": 0},
+                                    {"target_fraction": True}])
+def test_noise_scale_growth_bad_arguments(kwargs):
+    from adaptive_batch import noise_scale_growth
+
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        noise_scale_growth(**kwargs)
+
+
+def _controller(tmp_path, noise, max_batch_size=None, **growth):
+    from adaptive_batch import AdaptiveBatchController, AdaptiveBatchOptions, GrowthOptions, ProbeOptions
+    from adaptive_batch.noise_scale import NoiseScaleOptions
+
+    lines = []
+    ctl = AdaptiveBatchController(
+        AdaptiveBatchOptions(noise=NoiseScaleOptions(**noise), growth=GrowthOptions(**growth),
+                             probe=ProbeOptions(max_batch_size=max_batch_size)),
+        batch_size=4, device=torch.device("cpu"), output_dir=str(tmp_path), max_seq_len=4, log=lines.append,
+    )
+    ctl.lines = lines
+    return ctl
+
+
+def test_noise_scale_growth_without_the_measurement_is_refused(tmp_path):
+    from adaptive_batch import noise_scale_growth
+
+    with pytest.raises(ConfigError, match="measure_noise_scale=True"):
+        _controller(tmp_path, {}, batch_increase_function=noise_scale_growth(), batch_increase_interval="1 steps")
+    with pytest.raises(ConfigError, match="noise_scale_split_step=True with measure_noise_scale=False"):
+        _controller(tmp_path, {"noise_scale_split_step": True})
+
+
+def _linear_batch(rows=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"tokens": torch.randn(rows, 4, generator=g), "labels": torch.zeros(rows, 4), "n": torch.ones(rows) * 2}
+
+
+def _step_parts(model):
+    def forward_backward(piece):
+        n = piece["n"].sum()
+        loss = (model(piece["tokens"]).squeeze(-1) - 1).pow(2).sum()
+        loss.backward()
+        return loss.detach(), n
+
+    return forward_backward
+
+
+def test_split_step_measures_one_micro_batch_steps_with_the_same_gradient(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    batch = _linear_batch(4)
+    grads = {}
+    for split in (False, True):
+        ctl = _controller(tmp_path, {"measure_noise_scale": True, "noise_scale_split_step": split})
+        ctl.track_gradients(model.parameters())
+        ctl.settle(dataset_size=60)
+        model.zero_grad(set_to_none=True)
+        step = ctl.run_step(_step_parts(model), batch, zero_grad=lambda: model.zero_grad(set_to_none=True))
+        ctl.after_optimizer_step(step)
+        grads[split] = model.weight.grad.clone()
+        assert step.accumulated.micro_batch_sizes == ([2, 2] if split else [4])
+        assert ctl.noise_scale.updates == (1 if split else 0)  # one estimate folded in
+        assert ctl.batch.max_micro_batch_size == 4  # the split is the step's, not kept as a limit
+    torch.testing.assert_close(grads[True], grads[False])
+
+
+def test_noise_scale_growth_waits_for_a_measurement_and_says_so_once(tmp_path):
+    from adaptive_batch import noise_scale_growth
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    ctl = _controller(tmp_path, {"measure_noise_scale": True}, batch_increase_function=noise_scale_growth(),
+                      batch_increase_interval="1 steps", max_batch_size=64)
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ctl.track_gradients(model.parameters())
+    ctl.settle(dataset_size=40)
+    rows = list(range(40))
+    loader = StatefulDataLoader(rows, batch_sampler=ctl.batch_sampler(rows, shuffle=False), collate_fn=list)
+    ctl.start_epoch(0, loader)
+    for seed, indices in zip(range(3), loader):
+        step = ctl.run_step(_step_parts(model), _linear_batch(len(indices), seed), zero_grad=lambda: None)
+        model.zero_grad(set_to_none=True)
+        ctl.after_optimizer_step(step)
+    assert ctl.batch.batch_size == 4
+    assert sum("no gradient noise scale measured yet" in line for line in ctl.lines) == 1

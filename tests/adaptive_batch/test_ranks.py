@@ -194,3 +194,15 @@ def test_per_rank_increase_errors_name_the_user_function_once():
         grow_batch_size(per_rank_increase(stop, 2), epoch=2, current_batch_size=4, bound=16)
     assert str(info.value).startswith("batch_increase_function ") and str(info.value).count("batch_increase_function") == 1
     assert "stop at epoch=2, current_batch_size=8 raised RuntimeError: preempted" in str(info.value)
+
+
+def test_per_rank_increase_passes_statistics_and_the_noise_scale_mark_on():
+    from adaptive_batch import GrowthStatistics, noise_scale_growth
+    from adaptive_batch.growth import call_batch_increase_function
+
+    stats = GrowthStatistics(global_step=1, samples_seen=8, tokens_seen=80, gradient_noise_scale=24.0,
+                             max_batch_size=64)
+    per_rank = per_rank_increase(noise_scale_growth(max_factor=4), 2)
+    assert per_rank.needs_gradient_noise_scale
+    # 2 ranks x 4 = global 8, toward 24: +16 globally, +8 a rank
+    assert call_batch_increase_function(per_rank, 1, 4, stats=stats) == 8
