@@ -598,7 +598,7 @@ class AdaptiveBatchController:
         """Boundary ``k``'s call, decided on rank 0 and taken by every rank."""
         label = "epoch" if self._interval.per_epoch else "interval"
         growth, stats = self._growth, self._growth_statistics()
-        if getattr(growth, "needs_gradient_noise_scale", False) and stats.gradient_noise_scale is None:
+        if getattr(growth, "needs_gradient_noise_scale", False) and stats.gradient_noise_scale is None and stats.global_step:
             self._warn_no_noise_scale(k)
         decision = self.ranks.decide_on_main(
             lambda: self.batch.grow_at(growth, k, label=label, stats=stats), errors=(BatchIncreaseFunctionError,)
@@ -624,11 +624,12 @@ class AdaptiveBatchController:
         if self._warned_no_noise:
             return
         self._warned_no_noise = True
-        self.warn(
-            f"{self._interval.describe(k).capitalize()}: no gradient noise scale measured yet, so the batch stays; it "
-            "is measured on steps of two or more micro-batches (set noise_scale_split_step=True to split steps of "
-            "one)."
+        why = (
+            "its |G|^2 average is not above 0 yet"
+            if self.noise_scale.updates
+            else "it is measured on steps of two or more micro-batches (noise_scale_split_step=True splits steps of one)"
         )
+        self.warn(f"{self._interval.describe(k).capitalize()}: no gradient noise scale yet, so the batch stays; {why}.")
 
     def _grow_at_boundaries(self) -> None:
         """Every steps, samples or tokens boundary reached and not yet applied, in order."""

@@ -139,9 +139,17 @@ def resolve_batch_increase_function(spec: Union[str, Callable]) -> BatchIncrease
         try:
             signature.bind(0, 1)
         except TypeError as e:
+            try:
+                signature.bind()
+                fix = (
+                    "it builds one: give a _component_ node with at least one of its arguments, e.g. "
+                    f"{{_component_: {name}, {next(iter(signature.parameters), 'arg')}: ...}}"
+                )
+            except TypeError:
+                fix = "define it as def f(epoch, current_batch_size)"
             raise ConfigError(
                 f"{KEY}={name!r} has signature {signature}, which cannot be called as "
-                f"f(epoch, current_batch_size) ({e}); define it as def f(epoch, current_batch_size)."
+                f"f(epoch, current_batch_size) ({e}); {fix}."
             ) from None
     return fn
 

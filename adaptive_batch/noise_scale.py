@@ -213,7 +213,7 @@ class NoiseScaleOptions:
             )
 
 
-def noise_scale_growth(max_factor: float = 2.0, target_fraction: float = 1.0) -> Callable[..., int]:
+def noise_scale_growth(*, max_factor: float = 2.0, target_fraction: float = 1.0) -> Callable[..., int]:
     """A batch increase function that grows the global batch toward the measured critical
     batch ``B_noise`` (McCandlish et al. 2018: below it, a larger batch buys nearly
     proportionally fewer steps; above it, little).

@@ -245,4 +245,4 @@ def test_noise_scale_growth_waits_for_a_measurement_and_says_so_once(tmp_path):
         model.zero_grad(set_to_none=True)
         ctl.after_optimizer_step(step)
     assert ctl.batch.batch_size == 4
-    assert sum("no gradient noise scale measured yet" in line for line in ctl.lines) == 1
+    assert sum("no gradient noise scale yet" in line and "noise_scale_split_step=True" in line for line in ctl.lines) == 1

@@ -170,3 +170,28 @@ def test_a_step_checkpoint_of_another_rank_count_is_one_line_before_the_model_is
     assert "error: resume_from_checkpoint=True: the step checkpoint" in proc.stderr
     assert "was written by 2 ranks and this run has 1; resume with --nproc_per_node 2." in proc.stderr
     assert "Model is initialized" not in proc.stderr
+
+
+def test_noise_scale_growth_follows_the_logged_noise_scale_on_split_steps(tmp_path):
+    """One micro-batch a step on one device: split in two to measure, and at each boundary the
+    batch moves toward the logged B_noise, at most doubling, never past the bound."""
+    proc = run_tune(
+        tmp_path, "batch_increase_function={_component_: adaptive_batch.noise_scale_growth, max_factor: 2}",
+        "batch_increase_interval=2 steps", "measure_noise_scale=True", "noise_scale_split_step=True",
+        "batch_size=2", "max_batch_size=12", "max_steps_per_epoch=14",
+        "lr_scaling=sqrt", "weight_decay_scaling=timescale", "optimizer.weight_decay=0.01",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metric_log(tmp_path)
+    assert all(r["grad_accum_steps"] == 2 for r in rows if r["batch_size"] > 1)  # split, never more
+    expected = 2
+    for before, r in zip(rows, rows[1:]):
+        noise = before.get("gradient_noise_scale")  # absent while the |G|^2 average is not above 0
+        if int(before["step"]) % 2 == 0 and noise is not None:  # a boundary: it decides the next batch
+            expected = max(int(before["batch_size"]), min(int(noise), 2 * int(before["batch_size"]), 12))
+        last = r is rows[-1]
+        assert r["batch_size"] == expected or (last and r["batch_size"] < expected), (before, r)
+        # sqrt LR, and a weight decay keeping B / (lr x wd) at the configured 2 / (1e-3 x 0.01)
+        assert r["lr"] == pytest.approx(LR * math.sqrt(r["batch_size"] / 2), rel=1e-6)
+        assert r["batch_size"] / (r["lr"] * r["weight_decay"]) == pytest.approx(2 / (LR * 0.01), rel=1e-6)
+    assert max(r["batch_size"] for r in rows) > 2  # it grew
