@@ -56,6 +56,7 @@ def pydoc_text_dataset(
     data_dir: str,
     min_chars: int = 64,
     packed: bool = False,
+    split: str = "train",
     **kwargs: Any,
 ):
     """torchtune's ``text_completion_dataset`` over CPython's help topics, one paragraph a sample.
@@ -65,6 +66,7 @@ def pydoc_text_dataset(
         data_dir: where the JSON-lines file is written (e.g. ``${output_dir}/data``).
         min_chars: shorter paragraphs are left out.
         packed: pack samples to ``tokenizer.max_seq_len`` (torchtune's ``PackedDataset``).
+        split: the Hugging Face split, which may be sliced (``"train[:512]"``: the first 512).
         **kwargs: passed on to ``text_completion_dataset``.
     """
     path = write_pydoc_jsonl(data_dir, min_chars)
@@ -73,7 +75,7 @@ def pydoc_text_dataset(
         source="json",
         data_files=path,
         column="text",
-        split="train",
+        split=split,
         packed=packed,
         **kwargs,
     )
