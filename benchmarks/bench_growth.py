@@ -10,7 +10,8 @@ counted in samples and the square-root LR rule against batch 4:
 - Seesaw: 4, doubled where the cosine LR has halved (``adaptive_batch.seesaw``), every
   ``--interval`` samples;
 - noise-scale growth: 4, toward the measured ``B_noise`` at most doubling every ``--interval``
-  samples (``adaptive_batch.noise_scale_growth``, steps split in two to measure it).
+  samples (``adaptive_batch.noise_scale_growth``, steps split in two to measure it), and the
+  same toward half of it.
 
 Reported per schedule (mean and spread over seeds): the training loss of the last tenth of the
 samples, steps, training seconds (the recipe's own step times, summed), and for noise-scale
@@ -55,6 +56,12 @@ def schedules(samples: int, epochs: int, interval: int) -> Dict[str, List[str]]:
         "noise-scale growth": [
             f"batch_size={START}", f"batch_increase_interval={interval} samples",
             "batch_increase_function={_component_: adaptive_batch.noise_scale_growth, max_factor: 2}",
+            "measure_noise_scale=True", "noise_scale_split_step=True",
+        ],
+        "noise-scale growth, ½ B_noise": [
+            f"batch_size={START}", f"batch_increase_interval={interval} samples",
+            "batch_increase_function={_component_: adaptive_batch.noise_scale_growth, max_factor: 2, "
+            "target_fraction: 0.5}",
             "measure_noise_scale=True", "noise_scale_split_step=True",
         ],
     }
@@ -127,7 +134,7 @@ def table(results: Dict[str, List[Dict[str, object]]], config: str, args, device
     ]
     for name, runs in results.items():
         batches = runs[0]["batches"]
-        noise = noise_trajectory(runs[0]["curve"]) if name == "noise-scale growth" else "-"
+        noise = noise_trajectory(runs[0]["curve"]) if name.startswith("noise-scale growth") else "-"
         seconds = statistics.fmean(r["seconds"] for r in runs)
         lines.append(
             f"| {name} | {spread([r['final_loss'] for r in runs], '.3f')} | {spread([r['steps'] for r in runs], '.0f')} "
