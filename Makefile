@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test test-fast test-unit bench bench-plan bench-plan-torchtune bench-estimate gpu-check venv clean
+.PHONY: run run-distributed test test-fast test-unit bench bench-plan bench-plan-torchtune bench-estimate gpu-check gpu-wheels venv clean
 
 venv: $(STAMP)
 
@@ -59,6 +59,15 @@ bench-plan-torchtune: $(STAMP)
 # against max_memory_allocated); says "no CUDA device" and exits 0 elsewhere.
 gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
+
+# For a GPU machine whose image has a CUDA torch but not torchtune (the lent H200's, Python 3.12):
+# the pure-Python wheels it lacks, into .whl/ (git-ignored), to carry there; README "On a GPU".
+GPU_WHEELS := torchtune==0.6.1 torchao==0.15.0 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 \
+	multiprocess==0.70.19 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2 blobfile==3.3.0 kagglehub==1.0.2
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf outputs .pytest_cache
