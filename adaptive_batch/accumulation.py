@@ -25,16 +25,17 @@ class MicroBatchOutOfMemoryError(RuntimeError):
     """A step ran out of memory with micro-batches of one sample: nothing smaller to try."""
 
 
-def micro_batch_sizes(batch_size: int, micro_batch_limit: int) -> List[int]:
-    """Splits ``batch_size`` rows into the fewest micro-batches of at most ``micro_batch_limit``,
-    sizes differing by at most one (largest first).
+def micro_batch_sizes(batch_size: int, micro_batch_limit: int, min_micro_batches: int = 1) -> List[int]:
+    """Splits ``batch_size`` rows into the fewest micro-batches of at most ``micro_batch_limit``
+    (and at least ``min_micro_batches`` where there are rows enough), sizes differing by at
+    most one (largest first).
 
     Raises:
         ValueError: if either is under 1.
     """
     if batch_size < 1 or micro_batch_limit < 1:
         raise ValueError(f"cannot split a batch of {batch_size} into micro-batches of at most {micro_batch_limit}.")
-    count = math.ceil(batch_size / micro_batch_limit)
+    count = max(math.ceil(batch_size / micro_batch_limit), min(min_micro_batches, batch_size))
     base, extra = divmod(batch_size, count)
     return [base + 1] * extra + [base] * (count - extra)
 
@@ -97,6 +98,7 @@ def accumulate_gradients(
     log: Callable[[str], None] = lambda message: None,
     agree_on_oom: Optional[Callable[[bool], bool]] = None,
     observer: Optional[Any] = None,
+    min_micro_batches: int = 1,
 ) -> AccumulatedStep:
     """Runs forward and backward over ``batch`` in micro-batches, accumulating gradients.
 
@@ -118,6 +120,8 @@ def accumulate_gradients(
         observer: told ``start()`` at every attempt of the step and
             ``after_micro_batch(tokens)`` after each micro-batch's backward (the gradient
             noise measurement, :class:`~adaptive_batch.noise_scale.MicroBatchGradients`).
+        min_micro_batches: split the step into at least this many (2: two gradients to
+            compare, ``noise_scale_split_step``); the limit is unchanged by it.
 
     Returns:
         The step's summed loss, token count and what ran.
@@ -131,7 +135,7 @@ def accumulate_gradients(
     limit = micro_batch_limit
     messages: List[str] = []
     while True:
-        sizes = micro_batch_sizes(rows, limit)
+        sizes = micro_batch_sizes(rows, limit, min_micro_batches)
         message = None
         if observer is not None:
             observer.start()

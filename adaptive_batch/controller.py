@@ -21,7 +21,6 @@ Whether batches hold a number of samples or a token budget is decided once, as a
 :mod:`adaptive_batch.batching` object.
 """
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
@@ -598,7 +597,8 @@ class AdaptiveBatchController:
         """Boundary ``k``'s call, decided on rank 0 and taken by every rank."""
         label = "epoch" if self._interval.per_epoch else "interval"
         growth, stats = self._growth, self._growth_statistics()
-        if getattr(growth, "needs_gradient_noise_scale", False) and stats.gradient_noise_scale is None and stats.global_step:
+        waiting = stats.gradient_noise_scale is None and stats.global_step > 0
+        if waiting and getattr(growth, "needs_gradient_noise_scale", False):
             self._warn_no_noise_scale(k)
         decision = self.ranks.decide_on_main(
             lambda: self.batch.grow_at(growth, k, label=label, stats=stats), errors=(BatchIncreaseFunctionError,)
@@ -663,20 +663,17 @@ class AdaptiveBatchController:
         samples, padded = batch_rows(batch), batch["tokens"].numel()
         if self._lr_progress is not None:
             self._lr_progress.set_progress(self.batch.samples_seen)
-        limit = self.batch.max_micro_batch_size
-        if self.options.noise.noise_scale_split_step and samples > 1:
-            # Two gradients to compare; this step's limit only (record_step keeps OOM-lowered ones).
-            limit = min(limit, math.ceil(samples / 2))
         step = accumulate_gradients(
             forward_backward,
             batch,
-            micro_batch_limit=limit,
+            micro_batch_limit=self.batch.max_micro_batch_size,
             zero_grad=zero_grad,
             retry_on_oom=self.options.growth.retry_on_oom,
             device=self.device,
             log=self.warn,
             agree_on_oom=self.ranks.any if self.ranks.distributed else None,
             observer=self._gradients,
+            min_micro_batches=2 if self.options.noise.noise_scale_split_step else 1,
         )
         global_samples, tokens, padded, loss_sum = self.ranks.sums(samples, step.num_tokens, padded, step.loss_sum)
         interval = self.batch.intervals_done - 1
@@ -702,7 +699,7 @@ class AdaptiveBatchController:
         accumulated = step.accumulated
         self.batch.record_step(
             samples=step.samples,
-            micro_batch_limit=accumulated.micro_batch_limit if accumulated.oom_retries else self.batch.max_micro_batch_size,
+            micro_batch_limit=accumulated.micro_batch_limit,
             oom_retries=accumulated.oom_retries,
             global_samples=step.global_samples,
             tokens=int(step.num_tokens),

@@ -119,7 +119,9 @@ class BatchLRScaler:
     ) -> None:
         lr_scale_factor(1, 1, rule)
         if weight_decay_scaling not in WEIGHT_DECAY_SCALING:
-            raise ValueError(f"weight_decay_scaling={weight_decay_scaling!r} is not one of {list(WEIGHT_DECAY_SCALING)}.")
+            raise ValueError(
+                f"weight_decay_scaling={weight_decay_scaling!r} is not one of {list(WEIGHT_DECAY_SCALING)}."
+            )
         if weight_decay_scaling != "none" and any("weight_decay" not in g for g in optimizer.param_groups):
             raise ValueError(
                 f"weight_decay_scaling={weight_decay_scaling!r} with {type(optimizer).__name__}, which has no "

@@ -19,6 +19,11 @@ def test_micro_batch_sizes_are_fewest_and_even(rows, limit, sizes):
     assert micro_batch_sizes(rows, limit) == sizes
 
 
+@pytest.mark.parametrize("rows,limit,sizes", [(8, 8, [4, 4]), (5, 8, [3, 2]), (1, 8, [1]), (10, 4, [4, 3, 3])])
+def test_at_least_two_micro_batches_where_there_are_rows_enough(rows, limit, sizes):
+    assert micro_batch_sizes(rows, limit, min_micro_batches=2) == sizes
+
+
 def test_micro_batch_sizes_reject_zero():
     with pytest.raises(ValueError):
         micro_batch_sizes(0, 4)
