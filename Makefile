@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test test-fast test-unit bench bench-plan bench-plan-torchtune bench-estimate gpu-check gpu-wheels venv clean
+.PHONY: run run-distributed test test-fast test-unit bench bench-plan bench-plan-torchtune bench-estimate gpu-check gpu-check-cpu gpu-wheels venv clean
 
 venv: $(STAMP)
 
@@ -56,14 +56,32 @@ bench-plan-torchtune: $(STAMP)
 	$(BIN)/python benchmarks/bench_plan_torchtune.py $(ARGS)
 
 # The CUDA paths on a real card (real CUDA OOMs, set_per_process_memory_fraction, the planner
-# against max_memory_allocated); says "no CUDA device" and exits 0 elsewhere.
-gpu-check: $(STAMP)
-	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
-
-# For a GPU machine whose image has a CUDA torch but not torchtune (the lent H200's, Python 3.12):
-# the pure-Python wheels it lacks, into .whl/ (git-ignored), to carry there; README "On a GPU".
+# against max_memory_allocated). A python3 whose torch sees CUDA is used as it is, never .venv's CPU
+# wheel: what it lacks (torchtune, torchao, ...) goes into $(GPU_SITE), from the wheels in .whl/
+# (`make gpu-wheels` on a machine with a package index) or else from the index. Without CUDA it
+# runs nothing and says so (exit 0); `make gpu-check-cpu` is the same script on the CPU.
+GPU_SITE ?= .gpu-site
 GPU_WHEELS := torchtune==0.6.1 torchao==0.15.0 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 \
 	multiprocess==0.70.19 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2 blobfile==3.3.0 kagglehub==1.0.2
+CUDA_TORCH = $(shell $(PYTHON) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
+gpu-check:
+ifeq ($(CUDA_TORCH),1)
+	@$(PYTHON) -c "import torchtune" 2>/dev/null || test -f $(GPU_SITE)/.installed || { \
+		if ls .whl/*.whl >/dev/null 2>&1; then \
+			$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl; \
+		else $(PYTHON) -m pip install -q --no-deps --target $(GPU_SITE) $(GPU_WHEELS) || { \
+			echo "gpu-check: no package index here: run make gpu-wheels where there is one and bring .whl/"; exit 1; }; fi \
+		&& touch $(GPU_SITE)/.installed; }
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE):$(PYTHONPATH) $(PYTHON) benchmarks/gpu_check.py $(ARGS)
+else
+	@echo "gpu-check: $(PYTHON)'s torch sees no CUDA device here; nothing to check (make gpu-check-cpu runs it on the CPU)."
+endif
+
+gpu-check-cpu: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py --device cpu $(ARGS)
+
+# The pure-Python wheels a CUDA image without torchtune lacks (the lent H100's and H200's, Python
+# 3.12), into .whl/ (git-ignored), to carry there; README "On a GPU".
 gpu-wheels:
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \

@@ -1,144 +1,277 @@
-"""The CUDA paths on a real GPU: the probe against real CUDA out-of-memory errors.
+"""The CUDA paths on a real GPU: the probe against real CUDA out-of-memory errors, row by row.
 
-For the tiny config and the 152K-vocabulary one, twice (a small ``max_memory`` with no safety
-margin, then the whole card with the default margin):
+For each row (a config with overrides: the tiny model, the 152K-vocabulary one full and LoRA, a
+1B Llama 3.2 in bf16 with activation checkpointing off and on) and each budget (a small
+``max_memory`` with no margin, then the whole card with the default margin):
 
 1. the card is held to the budget's limit with ``torch.cuda.set_per_process_memory_fraction``,
    so a trial past it is a real CUDA OOM, and the probe (real steps) finds the largest batch;
-2. the found batch trains a few steps back to back (expandable segments on, as the recipe sets them);
-3. the card is held to the probe's budget and batch + 10% (at least +1) must run out of memory;
+2. a fresh process, with the allocator settings training uses (expandable segments), held to the
+   budget, trains the found batch for ``--steps`` steps; it must run every one;
+3. another fresh process, held the same way, must run out of memory at found + 1;
 4. the planner's prediction at the found batch (fake tensors, nothing allocated) is compared
-   with ``torch.cuda.max_memory_allocated`` of those training steps.
+   with the allocated peak of those training steps (their reserved peak beside it).
 
-    make gpu-check                  # prints the table; --readme writes it to the README
+    make gpu-check                  # prints the table; ARGS=--readme writes it to the README
 
-Without a CUDA device it says so and exits 0. ``--device cpu`` runs the same code on the CPU
-(no memory fraction: steps 1, 2 and 4 only), which is how the test suite keeps it working.
+Every row is also written as JSON to ``--out`` (one file per row, the probe's trials included),
+so a table fills over several short visits to a card. Without a CUDA device it says so and exits
+0. ``--device cpu`` runs the same code on the CPU (no memory fraction, no fresh-process checks),
+which is how the test suite keeps it working.
 """
 
 import argparse
-import math
+import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from functools import partial
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from readme_table import write_readme_table
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = [
-    REPO / "configs/tiny/full_single_device.yaml",
-    REPO / "configs/tiny/qwen2_5_vocab152k_full_single_device.yaml",
-]
+TINY = REPO / "configs/tiny"
+# name -> (config, overrides): the rows `--rows` picks from.
+ROWS: Dict[str, Any] = {
+    "tiny": (TINY / "full_single_device.yaml", {}),
+    "152k": (TINY / "qwen2_5_vocab152k_full_single_device.yaml", {}),
+    "152k-lora": (TINY / "qwen2_5_vocab152k_lora_single_device.yaml", {}),
+    # Llama 3.2 1B's architecture with random weights, its 128K vocabulary and the byte tokenizer.
+    "1b": (TINY / "llama3_2_vocab128k_full_single_device.yaml", {
+        "model": {"_component_": "torchtune.models.llama3_2.llama3_2_1b"}, "dtype": "bf16",
+        "tokenizer": {"max_seq_len": 2048}, "optimizer": {"fused": True}}),
+    "1b-ac": (TINY / "llama3_2_vocab128k_full_single_device.yaml", {
+        "model": {"_component_": "torchtune.models.llama3_2.llama3_2_1b"}, "dtype": "bf16",
+        "tokenizer": {"max_seq_len": 2048}, "optimizer": {"fused": True},
+        "enable_activation_checkpointing": True}),
+}
 COLUMNS = [
-    "config", "vocab", "max_memory", "margin", "budget", "found", "trials", "OOM trials", "max overshoot",
-    "trains", "found+10% OOMs", "measured peak", "planned peak", "plan error",
+    "row", "vocab", "dtype", "AC", "max_memory", "budget", "found", "trial steps", "OOM trials",
+    "probe s", "probe / epoch", "trains (steps)", "found+1 fresh", "alloc peak", "reserved peak",
+    "planned peak", "plan error",
 ]
 
 
-def check(config_path: Path, device, max_memory: Optional[str], margin: Optional[float], steps: int) -> List[str]:
-    """One row of the table: probe, train, over-the-budget step and plan for one setting."""
-    import torch
+def load_config(name: str):
     from omegaconf import OmegaConf
-    from torchtune import config
 
-    import adaptive_batch as ab
-    from adaptive_batch.memory import format_bytes
-    from adaptive_batch.probing import step_budget
+    path, overrides = ROWS[name]
+    cfg = OmegaConf.load(path)
+    if "model" in overrides:  # a new model node, not the tiny one's keys merged into it
+        cfg.model = OmegaConf.create(overrides["model"])
+    return OmegaConf.merge(cfg, {k: v for k, v in overrides.items() if k != "model"})
+
+
+def build(cfg, device):
+    """The model, optimizer and one training step, as the recipes build them."""
+    import torch
+    from torchtune import config, modules, training
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
     from adaptive_batch.torchtune import next_token_loss
-    from adaptive_batch.torchtune.planning import plan_from_config
 
-    cfg = OmegaConf.load(config_path)
+    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=device)
     torch.manual_seed(0)
-    with torch.device(device):
+    with training.set_default_dtype(dtype), torch.device(device):
         model = config.instantiate(cfg.model)
+    adapters = get_adapter_params(model)
+    if adapters:
+        set_trainable_params(model, adapters)
+    if cfg.get("enable_activation_checkpointing", False):
+        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
     loss_fn = config.instantiate(cfg.loss)
     if hasattr(loss_fn, "num_output_chunks"):
         model.set_num_output_chunks(loss_fn.num_output_chunks)
-    optimizer = config.instantiate(cfg.optimizer, model.parameters())
-    seq_len = int(cfg.tokenizer.max_seq_len)
-    make_batch = partial(
-        ab.worst_case_text_batch, seq_len=seq_len, vocab_size=model.tok_embeddings.num_embeddings, device=device
-    )
+    optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
 
     def step(batch) -> None:
         next_token_loss(model, loss_fn, dict(batch)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return model, optimizer, step
+
+
+def make_batch_fn(cfg, model, device):
+    from functools import partial
+
+    import adaptive_batch as ab
+
+    return partial(ab.worst_case_text_batch, seq_len=int(cfg.tokenizer.max_seq_len),
+                   vocab_size=model.tok_embeddings.num_embeddings, device=device)
+
+
+def hold_card_to(device, limit_bytes: Optional[int]) -> None:
+    import torch
+
+    if device.type == "cuda" and limit_bytes is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+
+
+def train(name: str, batch_size: int, steps: int, limit_bytes: Optional[int], device_name: str) -> Dict[str, Any]:
+    """``steps`` training steps at ``batch_size`` (in the calling process), held to ``limit_bytes``."""
+    import torch
+
+    import adaptive_batch as ab
+
+    device = torch.device(device_name)
+    cfg = load_config(name)
+    model, optimizer, step = build(cfg, device)
+    make_batch = make_batch_fn(cfg, model, device)
+    hold_card_to(device, limit_bytes)
     cuda = device.type == "cuda"
-    total = torch.cuda.get_device_properties(device).total_memory if cuda else None
-    options = ab.ProbeOptions(max_memory=max_memory, memory_safety_margin=margin)
-    budget, _ = step_budget(options, device=device, model=model, optimizer=optimizer)
-
-    def hold_card_to(limit_bytes: int) -> None:
-        if cuda:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
-
-    hold_card_to(budget.limit_bytes)
-    result = ab.probe_max_batch_size(
-        train_step=step, make_batch=make_batch, model=model, optimizer=optimizer, device=device,
-        budget_bytes=budget.budget_bytes,
-    )
-    found = result.max_batch_size
-
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    trains = "yes"
-    try:
-        for _ in range(steps):
-            step(make_batch(found))
-    except Exception as e:  # noqa: BLE001 - reported in the table
-        trains = f"no: {type(e).__name__}"
-    measured = torch.cuda.max_memory_allocated(device) if cuda else None
-    ab.release_memory(device)
-
-    over_oom = "n/a (no CUDA)"
-    if cuda:
-        over = max(found + 1, math.ceil(found * 1.1))
-        hold_card_to(budget.budget_bytes)
+    seconds: List[float] = []
+    error = None
+    for _ in range(steps):
+        t0 = time.perf_counter()
         try:
-            step(make_batch(over))
-            over_oom = f"no ({over} ran)"
-        except Exception as e:  # noqa: BLE001 - an OOM is the expected outcome
-            if not ab.is_oom_error(e):
-                raise
-            over_oom = f"yes ({over})"
-        optimizer.zero_grad(set_to_none=True)
-        ab.release_memory(device)
-        hold_card_to(total)
+            step(make_batch(batch_size))
+        except Exception as e:  # noqa: BLE001 - reported
+            error = "OOM" if ab.is_oom_error(e) else f"{type(e).__name__}: {e}"
+            break
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - t0)
+    return {
+        "batch_size": batch_size, "steps_run": len(seconds), "error": error,
+        "step_seconds": statistics.median(seconds[1:] or seconds) if seconds else None,
+        "allocated_peak": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "reserved_peak": torch.cuda.max_memory_reserved(device) if cuda else None,
+    }
 
-    plan_cfg = OmegaConf.merge(cfg, {"max_memory": None})
-    plan = plan_from_config(
-        plan_cfg, device_memory_bytes=budget.limit_bytes, safety_margin=budget.safety_margin
-    )
-    planned = plan.row_at(found).peak_bytes
-    error = f"{(planned - measured) / measured:+.1%}" if measured else "n/a"
-    overshoot = result.max_overshoot
+
+def train_fresh(name: str, batch_size: int, steps: int, limit_bytes: int, device: str) -> Dict[str, Any]:
+    """:func:`train` in a fresh process with training's allocator settings."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    cmd = [sys.executable, __file__, "--train", name, "--batch", str(batch_size), "--steps", str(steps),
+           "--limit-bytes", str(limit_bytes), "--device", device]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode != 0 or not lines:
+        return {"batch_size": batch_size, "steps_run": 0, "error": f"exit {run.returncode}: {run.stderr[-300:]}"}
+    return json.loads(lines[-1])
+
+
+def dataset_size(cfg, workdir: Path) -> int:
+    from omegaconf import OmegaConf
+    from torchtune import config
+
+    cfg = OmegaConf.merge(cfg, {"output_dir": str(workdir)})
+    return len(config.instantiate(cfg.dataset, config.instantiate(cfg.tokenizer)))
+
+
+def measure_curve(step, make_batch, model, optimizer, device, found: int) -> List[Dict[str, Any]]:
+    """Each phase's peak at batch sizes from 1 to ``found``: what a first guess has to predict."""
+    from adaptive_batch.probe import measure_training_step
+
+    sizes = sorted({1, 2, 3, 4, 6, 8} | {max(1, found * k // 8) for k in range(1, 9)})
+    points = []
+    for b in [b for b in sizes if b <= found]:
+        memory = measure_training_step(step, make_batch(b), model=model, optimizer=optimizer, device=device)
+        points.append({"batch_size": b, "phases": memory.phase_peak_bytes, "start": memory.start_bytes})
+    return points
+
+
+def check(name: str, device, max_memory: Optional[str], margin: Optional[float], steps: int, workdir: Path,
+          curve_points: bool = False) -> Dict[str, Any]:
+    """One row: probe, fresh-process training at found and found + 1, and the plan."""
+    import torch
+    from omegaconf import OmegaConf
+
+    import adaptive_batch as ab
+    from adaptive_batch.probing import step_budget
+    from adaptive_batch.torchtune.planning import plan_from_config
+
+    cfg = load_config(name)
+    model, optimizer, step = build(cfg, device)
+    make_batch = make_batch_fn(cfg, model, device)
+    budget, _ = step_budget(ab.ProbeOptions(max_memory=max_memory, memory_safety_margin=margin),
+                            device=device, model=model, optimizer=optimizer)
+    hold_card_to(device, budget.limit_bytes)
+    t0 = time.perf_counter()
+    result = ab.probe_max_batch_size(train_step=step, make_batch=make_batch, model=model, optimizer=optimizer,
+                                     device=device, budget_bytes=budget.budget_bytes)
+    probe_seconds = time.perf_counter() - t0
+    found = result.max_batch_size
+    curve = measure_curve(step, make_batch, model, optimizer, device, found) if curve_points else []
+    del model, optimizer, step
+    ab.release_memory(device)
+    hold_card_to(device, 1 << 62)
+    row: Dict[str, Any] = {
+        "row": name, "vocab": int(cfg.model.get("vocab_size", 128256)), "dtype": str(cfg.get("dtype", "fp32")),
+        "ac": bool(cfg.get("enable_activation_checkpointing", False)), "max_memory": max_memory,
+        "budget_bytes": budget.budget_bytes, "limit_bytes": budget.limit_bytes, "margin": budget.safety_margin,
+        "found": found, "predicted": result.predicted_max_batch_size, "probe_seconds": probe_seconds,
+        "search": result.to_dict(), "curve": curve,
+    }
+    if device.type == "cuda":
+        row["trained"] = train_fresh(name, found, steps, budget.budget_bytes, str(device))
+        row["over"] = train_fresh(name, found + 1, 2, budget.budget_bytes, str(device))
+    else:
+        row["trained"] = train(name, found, steps, None, str(device))
+    samples = dataset_size(cfg, workdir)
+    step_s = row["trained"].get("step_seconds")
+    row["epoch_seconds"] = None if not step_s else -(-samples // found) * step_s
+    plan = plan_from_config(OmegaConf.merge(cfg, {"max_memory": None}), device_memory_bytes=budget.limit_bytes,
+                            safety_margin=budget.safety_margin)
+    row["planned_peak"] = plan.row_at(found).peak_bytes
+    return row
+
+
+def cells(row: Dict[str, Any]) -> List[str]:
+    from adaptive_batch.memory import format_bytes
+
+    trials = row["search"]["trials"]
+    trained, over = row["trained"], row.get("over")
+    measured = trained.get("allocated_peak")
+    epoch = row.get("epoch_seconds")
     return [
-        config_path.stem, str(cfg.model.vocab_size), str(max_memory), f"{budget.safety_margin:.0%}",
-        format_bytes(budget.budget_bytes), str(found), str(result.num_trials),
-        str(sum(t.oom for t in result.trials)), "-" if overshoot is None else f"{overshoot:.2f}x",
-        trains, over_oom, format_bytes(measured), format_bytes(planned), error,
+        row["row"], str(row["vocab"]), row["dtype"], "on" if row["ac"] else "off", str(row["max_memory"]),
+        format_bytes(row["budget_bytes"]), str(row["found"]), str(len(trials)), str(sum(t["oom"] for t in trials)),
+        f"{row['probe_seconds']:.1f}", f"{row['probe_seconds'] / epoch:.1%}" if epoch else "n/a",
+        f"{'yes' if trained['error'] is None else 'no: ' + trained['error'][:40]} ({trained['steps_run']})",
+        "n/a (no CUDA)" if over is None else ("OOMs" if over["error"] == "OOM" else f"no: {over['error'] or 'ran'}"),
+        format_bytes(measured), format_bytes(trained.get("reserved_peak")), format_bytes(row["planned_peak"]),
+        f"{(row['planned_peak'] - measured) / measured:+.1%}" if measured else "n/a",
     ]
 
 
-def markdown(rows: List[List[str]]) -> str:
+def markdown(rows: List[Dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["| " + " | ".join(cells(row)) + " |" for row in rows])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
+    parser.add_argument("--rows", default="tiny,152k,152k-lora", help=f"comma-separated, of {', '.join(ROWS)}")
     parser.add_argument("--small-memory", default="2GiB", help="the small max_memory of the first setting")
-    parser.add_argument("--steps", type=int, default=3, help="training steps at the found batch")
-    parser.add_argument("--config", action="append", help="config file(s) (default: the tiny and 152K ones)")
+    parser.add_argument("--steps", type=int, default=50, help="training steps at the found batch")
     parser.add_argument("--small-only", action="store_true", help="only the small max_memory setting")
+    parser.add_argument("--whole-only", action="store_true", help="only the whole device with its margin")
+    parser.add_argument("--curve", action="store_true", help="also measure each phase's peak from 1 to found")
+    parser.add_argument("--out", default="outputs/gpu_check", help="where each row's JSON goes")
+    parser.add_argument("--table-from", help="print the table of the row files in this folder and exit")
     parser.add_argument("--readme", action="store_true", help="write the table to the README")
+    parser.add_argument("--train", help=argparse.SUPPRESS)  # the fresh-process training run
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.train:
+        print(json.dumps(train(args.train, args.batch, args.steps, args.limit_bytes, args.device)))
+        return 0
+    if args.table_from:
+        rows = [json.loads(p.read_text()) for p in sorted(Path(args.table_from).glob("*.json"))]
+        print(markdown(rows))
+        return 0
 
     import torch
 
@@ -152,16 +285,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         import adaptive_batch as ab
 
         ab.use_expandable_segments(log=print, warn=print)
-    configs = [Path(c) for c in args.config] if args.config else CONFIGS
-    settings = [(args.small_memory, 0.0)] + ([] if args.small_only else [(None, None)])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))  # the rows' text data
+    settings = ([] if args.whole_only else [(args.small_memory, 0.0)]) + ([] if args.small_only else [(None, None)])
     rows = []
-    for config_path in configs:
+    for name in args.rows.split(","):
         for max_memory, margin in settings:
             t0 = time.perf_counter()
-            rows.append(check(config_path, device, max_memory, margin, args.steps))
-            print(f"{config_path.stem} max_memory={max_memory}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
-    table = f"On {name}, torch {torch.__version__}:\n\n{markdown(rows)}"
+            row = check(name, device, max_memory, margin, args.steps, work, args.curve)
+            rows.append(row)
+            (out / f"{name}_{max_memory or 'whole'}.json").write_text(json.dumps(row, indent=1))
+            print(f"{name} max_memory={max_memory}: {time.perf_counter() - t0:.1f}s | {' | '.join(cells(row))}",
+                  file=sys.stderr, flush=True)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
+    table = f"On {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}:\n\n{markdown(rows)}"
     print(table)
     if args.readme and device.type == "cuda":
         write_readme_table("gpu_check", table)
