@@ -72,7 +72,7 @@ ifeq ($(CUDA_TORCH),1)
 		else $(PYTHON) -m pip install -q --no-deps --target $(GPU_SITE) $(GPU_WHEELS) || { \
 			echo "gpu-check: no package index here: run make gpu-wheels where there is one and bring .whl/"; exit 1; }; fi \
 		&& touch $(GPU_SITE)/.installed; }
-	PYTHONPATH=$(CURDIR)/$(GPU_SITE):$(PYTHONPATH) $(PYTHON) benchmarks/gpu_check.py $(ARGS)
+	PYTHONPATH=$(abspath $(GPU_SITE)):$(PYTHONPATH) $(PYTHON) benchmarks/gpu_check.py $(ARGS)
 else
 	@echo "gpu-check: $(PYTHON)'s torch sees no CUDA device here; nothing to check (make gpu-check-cpu runs it on the CPU)."
 endif

@@ -8,9 +8,7 @@ import difflib
 import math
 from typing import Any, Iterable, Optional, Sequence
 
-
-class ConfigError(ValueError):
-    """A setting the run cannot use; the message names the key, the value and the fix."""
+from adaptive_batch.errors import ConfigError
 
 
 def check_known_keys(keys: Iterable[str], known_keys: Iterable[str]) -> None:

@@ -10,18 +10,18 @@ through the step peaks at 1 and 2 (the RFC's memory-delta estimate), by a line p
 
 import argparse
 import os
-import time
 from pathlib import Path
+import time
 
-import torch
 from omegaconf import OmegaConf
 from readme_table import write_readme_table
+import torch
 from torchtune import config
 
-import adaptive_batch as ab
-from adaptive_batch.estimator import OperatorMemoryEstimate, PhaseMemoryEstimate
+from adaptive_batch.memory.device import format_bytes
+from adaptive_batch.memory.estimator import LinearMemoryEstimate, OperatorMemoryEstimate, PhaseMemoryEstimate
+from adaptive_batch.probe.trials import measure_training_step, worst_case_text_batch
 from adaptive_batch.torchtune import next_token_loss
-from adaptive_batch.probe import measure_training_step
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ["configs/tiny/full_single_device.yaml", "configs/tiny/qwen2_5_vocab152k_full_single_device.yaml"]
@@ -42,13 +42,13 @@ def measure_config(path: str, large: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     def measure(b: int):
-        batch = ab.worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab, device=torch.device("cpu"))
+        batch = worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab, device=torch.device("cpu"))
         return measure_training_step(step, batch, model=model, optimizer=optimizer, device=torch.device("cpu"))
 
     measure(1)  # warm-up: the optimizer state
     m = {b: measure(b) for b in (1, 2, 3, large)}
     true = m[large].peak_bytes
-    step_line = ab.LinearMemoryEstimate.fit([(b, m[b].peak_bytes) for b in (1, 2)])
+    step_line = LinearMemoryEstimate.fit([(b, m[b].peak_bytes) for b in (1, 2)])
     phases = PhaseMemoryEstimate.fit([(b, m[b].phase_peak_bytes) for b in (1, 2)])
     same_1_2 = m[1].operators == m[2].operators
     first = 1 if same_1_2 else 2
@@ -68,7 +68,7 @@ def measure_config(path: str, large: int) -> dict:
 
 
 def render(rows, large: int) -> str:
-    fmt = ab.format_bytes
+    fmt = format_bytes
     lines = [
         f"Peak of a full training step at batch {large} (AdamW, fp32, CPU, every sequence at "
         "max_seq_len), measured and predicted from smaller steps; error = predicted / measured - 1.",

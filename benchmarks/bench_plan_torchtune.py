@@ -15,13 +15,13 @@ generation, quantization) and models above 72B.
 
 import argparse
 import json
+from pathlib import Path
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import List, Optional
 
 from readme_table import write_readme_table
@@ -44,7 +44,7 @@ def plan_one(path: Path, root: Path, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         config = Path(d) / path.name
         shutil.copy(path, config)
-        cmd = [sys.executable, "-m", "adaptive_batch.cli", "plan", "--config", str(config), "--device-memory", "80GiB", "--json"]
+        cmd = [sys.executable, "-m", "adaptive_batch.torchtune.cli", "plan", "--config", str(config), "--device-memory", "80GiB", "--json"]
         if distributed:
             cmd += ["--world-size", "8"]
         t0 = time.perf_counter()

@@ -16,13 +16,13 @@ Peers (optional extras, `pip install -e .[bench]`): Lightning's ``Tuner.scale_ba
 import argparse
 import json
 import os
+from pathlib import Path
 import re
 import resource
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from readme_table import write_readme_table
 
@@ -35,12 +35,12 @@ METHODS = ["ours", "ours_margin0", "lightning_power", "lightning_binsearch", "ac
 def _setup(seed: int = 0):
     import accelerate  # noqa: F401  (imported by every worker, so all start the same size)
     import lightning  # noqa: F401
+    from omegaconf import OmegaConf
     import torch
     import torch.nn.functional as F
-    from omegaconf import OmegaConf
     from torchtune import config
 
-    import adaptive_batch as ab
+    from adaptive_batch.probe.trials import worst_case_text_batch
 
     cfg = OmegaConf.load(os.environ.get("BENCH_PROBE_CONFIG", CONFIG))
     torch.manual_seed(seed)
@@ -61,16 +61,15 @@ def _setup(seed: int = 0):
         opt.zero_grad(set_to_none=True)
 
     def make_batch(b):
-        return ab.worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab, device=torch.device("cpu"))
+        return worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab, device=torch.device("cpu"))
 
     return model, opt, loss_of, train_step, make_batch, seq_len, vocab
 
 
 def _limit(headroom: int) -> None:
-    import adaptive_batch as ab
-    from adaptive_batch.memory import proc_status_bytes
+    from adaptive_batch.memory.device import proc_status_bytes, return_freed_memory_to_os
 
-    ab.return_freed_memory_to_os()  # the same allocator settings for every method
+    return_freed_memory_to_os()  # the same allocator settings for every method
     vm_size = proc_status_bytes("VmSize")
     resource.setrlimit(resource.RLIMIT_AS, (vm_size + headroom, resource.RLIM_INFINITY))
 
@@ -78,18 +77,19 @@ def _limit(headroom: int) -> None:
 def _run_ours(headroom: int, margin: float) -> dict:
     import torch
 
-    import adaptive_batch as ab
+    from adaptive_batch.memory.device import device_capacity
+    from adaptive_batch.probe.trials import memory_budget, probe_max_batch_size, training_state_bytes
 
     model, opt, _, train_step, make_batch, _, _ = _setup()
     _limit(headroom)
-    budget = ab.memory_budget(
+    budget = memory_budget(
         max_memory_bytes=None,
-        capacity=ab.device_capacity(torch.device("cpu")),
-        live_bytes=ab.training_state_bytes(model, opt),
+        capacity=device_capacity(torch.device("cpu")),
+        live_bytes=training_state_bytes(model, opt),
         safety_margin=margin,
     )
     with tempfile.TemporaryDirectory() as d:
-        result = ab.probe_max_batch_size(
+        result = probe_max_batch_size(
             train_step=train_step, make_batch=make_batch, model=model, optimizer=opt,
             device=torch.device("cpu"), budget_bytes=budget.budget_bytes, snapshot_dir=d,
         )
@@ -107,8 +107,8 @@ def _run_ours(headroom: int, margin: float) -> dict:
 
 def _run_lightning(headroom: int, mode: str) -> dict:
     import lightning as L
-    import torch
     from lightning.pytorch.tuner import Tuner
+    import torch
 
     model, opt, loss_of, _, make_batch, seq_len, vocab = _setup()
     steps = {"n": 0}
@@ -226,7 +226,7 @@ def ground_truth(args, start: int) -> int:
 
 
 def render(rows, truth, args) -> str:
-    from adaptive_batch import format_bytes
+    from adaptive_batch.memory.device import format_bytes
 
     lightning_bin = next((r for r in rows if r["method"] == "lightning_binsearch"), None)
     lines = [

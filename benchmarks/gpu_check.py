@@ -23,12 +23,12 @@ which is how the test suite keeps it working.
 import argparse
 import json
 import os
+from pathlib import Path
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from readme_table import write_readme_table
@@ -99,9 +99,9 @@ def build(cfg, device):
 def make_batch_fn(cfg, model, device):
     from functools import partial
 
-    import adaptive_batch as ab
+    from adaptive_batch.probe.trials import worst_case_text_batch
 
-    return partial(ab.worst_case_text_batch, seq_len=int(cfg.tokenizer.max_seq_len),
+    return partial(worst_case_text_batch, seq_len=int(cfg.tokenizer.max_seq_len),
                    vocab_size=model.tok_embeddings.num_embeddings, device=device)
 
 
@@ -169,7 +169,7 @@ def dataset_size(cfg, workdir: Path) -> int:
 
 def measure_curve(step, make_batch, model, optimizer, device, found: int) -> List[Dict[str, Any]]:
     """Each phase's peak at batch sizes from 1 to ``found``: what a first guess has to predict."""
-    from adaptive_batch.probe import measure_training_step
+    from adaptive_batch.probe.trials import measure_training_step
 
     sizes = sorted({1, 2, 3, 4, 6, 8} | {max(1, found * k // 8) for k in range(1, 9)})
     points = []
@@ -182,11 +182,13 @@ def measure_curve(step, make_batch, model, optimizer, device, found: int) -> Lis
 def check(name: str, device, max_memory: Optional[str], margin: Optional[float], steps: int, workdir: Path,
           curve_points: bool = False) -> Dict[str, Any]:
     """One row: probe, fresh-process training at found and found + 1, and the plan."""
-    import torch
     from omegaconf import OmegaConf
+    import torch
 
     import adaptive_batch as ab
-    from adaptive_batch.probing import step_budget
+    from adaptive_batch.memory.oom import release_memory
+    from adaptive_batch.probe.service import step_budget
+    from adaptive_batch.probe.trials import probe_max_batch_size
     from adaptive_batch.torchtune.planning import plan_from_config
 
     cfg = load_config(name)
@@ -196,13 +198,13 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
                             device=device, model=model, optimizer=optimizer)
     hold_card_to(device, budget.limit_bytes)
     t0 = time.perf_counter()
-    result = ab.probe_max_batch_size(train_step=step, make_batch=make_batch, model=model, optimizer=optimizer,
+    result = probe_max_batch_size(train_step=step, make_batch=make_batch, model=model, optimizer=optimizer,
                                      device=device, budget_bytes=budget.budget_bytes)
     probe_seconds = time.perf_counter() - t0
     found = result.max_batch_size
     curve = measure_curve(step, make_batch, model, optimizer, device, found) if curve_points else []
     del model, optimizer, step
-    ab.release_memory(device)
+    release_memory(device)
     hold_card_to(device, 1 << 62)
     row: Dict[str, Any] = {
         "row": name, "vocab": int(cfg.model.get("vocab_size", 128256)), "dtype": str(cfg.get("dtype", "fp32")),
@@ -226,7 +228,7 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
 
 
 def cells(row: Dict[str, Any]) -> List[str]:
-    from adaptive_batch.memory import format_bytes
+    from adaptive_batch.memory.device import format_bytes
 
     trials = row["search"]["trials"]
     trained, over = row["trained"], row.get("over")
@@ -282,9 +284,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":  # as the recipe does before probing
-        import adaptive_batch as ab
+        from adaptive_batch.memory.device import use_expandable_segments
 
-        ab.use_expandable_segments(log=print, warn=print)
+        use_expandable_segments(log=print, warn=print)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))  # the rows' text data

@@ -8,22 +8,25 @@
 #   PYTHONPATH=. tune run --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d \
 #       --rdzv_endpoint HOST:29500 --rdzv_id JOB recipes/full_finetune_distributed.py --config ...
 
+from functools import partial
 import logging
 import os
 import sys
-from functools import partial
 from typing import Any, Dict
 
-import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
+import torch
 from torch import nn
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 from torchtune import config, modules, training, utils
 
 import adaptive_batch as ab
+from adaptive_batch.distributed import rank_max_memory
+from adaptive_batch.memory.device import device_capacity
 import adaptive_batch.torchtune as abt
+from adaptive_batch.validation import check_known_keys
 
 # A sibling module: `recipes.` in the repository, `adaptive_batch_recipes.` when installed.
 from .full_finetune_single_device import FullFinetuneRecipeSingleDevice, run_recipe
@@ -63,7 +66,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
     known_keys = abt.recipe_keys({"fsdp_cpu_offload", "fsdp_reshard_after_forward", "custom_sharded_layers"})
 
     def __init__(self, cfg: DictConfig) -> None:
-        ab.check_known_keys(cfg.keys(), self.known_keys)
+        check_known_keys(cfg.keys(), self.known_keys)
         if cfg.get("fsdp_cpu_offload", False):
             raise ab.ConfigError(
                 "fsdp_cpu_offload=True: offloaded parameters live in CPU memory the probe does not "
@@ -83,9 +86,9 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         # every rank with the same line: none is left waiting in a collective.
         ranks = ab.RankGroup(device)
         cfg.max_memory = ranks.check_together(
-            lambda: ab.rank_max_memory(
+            lambda: rank_max_memory(
                 cfg.get("max_memory", None),
-                capacity_bytes=ab.device_capacity(device).headroom_bytes if device.type in ("cpu", "cuda") else None,
+                capacity_bytes=device_capacity(device).headroom_bytes if device.type in ("cpu", "cuda") else None,
             )
         )
         ranks.check_together(lambda: FullFinetuneRecipeSingleDevice.__init__(self, cfg))

@@ -5,14 +5,14 @@
 #   PYTHONPATH=. tune run recipes/full_finetune_single_device.py \
 #       --config configs/tiny/full_single_device.yaml use_maximum_batch_size=True
 
+from functools import partial
 import math
 import sys
 import time
-from functools import partial
 from typing import Any, Dict, Optional, Tuple, Union
 
-import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+import torch
 from torch import nn
 from torch.optim import Optimizer
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -21,13 +21,19 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import DummyProfiler, PROFILER_KEY
+from torchtune.training import PROFILER_KEY, DummyProfiler
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 import adaptive_batch as ab
+from adaptive_batch.data.lengths import sample_lengths
+from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
+from adaptive_batch.probe.trials import worst_case_text_batch
+from adaptive_batch.run import step_checkpoints
+from adaptive_batch.rng import rng_state, set_rng_state
+from adaptive_batch.run.step_checkpoints import LR_SCHEDULER_KEY, RNG_KEY
 import adaptive_batch.torchtune as abt
-from adaptive_batch.tracker import peak_rss_bytes, reset_peak_rss
+from adaptive_batch.validation import check_known_keys
 
 log = utils.get_logger("DEBUG")
 
@@ -72,7 +78,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     known_keys = abt.recipe_keys()
 
     def __init__(self, cfg: DictConfig) -> None:
-        ab.check_known_keys(cfg.keys(), self.known_keys)
+        check_known_keys(cfg.keys(), self.known_keys)
         # Numbers finite, paths writable, no file where a checkpoint goes: before any work.
         abt.check_run_settings(cfg)
         self._device = utils.get_device(device=cfg.device)
@@ -107,7 +113,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         self._ranks = self._batching.ranks
         self._step_checkpoints = ab.StepCheckpoints(
-            f"{cfg.output_dir}/{ab.step_checkpoint.DIRNAME}",
+            f"{cfg.output_dir}/{step_checkpoints.DIRNAME}",
             every_n_steps=cfg.get("save_every_n_steps", None),
             keep_last=cfg.get("keep_last_n_checkpoints", 2),
             log=log.info,
@@ -183,7 +189,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         log.info(f"Resuming from the step checkpoint {path} (step {step}; {since}).")
         state = ab.StepCheckpoints.load(path)
         # Before the model is built: the data shards and RNGs are per rank.
-        ranks = len(state[ab.RNG_KEY])
+        ranks = len(state[RNG_KEY])
         if ranks != self._ranks.world_size:
             raise ab.ConfigError(
                 f"resume_from_checkpoint=True: the step checkpoint {path} was written by {ranks} ranks and this "
@@ -270,7 +276,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
         lengths = None
         if self._batching.uses_token_budget:
-            lengths = ab.sample_lengths(
+            lengths = sample_lengths(
                 dataset,
                 cache_dir=f"{self._output_dir}/seqlen_cache",
                 key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
@@ -289,7 +295,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 ab.probe_batch_size,
                 train_step=self._probe_step,
                 make_batch=partial(
-                    ab.worst_case_text_batch,
+                    worst_case_text_batch,
                     seq_len=self._tokenizer.max_seq_len,
                     vocab_size=self._model.tok_embeddings.num_embeddings,
                     device=self._device,
@@ -326,9 +332,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """Where a step checkpoint left off: the dataloader inside its epoch, the LR
         scheduler, and this rank's random generators."""
         self._dataloader.load_state_dict(state[training.DATALOADER_KEY])
-        if self._lr_scheduler is not None and ab.LR_SCHEDULER_KEY in state:
-            self._lr_scheduler.load_state_dict(state[ab.LR_SCHEDULER_KEY])
-        ab.set_rng_state(state[ab.RNG_KEY][self._ranks.rank])
+        if self._lr_scheduler is not None and LR_SCHEDULER_KEY in state:
+            self._lr_scheduler.load_state_dict(state[LR_SCHEDULER_KEY])
+        set_rng_state(state[RNG_KEY][self._ranks.rank])
 
     def _probe_cache_fields(self, cfg: DictConfig) -> Dict[str, Any]:
         """What changes a step's memory, for the probe cache's key."""
@@ -537,8 +543,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Every rank takes part in gathering the state and its RNG; rank 0 writes.
         state = {**self._recipe_state(), **self._trainable_state_dict()}
         if self._lr_scheduler is not None:
-            state[ab.LR_SCHEDULER_KEY] = self._lr_scheduler.state_dict()
-        state[ab.RNG_KEY] = self._ranks.gather(ab.rng_state())
+            state[LR_SCHEDULER_KEY] = self._lr_scheduler.state_dict()
+        state[RNG_KEY] = self._ranks.gather(rng_state())
         if self._ranks.is_main:
             self._step_checkpoints.save(self.global_step, state)
         self._ranks.barrier()

@@ -1,14 +1,17 @@
 """`make gpu-check`'s script: it must say "no CUDA device" and exit 0 here, and its code path
 must keep working (run on the CPU, where it cannot hold a card to a memory fraction)."""
 
+import json
+from pathlib import Path
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks/gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from gpu_check import COLUMNS  # noqa: E402
 
 
 def test_without_cuda_it_says_so_and_exits_cleanly():
@@ -18,11 +21,32 @@ def test_without_cuda_it_says_so_and_exits_cleanly():
 
 
 @pytest.mark.slow
-def test_the_same_checks_run_on_the_cpu():
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--small-only", "--steps", "1", "--small-memory", "256MiB",
-           "--config", str(REPO / "configs/tiny/full_single_device.yaml")]
+def test_the_same_checks_run_on_the_cpu(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--small-only", "--steps", "2", "--small-memory", "256MiB",
+           "--rows", "tiny", "--curve", "--out", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    (row,) = [line for line in run.stdout.splitlines() if line.startswith("| full_single_device")]
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "259" and int(cells[5]) >= 2 and cells[9] == "yes"
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("| tiny")]
+    cells = dict(zip(COLUMNS, (c.strip() for c in line.strip("|").split("|"))))
+    assert cells["vocab"] == "259" and int(cells["found"]) >= 2 and cells["trains (steps)"] == "yes (2)"
+    assert cells["found+1 fresh"] == "n/a (no CUDA)"
+    # The row's JSON holds the trials and the curve, and the table can be made again from it.
+    row = json.loads((tmp_path / "tiny_256MiB.json").read_text())
+    assert row["found"] == int(cells["found"]) and len(row["search"]["trials"]) == int(cells["trial steps"])
+    assert [p["batch_size"] for p in row["curve"]][:2] == [1, 2] and row["curve"][-1]["batch_size"] == row["found"]
+    again = subprocess.run([sys.executable, str(SCRIPT), "--table-from", str(tmp_path)], capture_output=True, text=True)
+    assert line in again.stdout
+
+
+def test_make_gpu_check_uses_a_cuda_torch_as_it_is_and_says_so_without_one():
+    python = sys.executable  # this torch is the CPU wheel: nothing to check, and nothing installed
+    run = subprocess.run(["make", "-s", "gpu-check", f"PYTHON={python}"], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0 and "sees no CUDA device" in run.stdout, run.stdout + run.stderr
+    # Where the torch sees a card, the same python runs the script, with only what it lacks added
+    # beside it (from the carried wheels, or the index), never .venv's CPU torch.
+    dry = subprocess.run(["make", "-n", "gpu-check", "CUDA_TORCH=1", "PYTHON=python3", "GPU_SITE=/tmp/site"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    assert "--no-deps --target /tmp/site" in dry.stdout and "torchtune==0.6.1" in dry.stdout
+    assert "PYTHONPATH=/tmp/site:" in dry.stdout and "python3 benchmarks/gpu_check.py" in dry.stdout
+    assert ".venv" not in dry.stdout

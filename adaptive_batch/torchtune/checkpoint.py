@@ -71,7 +71,7 @@ def epoch_checkpoint_step(
     least as new as to be resumed from."""
     from torchtune.training.checkpointing._utils import get_recipe_checkpoint_path
 
-    from adaptive_batch.batch_state import BATCH_STATE_KEY
+    from adaptive_batch.data.samplers import BATCH_STATE_KEY
 
     try:
         path = get_recipe_checkpoint_path(output_dir, recipe_checkpoint, should_load_recipe_state=True)

@@ -14,7 +14,8 @@ from typing import Any, Iterator, Optional, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from adaptive_batch.validation import check_positive_int, ConfigError
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.validation import check_positive_int
 
 
 def non_finite_numbers(cfg: Any, prefix: str = "") -> Iterator[Tuple[str, float]]:

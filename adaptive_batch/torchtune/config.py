@@ -1,7 +1,7 @@
 """torchtune configs onto the library's options: the one place a ``DictConfig`` is read.
 
 :func:`adaptive_options` maps a recipe config's adaptive keys onto
-:class:`~adaptive_batch.controller.AdaptiveBatchOptions` (whose sections check themselves);
+:class:`~adaptive_batch.run.controller.AdaptiveBatchOptions` (whose sections check themselves);
 :func:`recipe_keys` is every top-level key a recipe reads, derived from those options and the
 keys of torchtune's own recipe, so a typo (``batch_sise=8``) is caught.
 """
@@ -12,8 +12,9 @@ from typing import Any, Iterable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batch.controller import AdaptiveBatchOptions
-from adaptive_batch.validation import check_positive_int, ConfigError
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.run.controller import AdaptiveBatchOptions
+from adaptive_batch.validation import check_positive_int
 
 # The keys torchtune 0.6.1's full_finetune_single_device recipe reads.
 TORCHTUNE_KEYS = frozenset(

@@ -3,15 +3,14 @@
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Union
 
-import torch
 from omegaconf import DictConfig, OmegaConf
+import torch
 from torchtune import config, modules, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from adaptive_batch.planner import KnownStateOptimizer, MemoryPlan, plan_memory
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.probe.plan import KnownStateOptimizer, MemoryPlan, plan_memory
 from adaptive_batch.torchtune.loss import next_token_loss
-from adaptive_batch.validation import ConfigError
-
 
 # The sequence length planned when a config leaves tokenizer.max_seq_len open (torchtune's
 # stock configs do): a common fine-tuning length; the plan says it assumed it.

@@ -3,7 +3,7 @@ import resource
 
 import pytest
 
-from adaptive_batch.memory import proc_status_bytes
+from adaptive_batch.memory.device import proc_status_bytes
 
 
 def vm_size() -> int:
@@ -48,8 +48,7 @@ def real_step_memory(build, loss_fn, vocab_size: int, seq_len: int = 64):
     ``build()`` makes (seeded), as the probe measures it."""
     import torch
 
-    from adaptive_batch import worst_case_text_batch
-    from adaptive_batch.probe import measure_training_step
+    from adaptive_batch.probe.trials import measure_training_step, worst_case_text_batch
     from adaptive_batch.torchtune import next_token_loss
 
     torch.manual_seed(0)

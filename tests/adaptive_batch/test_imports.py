@@ -1,17 +1,17 @@
 """The core imports without torchtune; the layers import downwards only."""
 
 import ast
+from pathlib import Path
 import subprocess
 import sys
-from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "adaptive_batch"
 
 
 def test_core_imports_without_torchtune_torchao_or_datasets():
     code = (
-        "import sys, adaptive_batch, adaptive_batch.probe, adaptive_batch.search, adaptive_batch.controller, "
-        "adaptive_batch.growth, adaptive_batch.batching, adaptive_batch.api, adaptive_batch.planner; "
+        "import sys, adaptive_batch, adaptive_batch.probe.trials, adaptive_batch.probe.search, adaptive_batch.run.controller, "
+        "adaptive_batch.schedule.growth, adaptive_batch.run.batching, adaptive_batch.probe.api, adaptive_batch.probe.plan; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torchtune', 'torchao', 'datasets', 'omegaconf'}))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -30,16 +30,27 @@ def _imports(path: Path) -> set:
     return names
 
 
-def test_no_cycles_and_validation_is_a_leaf():
+# The layers, each importing only itself and those before it (the package docstring's order).
+LAYERS = ["memory.device", "errors", "validation", "rng", "memory", "schedule", "distributed", "probe", "data", "run", "torchtune"]
+
+
+def _layer(module: str) -> int:
+    name = module[len("adaptive_batch."):]
+    matches = [layer for layer in LAYERS if name == layer or name.startswith(layer + ".")]
+    return LAYERS.index(max(matches, key=len))  # memory.device before the rest of memory
+
+
+def test_layers_import_downwards_only_and_without_cycles():
     graph = {}
     for path in PACKAGE.rglob("*.py"):
         if path.name == "__init__.py":
             continue
         module = "adaptive_batch." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
         graph[module] = {m for m in _imports(path) if m != "adaptive_batch"}
-    assert graph["adaptive_batch.validation"] == set()
-    core = {m for m in graph if not m.startswith("adaptive_batch.torchtune")}
-    assert not any(dep.startswith("adaptive_batch.torchtune") for m in core for dep in graph[m])
+    assert graph["adaptive_batch.memory.device"] == set()
+    assert graph["adaptive_batch.errors"] == {"adaptive_batch.memory.device"}
+    upward = [(m, dep) for m in graph for dep in graph[m] if _layer(dep) > _layer(m)]
+    assert not upward, f"imports against the layer order {LAYERS}: {upward}"
 
     def visit(module, stack):
         assert module not in stack, f"import cycle: {' -> '.join(stack + [module])}"
@@ -48,3 +59,21 @@ def test_no_cycles_and_validation_is_a_leaf():
 
     for module in graph:
         visit(module, [])
+
+
+def test_the_public_face_is_small_and_every_name_resolves():
+    import adaptive_batch
+
+    assert len(adaptive_batch.__all__) <= 30
+    assert len(set(adaptive_batch.__all__)) == len(adaptive_batch.__all__)
+    for name in adaptive_batch.__all__:
+        assert getattr(adaptive_batch, name) is not None
+    # the dotted paths configs name
+    for name in ["double_every_epoch", "multiply_every", "linear_ramp", "step_increments", "linear_rampup",
+                 "seesaw", "noise_scale_growth"]:
+        assert callable(getattr(adaptive_batch, name))
+
+
+def test_no_two_modules_share_a_name():
+    names = [p.stem for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

@@ -2,6 +2,7 @@ import math
 
 import pytest
 
+from adaptive_batch.errors import ConfigError
 from adaptive_batch.validation import (
     check_bool,
     check_choice,
@@ -9,7 +10,6 @@ from adaptive_batch.validation import (
     check_known_keys,
     check_positive_int,
     check_positive_number,
-    ConfigError,
 )
 
 

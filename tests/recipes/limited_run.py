@@ -12,11 +12,10 @@ import sys
 
 import datasets  # noqa: F401  (imported by torchtune's datasets; its size counts before the limit)
 import torch  # noqa: F401
-import torchtune.training  # noqa: F401
 from torchtune._cli.tune import main
+import torchtune.training  # noqa: F401
 
-from adaptive_batch.memory import proc_status_bytes
-
+from adaptive_batch.memory.device import proc_status_bytes
 
 if __name__ == "__main__":
     headroom = int(sys.argv[1])

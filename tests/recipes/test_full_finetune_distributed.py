@@ -42,7 +42,7 @@ def test_no_trial_on_any_rank_goes_past_the_overshoot_bound(tmp_path):
 
     # The planner's share of one rank under FSDP2 (fake process group, nothing allocated)
     # against what the ranks measured, at the batch sizes near the answer.
-    from adaptive_batch.cli import main
+    from adaptive_batch.torchtune.cli import main
     from tests.recipes.conftest import run_in_process
 
     plan = run_in_process(main, ["adaptive-batch", "plan", "--config", DIST["config"], "--world-size", "2", "--json",

@@ -8,7 +8,6 @@ import pytest
 
 from tests.recipes.conftest import FIXED, read_metric_log, run_tune
 
-
 BAD_INPUTS = [
     (["use_maximum_batch_size=maybe"], "use_maximum_batch_size='maybe' must be true or false"),
     (["use_maximum_batch_size=1"], "use_maximum_batch_size=1 must be true or false"),
@@ -27,9 +26,9 @@ BAD_INPUTS = [
     (["use_maximum_batch_size=True", "tokenizer.max_seq_len=null"], "tokenizer.max_seq_len=null"),
     (["profiler.enabled=True", "profiler.profile_memory=True"], "profiler.profile_memory=True on device='cpu'"),
     (["batch_increase_function=nosuch_module.grow"], "no module 'nosuch_module' can be imported"),
-    (["batch_increase_function=adaptive_batch.growth.nope"], "has no attribute 'nope'"),
-    (["batch_increase_function=adaptive_batch.growth.KEY"], "is a str, not a function"),
-    (["batch_increase_function=adaptive_batch.growth.function_name"], "cannot be called as f(epoch, current_batch_size)"),
+    (["batch_increase_function=adaptive_batch.schedule.growth.nope"], "has no attribute 'nope'"),
+    (["batch_increase_function=adaptive_batch.schedule.growth.KEY"], "is a str, not a function"),
+    (["batch_increase_function=adaptive_batch.schedule.growth.function_name"], "cannot be called as f(epoch, current_batch_size)"),
     (["grow_with_accumulation=maybe"], "grow_with_accumulation='maybe' must be true or false"),
     (["retry_on_oom=2"], "retry_on_oom=2 must be true or false"),
     (["optimizer_in_bwd=True", "batch_increase_function=null"], "retry_on_oom=True with optimizer_in_bwd=True"),

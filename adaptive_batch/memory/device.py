@@ -1,0 +1,375 @@
+"""Memory budgets: parsing ``max_memory`` and reading what a device can hold.
+
+On CUDA the capacity is what the caching allocator can still get plus what it already holds.
+On CPU it is the tightest of the process address-space limit (``ulimit -v`` / ``prlimit --as``),
+the cgroup memory limit and the RAM the kernel reports available.
+"""
+
+from contextlib import contextmanager
+import ctypes
+from dataclasses import asdict, dataclass
+import math
+import os
+import re
+import resource
+from typing import Callable, Iterator, Optional, Union
+
+import torch
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "k": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+# No training step fits in less; a smaller byte count is a unit left out ("512" for "512MiB").
+MIN_MEMORY_BYTES = 1024**2
+# Without max_memory or a hard limit, the CPU budget leaves this much of the machine's RAM
+# (at least CPU_RESERVE_MIN_BYTES) to everything else running on it.
+CPU_RESERVE_FRACTION = 0.10
+CPU_RESERVE_MIN_BYTES = 1024**3
+
+MemorySpec = Union[int, float, str, None]
+
+
+def format_bytes(num_bytes: Optional[int]) -> str:
+    """Human-readable size with binary units, e.g. ``1.50 GiB``."""
+    if num_bytes is None:
+        return "unknown"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def parse_memory(
+    value: MemorySpec, *, capacity_bytes: Optional[int] = None, key: str = "max_memory"
+) -> Optional[int]:
+    """Turns a memory spec into bytes.
+
+    Accepted: a positive byte count (``6000000000``), a size string (``"6GiB"``, ``"512MB"``),
+    a fraction of the device in ``(0, 1]`` (``0.8``) or a percentage (``"80%"``). ``None`` means
+    "the whole device" and is returned as ``None``.
+
+    Args:
+        value: the spec.
+        capacity_bytes: the device's capacity; needed for fractions and to reject a spec larger
+            than the device.
+        key: the config key the value came from, for error messages.
+
+    Returns:
+        The number of bytes, or ``None`` when ``value`` is ``None``.
+
+    Raises:
+        ValueError: if the value cannot be parsed, is not finite, is zero or negative, is under
+            1 MiB (a unit left out), is a fraction without a known capacity, or is larger than
+            ``capacity_bytes``.
+    """
+    if value is None:
+        return None
+    fix = f"set {key} to a positive byte count, a size such as '6GiB', a fraction such as 0.8, or null"
+    if isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} is a boolean, not a memory size: {fix}.")
+    fraction: Optional[float] = None
+    num_bytes: Optional[float] = None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key}={value!r} is not a finite number: {fix}.")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
+        if isinstance(value, float) and value <= 1:
+            fraction = value
+        elif isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{key}={value!r} is neither a fraction in (0, 1] nor whole bytes: {fix}.")
+        else:
+            num_bytes = value
+    elif isinstance(value, str):
+        percent = _PERCENT_RE.match(value)
+        size = _SIZE_RE.match(value)
+        if percent:
+            fraction = float(percent.group(1)) / 100
+            if not 0 < fraction <= 1:
+                raise ValueError(f"{key}={value!r} must be a percentage in (0, 100]: {fix}.")
+        elif size and size.group(2).lower() in _UNITS:
+            number = float(size.group(1))
+            if not math.isfinite(number * _UNITS[size.group(2).lower()]):
+                raise ValueError(f"{key}={value!r} is not a finite size: {fix}.")
+            if size.group(2) == "" and 0 < number <= 1 and "." in size.group(1):
+                fraction = number
+            elif size.group(2) == "" and not number.is_integer():
+                raise ValueError(f"{key}={value!r} is neither a fraction in (0, 1] nor whole bytes: {fix}.")
+            else:
+                num_bytes = number * _UNITS[size.group(2).lower()]
+        else:
+            raise ValueError(f"{key}={value!r} cannot be parsed as a memory size: {fix}.")
+        if num_bytes is not None and num_bytes < 1:
+            raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
+    else:
+        raise ValueError(f"{key}={value!r} has type {type(value).__name__}: {fix}.")
+    if num_bytes is not None and num_bytes < MIN_MEMORY_BYTES:
+        raise ValueError(
+            f"{key}={value!r} is {int(num_bytes)} bytes, too small for any training step: set {key} "
+            f"with a unit (e.g. '{value}GiB'), or to a fraction such as 0.8 for a share of the device."
+        )
+
+    if fraction is not None:
+        if capacity_bytes is None:
+            raise ValueError(
+                f"{key}={value!r} is a fraction of the device, but the device's capacity is "
+                f"unknown: give {key} in bytes or as a size such as '6GiB'."
+            )
+        return int(capacity_bytes * fraction)
+    assert num_bytes is not None
+    result = int(num_bytes)
+    if capacity_bytes is not None and result > capacity_bytes:
+        raise ValueError(
+            f"{key}={value!r} ({format_bytes(result)}) is larger than the device can hold "
+            f"({format_bytes(capacity_bytes)}): lower {key}, or set it to null to use the whole device."
+        )
+    return result
+
+
+@dataclass(frozen=True)
+class DeviceCapacity:
+    """What a device can still hold, and which limit decided it.
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda:N"``.
+        headroom_bytes: bytes that can still be allocated on top of what is live now.
+        source: the limit that decided ``headroom_bytes`` (e.g. ``"RLIMIT_AS"``).
+        hard_limit: whether crossing it fails allocations (an address-space limit or a card's
+            memory), as opposed to a soft figure such as available RAM.
+    """
+
+    device: str
+    headroom_bytes: int
+    source: str
+    hard_limit: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def proc_status_bytes(field: str) -> Optional[int]:
+    """A size field of ``/proc/self/status`` in bytes (``"VmSize"``, ``"VmHWM"``), or ``None``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def address_space_limit() -> Optional[int]:
+    """The soft ``RLIMIT_AS`` of this process in bytes, or ``None`` when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _cgroup_headroom() -> Optional[int]:
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            with open(limit_path) as f:
+                raw = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw == "max" or int(raw) >= 1 << 60:
+            return None
+        return max(0, int(raw) - usage)
+    return None
+
+
+def _meminfo_bytes(field: str) -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def cpu_capacity() -> DeviceCapacity:
+    """Headroom of this process on the CPU: the tightest of its limits.
+
+    Those are the address-space limit, the cgroup's memory limit, and the RAM available less a
+    reserve for the rest of the machine (10% of RAM, at least 1 GiB).
+
+    Raises:
+        RuntimeError: if no limit can be read at all.
+    """
+    candidates = []
+    limit = address_space_limit()
+    vm_size = proc_status_bytes("VmSize")
+    if limit is not None and vm_size is not None:
+        candidates.append((max(0, limit - vm_size), "RLIMIT_AS", True))
+    cgroup = _cgroup_headroom()
+    if cgroup is not None:
+        # Crossing it wakes the cgroup's OOM killer: no allocation fails first.
+        candidates.append((cgroup, "cgroup memory.max", False))
+    available = _meminfo_bytes("MemAvailable")
+    if available is not None:
+        total = _meminfo_bytes("MemTotal") or available
+        reserve = max(CPU_RESERVE_MIN_BYTES, int(CPU_RESERVE_FRACTION * total))
+        candidates.append((max(0, available - reserve), "MemAvailable less a reserve", False))
+    if not candidates:
+        raise RuntimeError("cannot read any memory limit of this process: set max_memory explicitly.")
+    headroom, source, hard = min(candidates, key=lambda c: c[0])
+    return DeviceCapacity(device="cpu", headroom_bytes=headroom, source=source, hard_limit=hard)
+
+
+def cuda_capacity(device: torch.device) -> DeviceCapacity:
+    """Headroom on a CUDA device: free memory plus what the caching allocator already holds."""
+    free, _total = torch.cuda.mem_get_info(device)
+    reserved_idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return DeviceCapacity(
+        device=str(device),
+        headroom_bytes=int(free + reserved_idle),
+        source="cudaMemGetInfo",
+        hard_limit=True,
+    )
+
+
+def device_capacity(device: torch.device) -> DeviceCapacity:
+    """Headroom on ``device``.
+
+    Raises:
+        ValueError: for a device type other than CPU or CUDA.
+    """
+    if device.type == "cpu":
+        return cpu_capacity()
+    if device.type == "cuda":
+        return cuda_capacity(device)
+    raise ValueError(
+        f"device={device.type!r} has no memory backend here: use device=cpu or device=cuda, "
+        "or set use_maximum_batch_size=False."
+    )
+
+
+@contextmanager
+def address_space_limit_at(limit_bytes: int) -> Iterator[Optional[int]]:
+    """Holds this process to a soft ``RLIMIT_AS`` of ``limit_bytes`` inside the block.
+
+    An allocation past it fails with an error the probe catches, where past a soft figure
+    (available RAM, a cgroup) the kernel's OOM killer ends the process. A tighter limit already
+    in place stays; the previous one is back on exit.
+
+    Yields:
+        The limit in force inside the block, or ``None`` when the platform has none.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    wanted = int(limit_bytes) if hard == resource.RLIM_INFINITY else min(int(limit_bytes), hard)
+    if soft != resource.RLIM_INFINITY and soft <= wanted:
+        yield int(soft)
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (wanted, hard))
+    try:
+        yield wanted
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+
+def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:
+    """Makes glibc's address space follow live memory, for runs under an address-space limit.
+
+    Two glibc settings: large blocks are served with ``mmap`` (freeing them returns the
+    address space; otherwise glibc keeps freed heap blocks, and a batch that fits in live
+    tensors fails on space only the allocator's cache holds), and threads share one malloc
+    arena (each new thread's arena otherwise reserves 64 MiB of address space, e.g. the first
+    time a progress bar starts its monitor thread, after the probe has measured the headroom).
+
+    Returns:
+        ``True`` when glibc accepted both settings, ``False`` on another C library.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes))
+    arena_ok = libc.mallopt(_M_ARENA_MAX, 1)
+    return bool(mmap_ok and arena_ok)
+
+
+# Where torch reads the caching allocator's settings (the second is the newer, device-neutral name).
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_expandable_segments(log: Callable[[str], None], warn: Callable[[str], None]) -> bool:
+    """Turns on the CUDA caching allocator's expandable segments, unless the user chose.
+
+    With fixed-size segments, memory freed by one training step stays split into blocks the
+    next step's larger tensors cannot reuse. On an H200 the 152K-vocabulary model at the probed
+    batch of 438 ran its first step, then failed the second needing 7.9 GiB with 7.8 GiB
+    "reserved but unallocated"; with expandable segments every step ran and the reserved peak
+    stayed within 0.3 GiB of the allocated one, so the probe's batch holds across steps.
+
+    Args:
+        log: told what was set.
+        warn: told when ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) turns them off.
+
+    Returns:
+        Whether expandable segments are on.
+    """
+    settings = {name: os.environ.get(name, "").replace(" ", "") for name in ALLOC_CONF_VARS}
+    if any("expandable_segments:True" in value for value in settings.values()):
+        return True
+    for name, value in settings.items():
+        if "expandable_segments:False" in value:
+            warn(
+                f"{name}={value} turns the CUDA allocator's expandable segments off: fragmentation between steps "
+                "can make the probed batch run out of memory after its first step (the OOM recovery then halves "
+                "it); remove expandable_segments:False to keep the probed batch."
+            )
+            return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch before 2.9
+        setter = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
+    setter("expandable_segments:True")
+    log(
+        "CUDA allocator: expandable_segments:True, so memory freed by one step fits the next step's tensors "
+        "(set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False to keep fixed segments)."
+    )
+    return True
+
+
+def device_name(device: torch.device) -> str:
+    """What kind of device this is, for cache keys: the CUDA card's name, or the CPU model."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        return f"cpu:{line.split(':', 1)[1].strip()}"
+        except OSError:
+            pass
+    return device.type

@@ -1,0 +1,92 @@
+"""The probe for a plain PyTorch loop, in one call.
+
+::
+
+    def step(batch):
+        loss = loss_fn(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    batch_size = find_max_batch_size(
+        step,
+        make_batch=lambda b: {"x": torch.randn(b, 1024), "y": torch.randn(b, 1)},
+        model=model,
+        optimizer=optimizer,
+        max_memory="90%",
+    )
+
+The guarantees are the recipes': every trial is a real step on a batch of the caller's worst
+case, the answer fitted and the size above it did not, and the model, optimizer, scheduler and
+RNG come out as they went in.
+"""
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from adaptive_batch.probe.service import MemorySpec, ProbeOptions, step_budget, trial_address_space, trial_memory_limit
+from adaptive_batch.probe.trials import probe_max_batch_size
+from adaptive_batch.validation import check_fraction
+
+
+def find_max_batch_size(
+    train_step: Callable[[Any], None],
+    *,
+    make_batch: Callable[[int], Any],
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    max_memory: MemorySpec = "90%",
+    safety_margin: Optional[float] = None,
+    max_batch_size: Optional[int] = None,
+    device: Optional[torch.device] = None,
+    lr_scheduler: Optional[Any] = None,
+    snapshot_dir: Optional[str] = None,
+    log: Optional[Callable[[str], None]] = None,
+) -> int:
+    """The largest batch whose full training step fits in ``max_memory``.
+
+    Args:
+        train_step: one full step on a batch: forward, loss, backward, optimizer step, zero grad.
+        make_batch: the worst-case batch of a given size (the longest inputs the run will see).
+        model: the model ``train_step`` trains.
+        optimizer: its optimizer, if the step keeps state.
+        max_memory: the budget for a step's peak, parameters and optimizer state included:
+            bytes, a size (``"6GiB"``), or a fraction of the device (``0.9``, ``"90%"``).
+        safety_margin: fraction of the budget held back; ``None``: 5% on CUDA, 1% on CPU.
+        max_batch_size: the largest size worth trying, e.g. the dataset's size.
+        device: where the step runs; the model's device when ``None``.
+        lr_scheduler: restored with the rest, when given.
+        snapshot_dir: where the temporary copy of the training state goes (a temporary
+            directory when ``None``).
+        log: called with one line per trial.
+
+    Returns:
+        The largest batch size that ran a real step within the budget.
+
+    Raises:
+        ConfigError: for a bad ``max_memory``, ``safety_margin`` or ``max_batch_size``.
+        BatchSizeTooLargeError: when batch 1 does not fit.
+    """
+    if safety_margin is not None:
+        check_fraction("safety_margin", safety_margin, "0.05 keeps 5% of the budget back")
+    options = ProbeOptions(max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size)
+    if device is None:
+        device = next(model.parameters()).device
+    budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
+    address_space = trial_address_space(budget, capacity, device=device, model=model, optimizer=optimizer)
+    result = probe_max_batch_size(
+        train_step=train_step,
+        make_batch=make_batch,
+        model=model,
+        optimizer=optimizer,
+        device=device,
+        budget_bytes=budget.budget_bytes,
+        lr_scheduler=lr_scheduler,
+        max_batch_size=max_batch_size,
+        snapshot_dir=snapshot_dir,
+        log=log,
+        trial_limit=lambda: trial_memory_limit(address_space, log=log),
+    )
+    return result.max_batch_size

@@ -1,0 +1,117 @@
+"""A cache of probe results, keyed by everything that changes a step's memory.
+
+The key hashes the model config, dtype, optimizer, loss, sequence length, activation
+checkpointing, device name, memory budget, world size and library versions (whatever the
+caller passes as ``fields``). A re-run with the same key reuses the result instead of probing.
+An entry that cannot be read, whose stored fields differ from the key's, or whose values are
+out of range or disagree with the key (a batch of 0, a batch over the cap, another budget or
+sequence length, a found size no fitting trial backs) is ignored with a warning: never trusted.
+"""
+
+import hashlib
+from importlib import metadata
+import json
+import os
+import tempfile
+from typing import Any, Callable, Dict, Optional
+
+CACHE_FORMAT = 1
+
+
+def library_versions() -> Dict[str, str]:
+    """Versions that change kernels or the probe: torch, torchtune, adaptive-batch."""
+    versions = {}
+    for name in ("torch", "torchtune", "adaptive-batch"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "unknown"
+    return versions
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/adaptive-batch/probe`` (``~/.cache`` when unset)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "adaptive-batch", "probe")
+
+
+def cache_key(fields: Dict[str, Any]) -> str:
+    """The hash of ``fields`` (JSON with sorted keys)."""
+    canonical = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def report_problem(report: Any, fields: Dict[str, Any]) -> Optional[str]:
+    """What makes a cached report unusable for ``fields``, or ``None`` when it is sound."""
+    if not isinstance(report, dict):
+        return "the report is not an object"
+    found, batch = report.get("max_batch_size"), report.get("batch_size")
+    if not _whole(found) or found < 1 or not _whole(batch) or batch < 1:
+        return f"max_batch_size={found!r} and batch_size={batch!r} must be integers of at least 1"
+    if batch > found:
+        return f"batch_size={batch} is larger than max_batch_size={found}"
+    cap = fields.get("batch_size_cap")
+    if _whole(cap) and found > cap:
+        return f"max_batch_size={found} is over the cap of {cap}"
+    for name in ("budget_bytes", "seq_len"):
+        if name in fields and report.get(name) != fields[name]:
+            return f"{name}={report.get(name)!r} differs from the key's {fields[name]!r}"
+    trials = report.get("trials")
+    if not isinstance(trials, list) or not any(
+        isinstance(t, dict) and t.get("batch_size") == found and t.get("fits") is True for t in trials
+    ):
+        return f"no fitting trial at max_batch_size={found}"
+    return None
+
+
+class ProbeCache:
+    """Probe results on disk, one JSON file a key.
+
+    Args:
+        directory: where entries live (created on first store).
+        warn: called with a line when an entry is ignored.
+    """
+
+    def __init__(self, directory: str, warn: Callable[[str], None] = lambda message: None) -> None:
+        self.directory = directory
+        self.warn = warn
+
+    def path(self, fields: Dict[str, Any]) -> str:
+        return os.path.join(self.directory, f"probe_{cache_key(fields)}.json")
+
+    def load(self, fields: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """The cached report for ``fields``, or ``None`` (missing, corrupt or stale)."""
+        path = self.path(fields)
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                entry = json.load(f)
+            stored = entry["fields"]
+            report = entry["report"]
+            stale = entry.get("format") != CACHE_FORMAT or json.loads(json.dumps(fields, default=str)) != stored
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.warn(f"probe cache: ignoring unreadable entry {path} ({type(e).__name__}: {e}); probing again.")
+            return None
+        if stale:
+            self.warn(f"probe cache: ignoring stale entry {path} (its fields or format differ); probing again.")
+            return None
+        problem = report_problem(report, fields)
+        if problem is not None:
+            self.warn(f"probe cache: ignoring invalid entry {path} ({problem}); probing again.")
+            return None
+        return report
+
+    def store(self, fields: Dict[str, Any], report: Dict[str, Any]) -> str:
+        """Writes the entry atomically and returns its path."""
+        os.makedirs(self.directory, exist_ok=True)
+        path = self.path(fields)
+        fd, tmp = tempfile.mkstemp(prefix=".probe_", suffix=".json", dir=self.directory)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": CACHE_FORMAT, "fields": fields, "report": report}, f, indent=2, default=str)
+        os.replace(tmp, path)
+        return path

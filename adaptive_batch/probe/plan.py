@@ -1,0 +1,548 @@
+"""Predicting a training step's peak memory without allocating it.
+
+The model is built on the meta device, then given fake storage (``FakeTensorMode``): every
+tensor has a shape, a dtype and a size in bytes, and none has memory. Full training steps
+(forward, loss, backward, optimizer step) run on fake batches under torch's ``MemTracker``,
+which records the peak and what it is made of: parameters, gradients, optimizer state,
+activations. Two measured batch sizes give the same line the probe fits
+(``peak(b) = fixed + per_sample * b``), per category, and so the largest batch for any device
+memory, on a laptop, for an 80 GB card.
+
+Blind spots: kernels whose memory differs between devices (CUDA's fused attention keeps no
+``seq x seq`` matrix, the CPU math path does), the CUDA context and the caching allocator's
+fragmentation (what ``memory_safety_margin`` is for), and anything ``torch.compile`` changes.
+"""
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+import math
+import time
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Union
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+import torch.distributed as dist
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from adaptive_batch.errors import BatchSizeTooLargeError
+from adaptive_batch.memory.estimator import LinearMemoryEstimate
+from adaptive_batch.probe.search import powers_of_two, search_max_batch_size
+
+# MemTracker's categories, as the table names them; temporaries of backward count as activations.
+CATEGORIES = {
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "activations",
+    "Other": "other",
+    # FSDPMemTracker's, for a rank's share under FSDP2: the all-gathered layer counts as
+    # parameters, the reduce-scatter buffers as gradients.
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "All Gather": "parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Reduce Scatter": "gradients",
+    "OptState": "optimizer_state",
+    "Inputs": "activations",
+}
+CATEGORY_ORDER = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "other")
+
+# Trainable parameters -> one optimizer, or one per parameter (optimizer in backward).
+BuildOptimizer = Callable[[List[nn.Parameter]], Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]]
+ForwardBackward = Callable[[nn.Module, Dict[str, torch.Tensor]], None]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """The peak of one batch size, whole and by category (bytes)."""
+
+    batch_size: int
+    peak_bytes: int
+    categories: Dict[str, int]
+
+
+@dataclass
+class MemoryPlan:
+    """What :func:`plan_memory` predicts.
+
+    Attributes:
+        seq_len: the sequence length every sample was planned at.
+        measured: every fake-measured step (batch 1 and 2, and the search's), by batch size.
+        estimate: the line ``peak(b) = fixed + per_sample * b`` through batch 1 and 2: where the
+            search starts, and the table's rows between measured steps.
+        device_memory_bytes: the memory planned for, or ``None``.
+        budget_bytes: that memory less the safety margin, or ``None``.
+        max_batch_size: the largest batch whose own fake step is within the budget, the size
+            above it over (or the cap); ``None`` without a budget, 0 when batch 1 is over.
+        rows: predicted peaks for the table's batch sizes.
+        seconds: how long planning took.
+        assumptions: what the plan assumed (defaults filled in, layers extrapolated, an
+            optimizer's state size), to print with it.
+        world_size: the data-parallel ranks planned for (the batch and the peaks are one
+            rank's).
+    """
+
+    seq_len: int
+    measured: List[PlanRow]
+    estimate: LinearMemoryEstimate
+    device_memory_bytes: Optional[int]
+    budget_bytes: Optional[int]
+    max_batch_size: Optional[int]
+    rows: List[PlanRow] = field(default_factory=list)
+    seconds: float = 0.0
+    assumptions: List[str] = field(default_factory=list)
+    world_size: int = 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def row_at(self, batch_size: int) -> PlanRow:
+        """The predicted peak at ``batch_size``: its own fake step where one was measured,
+        else the line through the two measured steps nearest to it."""
+        return _predict_row({r.batch_size: r for r in self.measured}, batch_size)
+
+
+def build_fake_model(
+    build_model: Callable[[], nn.Module],
+    fake_mode: FakeTensorMode,
+    keep_layers: Optional[int] = None,
+    shard: Optional[Callable[[nn.Module], None]] = None,
+) -> nn.Module:
+    """Builds the model on the meta device and gives it fake CPU storage.
+
+    torchtune's rotary embeddings compute their cache at init; it is recomputed for real (it is
+    small), since the meta build left it empty.
+
+    Args:
+        build_model: builds the model.
+        fake_mode: the fake mode its tensors belong to.
+        keep_layers: keep only the first this many of ``model.layers`` (see :func:`num_layers`).
+        shard: applies FSDP2 to the meta model (under a process group) before it gets storage.
+    """
+    with torch.device("meta"):
+        model = build_model()
+    if keep_layers is not None:
+        model.layers = model.layers[:keep_layers]
+    if shard is not None:
+        shard(model)
+    with fake_mode:
+        model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "rope_init"):
+            with unset_fake_temporarily():
+                module.rope_init()
+    return model
+
+
+def num_layers(build_model: Callable[[], nn.Module]) -> Optional[int]:
+    """How many identical decoder layers the model has (``model.layers``, as torchtune's
+    ``TransformerDecoder`` holds them), or ``None`` when it has no such list."""
+    with torch.device("meta"):
+        model = build_model()
+    layers = getattr(model, "layers", None)
+    return len(layers) if isinstance(layers, nn.ModuleList) else None
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _tracked_peak(model: nn.Module, optimizers: List[torch.optim.Optimizer], run: Callable[[], None]) -> "PlanRow":
+    """Runs ``run`` under a fresh ``MemTracker`` (``FSDPMemTracker`` for a sharded model) that
+    knows the model and optimizers; its peak by category (``batch_size`` 0: the caller sets it)."""
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(mod=model, optm=optimizers[0] if optimizers else None)
+    else:
+        tracker = MemTracker()
+    # MemTracker hooks every parameter's gradient, which fails on frozen ones (LoRA's base
+    # weights): mark those as hooked already, with handles that remove nothing.
+    for param in model.parameters():
+        if not param.requires_grad:
+            tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+    if not isinstance(model, FSDPModule):
+        tracker.track_external(model, *optimizers)
+    with tracker:
+        run()
+    snapshot = tracker.get_tracker_snapshot("peak")
+    categories = {name: 0 for name in CATEGORY_ORDER}
+    total = 0
+    for per_device in snapshot.values():
+        for kind, nbytes in per_device.items():
+            label = getattr(kind, "value", kind)
+            if label == "Total":
+                total += nbytes
+            else:
+                categories[CATEGORIES.get(label, "other")] += nbytes
+    return PlanRow(batch_size=0, peak_bytes=total, categories=categories)
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """A fake step's peak in its two parts: forward and backward; optimizer step and zeroing
+    (empty with the optimizer in backward). Each part's peak is linear in the layer count."""
+
+    backward: PlanRow
+    optimizer: Optional[PlanRow]
+
+    def rows(self) -> List[PlanRow]:
+        return [self.backward] + ([self.optimizer] if self.optimizer is not None else [])
+
+    def peak(self, batch_size: int) -> PlanRow:
+        top = max(self.rows(), key=lambda r: r.peak_bytes)
+        return PlanRow(batch_size=batch_size, peak_bytes=top.peak_bytes, categories=dict(top.categories))
+
+
+def fake_step_phases(
+    model: nn.Module,
+    optimizers: List[torch.optim.Optimizer],
+    forward_backward: ForwardBackward,
+    batch: Dict[str, torch.Tensor],
+    *,
+    optimizer_in_backward: bool = False,
+) -> StepPhases:
+    """Runs one fake training step, each part under its own ``MemTracker``.
+
+    With ``optimizer_in_backward`` each parameter's optimizer steps (and frees its gradient)
+    as soon as the gradient is accumulated, as torchtune's ``optimizer_in_bwd`` runs it.
+    """
+    if optimizer_in_backward:
+        backward = _tracked_peak(model, optimizers, lambda: forward_backward(model, batch))
+        return StepPhases(backward, None)
+
+    def step_and_zero() -> None:
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    backward = _tracked_peak(model, optimizers, lambda: forward_backward(model, batch))
+    return StepPhases(backward, _tracked_peak(model, optimizers, step_and_zero))
+
+
+def _extrapolate(a: PlanRow, b: PlanRow, at_a: int, at_b: int, to: int) -> PlanRow:
+    """The line through ``a`` (at ``at_a``) and ``b`` (at ``at_b``), peak and categories, at ``to``."""
+
+    def line(x: int, y: int) -> int:
+        return int(round(x + (y - x) * (to - at_a) / (at_b - at_a)))
+
+    categories = {name: line(a.categories[name], b.categories[name]) for name in CATEGORY_ORDER}
+    return PlanRow(batch_size=a.batch_size, peak_bytes=line(a.peak_bytes, b.peak_bytes), categories=categories)
+
+
+# Layer counts measured when extrapolating: not 1, where the first and last layer are one.
+MEASURED_LAYERS = (2, 3)
+
+
+def plan_memory(
+    *,
+    build_model: Callable[[], nn.Module],
+    build_optimizer: BuildOptimizer,
+    forward_backward: ForwardBackward,
+    seq_len: int,
+    device_memory_bytes: Optional[int] = None,
+    safety_margin: float = 0.0,
+    max_batch_size: Optional[int] = None,
+    table_batch_sizes: Optional[Iterable[int]] = None,
+    optimizer_in_backward: bool = False,
+    extrapolate_layers: bool = True,
+    assumptions: Iterable[str] = (),
+    adjust_bytes: Optional[Dict[str, int]] = None,
+    world_size: int = 1,
+    shard: Optional[Callable[[nn.Module, DeviceMesh], None]] = None,
+) -> MemoryPlan:
+    """Predicts a training step's peak at every batch size, allocating nothing.
+
+    Models with a list of identical decoder layers (``model.layers``) are planned from copies
+    with 2 and 3 layers: each part of a fake step (forward and backward; the optimizer step)
+    is linear in the layer count, so the two give every layer count, and a 70B model plans in
+    the time of a 3-layer one. ``extrapolate_layers=False`` steps the whole model.
+
+    Args:
+        build_model: builds the model (it is called under the meta device).
+        build_optimizer: makes the optimizers for a list of trainable parameters: one
+            optimizer, or with ``optimizer_in_backward`` one per parameter.
+        forward_backward: runs forward, loss and backward of the model on a batch with
+            ``tokens`` and ``labels`` of shape ``[batch, seq_len]``.
+        seq_len: the length every sample is planned at (the worst case a batch can have).
+        device_memory_bytes: the memory to plan for; ``None`` for the table only.
+        safety_margin: fraction of it held back, as the probe does.
+        max_batch_size: cap on the answer.
+        table_batch_sizes: the rows of the table; default powers of two up to past the answer.
+        optimizer_in_backward: each parameter steps in backward and frees its gradient.
+        extrapolate_layers: plan from 2 and 3 layers when the model has more than 3.
+        assumptions: what the caller assumed (a default sequence length, an optimizer's state
+            size), carried into the plan.
+        adjust_bytes: bytes added to every step's peak, by category (negative to take off):
+            what the fake model stands in for differently (e.g. NF4 weights planned dense).
+        world_size: plan one rank's share of a data-parallel run over this many ranks:
+            ``shard(model, mesh)`` applies FSDP2 under a fake process group of that size
+            (no other process, nothing sent), and ``FSDPMemTracker`` counts the rank's sharded
+            parameters, gradients and optimizer state, its all-gathered layers and its
+            reduce-scatter buffers. The batch is per rank.
+        shard: see ``world_size``; needed when it is above 1.
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: for a ``seq_len`` under 1 or a margin outside ``[0, 1)``.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be at least 1.")
+    if not 0 <= safety_margin < 1:
+        raise ValueError(f"safety_margin={safety_margin} must be in [0, 1).")
+    if world_size > 1 and shard is None:
+        raise ValueError(f"world_size={world_size} needs shard, the function that applies FSDP2.")
+    with _fake_process_group(world_size) as mesh:
+        return _plan(
+            build_model=build_model,
+            build_optimizer=build_optimizer,
+            forward_backward=forward_backward,
+            seq_len=seq_len,
+            device_memory_bytes=device_memory_bytes,
+            safety_margin=safety_margin,
+            max_batch_size=max_batch_size,
+            table_batch_sizes=table_batch_sizes,
+            optimizer_in_backward=optimizer_in_backward,
+            extrapolate_layers=extrapolate_layers,
+            assumptions=[*assumptions] + ([f"one rank's share of {world_size} under FSDP2; the batch is per rank"] if mesh else []),
+            adjust_bytes=adjust_bytes,
+            shard=None if mesh is None else (lambda model: shard(model, mesh)),
+            world_size=world_size,
+        )
+
+
+@contextlib.contextmanager
+def _fake_process_group(world_size: int) -> Iterator[Optional[DeviceMesh]]:
+    """A process group of ``world_size`` ranks that sends nothing (torch's ``fake`` backend),
+    and its CPU mesh; ``None`` for one rank. Refused inside a real distributed run."""
+    if world_size <= 1:
+        yield None
+        return
+    if dist.is_initialized():
+        raise ValueError("planning several ranks needs a process of its own: a process group is already set up.")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _plan(
+    *,
+    build_model: Callable[[], nn.Module],
+    build_optimizer: BuildOptimizer,
+    forward_backward: ForwardBackward,
+    seq_len: int,
+    device_memory_bytes: Optional[int],
+    safety_margin: float,
+    max_batch_size: Optional[int],
+    table_batch_sizes: Optional[Iterable[int]],
+    optimizer_in_backward: bool,
+    extrapolate_layers: bool,
+    assumptions: List[str],
+    adjust_bytes: Optional[Dict[str, int]],
+    shard: Optional[Callable[[nn.Module], None]],
+    world_size: int,
+) -> MemoryPlan:
+    start = time.perf_counter()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    layers = num_layers(build_model) if extrapolate_layers else None
+    counts = MEASURED_LAYERS if layers is not None and layers > MEASURED_LAYERS[-1] else (None,)
+    steppers = {}
+    for keep in counts:
+        model = build_fake_model(build_model, fake_mode, keep_layers=keep, shard=shard)
+        with fake_mode:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizers = _as_list(build_optimizer(trainable))
+        if optimizer_in_backward:
+            _step_in_backward(trainable, optimizers)
+        steppers[keep] = (model, optimizers)
+
+    def step(b: int) -> PlanRow:
+        tokens = torch.zeros(b, seq_len, dtype=torch.long)
+        batch = {"tokens": tokens, "labels": torch.zeros(b, seq_len, dtype=torch.long)}
+        phases = {
+            keep: fake_step_phases(model, optimizers, forward_backward, batch, optimizer_in_backward=optimizer_in_backward)
+            for keep, (model, optimizers) in steppers.items()
+        }
+        if counts == (None,):
+            return _adjusted(phases[None].peak(b), adjust_bytes)
+        (k1, low), (k2, high) = sorted(phases.items())
+        whole = StepPhases(
+            *[_extrapolate(x, y, k1, k2, layers) if x is not None else None for x, y in zip(
+                (low.backward, low.optimizer), (high.backward, high.optimizer))]
+        )
+        return _adjusted(whole.peak(b), adjust_bytes)
+
+    with fake_mode:
+        # The first step creates the optimizer state: later steps are the steady state.
+        step(1)
+        measured = {b: step(b) for b in (1, 2)}
+    estimate = LinearMemoryEstimate.fit([(r.batch_size, r.peak_bytes) for r in measured.values()])
+
+    budget = None if device_memory_bytes is None else int(device_memory_bytes * (1 - safety_margin))
+    best = None
+    if budget is not None:
+        best = _search_in_fake_steps(step, measured, fake_mode, budget, max_batch_size)
+    if table_batch_sizes is None:
+        table_batch_sizes = _default_table(best)
+    rows = [
+        _predict_row(measured, b)
+        for b in sorted(set(table_batch_sizes) | ({best} if best else set()))
+    ]
+    notes = list(assumptions)
+    if counts != (None,):
+        notes.append(f"{layers} decoder layers extrapolated from fake steps with {counts[0]} and {counts[1]}")
+    if optimizer_in_backward:
+        notes.append("optimizer in backward: each gradient freed after its parameter's step")
+    return MemoryPlan(
+        seq_len=seq_len,
+        measured=[measured[b] for b in sorted(measured)],
+        estimate=estimate,
+        device_memory_bytes=device_memory_bytes,
+        budget_bytes=budget,
+        max_batch_size=best,
+        rows=rows,
+        seconds=time.perf_counter() - start,
+        assumptions=notes,
+        world_size=world_size,
+    )
+
+
+class KnownStateOptimizer(torch.optim.Optimizer):
+    """A stand-in for an optimizer the planner cannot import (bitsandbytes' 8-bit and paged
+    AdamW on a machine without CUDA): its first step creates state of a known size per
+    parameter and changes nothing.
+
+    Args:
+        params: the trainable parameters.
+        bytes_per_element: state bytes per parameter element.
+        small_bytes_per_element: for parameters under ``small_numel`` elements (bitsandbytes
+            keeps those in 32-bit state).
+        small_numel: see above.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        *,
+        bytes_per_element: float,
+        small_bytes_per_element: Optional[float] = None,
+        small_numel: int = 0,
+    ) -> None:
+        super().__init__(params, {})
+        self.bytes_per_element = bytes_per_element
+        self.small_bytes_per_element = small_bytes_per_element or bytes_per_element
+        self.small_numel = small_numel
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p in self.state and self.state[p]:
+                    continue
+                per = self.small_bytes_per_element if p.numel() < self.small_numel else self.bytes_per_element
+                self.state[p]["state"] = torch.empty(math.ceil(p.numel() * per), dtype=torch.uint8, device=p.device)
+
+
+def _adjusted(row: PlanRow, adjust_bytes: Optional[Dict[str, int]]) -> PlanRow:
+    if not adjust_bytes:
+        return row
+    categories = {name: row.categories[name] + adjust_bytes.get(name, 0) for name in CATEGORY_ORDER}
+    return PlanRow(row.batch_size, row.peak_bytes + sum(adjust_bytes.values()), categories)
+
+
+def _as_list(optimizers: Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]) -> List[torch.optim.Optimizer]:
+    return list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+
+
+def _step_in_backward(params: List[nn.Parameter], optimizers: List[torch.optim.Optimizer]) -> None:
+    """torchtune's ``register_optim_in_bwd_hooks``: a parameter's optimizer steps and frees its
+    gradient once the gradient is accumulated."""
+    by_param = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                by_param[p] = optimizer
+    for p in params:
+        optimizer = by_param[p]
+
+        def hook(param: nn.Parameter, optimizer: torch.optim.Optimizer = optimizer) -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def _search_in_fake_steps(
+    step: Callable[[int], PlanRow],
+    measured: Dict[int, PlanRow],
+    fake_mode: FakeTensorMode,
+    budget: int,
+    max_batch_size: Optional[int],
+) -> int:
+    """The probe's search, over fake steps: the line through batch 1 and 2 is where it starts,
+    never the answer, which is a batch whose own fake step was within the budget. (On a large
+    vocabulary the optimizer step sets the peak at batch 1 and 2, the line is nearly flat, and
+    answering with it overstated the batch.)"""
+
+    def run_trial(b: int) -> int:
+        if b not in measured:
+            with fake_mode:
+                measured[b] = step(b)
+        return measured[b].peak_bytes
+
+    try:
+        # Fake steps allocate nothing: no bound on how far a trial may go.
+        result = search_max_batch_size(
+            run_trial,
+            budget_bytes=budget,
+            max_batch_size=max_batch_size,
+            warmup=False,
+            release=lambda: None,
+            max_overshoot=math.inf,
+        )
+    except BatchSizeTooLargeError:
+        return 0
+    return result.max_batch_size
+
+
+def _predict_row(measured: Dict[int, PlanRow], batch_size: int) -> PlanRow:
+    """Each category on the line through the two measured steps nearest to ``batch_size``
+    (bracketing it where they can). Not the line through batch 1 and 2 alone: on a large
+    vocabulary the peak grows faster per sample above batch 1 than from 1 to 2, and that line
+    put the 152K-vocabulary model's peak at batch 438 at half what a CUDA step measured."""
+    if batch_size in measured:
+        return measured[batch_size]
+    sizes = sorted(measured)
+    below = [b for b in sizes if b < batch_size]
+    above = [b for b in sizes if b > batch_size]
+    if below and above:
+        lo, hi = below[-1], above[0]
+    elif below:
+        lo, hi = below[-2:] if len(below) > 1 else (below[-1], below[-1])
+    else:
+        lo, hi = above[:2] if len(above) > 1 else (above[0], above[0])
+    if lo == hi:
+        raise ValueError("a prediction needs two measured batch sizes")
+    a, b = measured[lo], measured[hi]
+
+    def line(x: int, y: int) -> int:
+        return int(round(x + (y - x) * (batch_size - lo) / (hi - lo)))
+
+    categories = {name: line(a.categories[name], b.categories[name]) for name in CATEGORY_ORDER}
+    return PlanRow(batch_size=batch_size, peak_bytes=line(a.peak_bytes, b.peak_bytes), categories=categories)
+
+
+def _default_table(best: Optional[int]) -> List[int]:
+    return powers_of_two(max(8, 2 * best) if best else 64)

@@ -1,0 +1,349 @@
+"""Finding the largest batch that fits: a linear estimate, then real trials around it.
+
+:func:`search_max_batch_size` knows nothing of models: it calls ``run_trial(batch_size)``, which
+runs one real step and returns its peak bytes or raises an out-of-memory error. A size fits when
+its step ran and its peak is within the budget. The result is always a size whose trial fitted,
+with the size above it tried and failed (or at the cap).
+"""
+
+from dataclasses import asdict, dataclass, field
+import math
+import time
+from typing import Callable, Dict, List, Mapping, Optional, Union
+
+from adaptive_batch.errors import BatchSizeTooLargeError
+from adaptive_batch.memory.device import format_bytes
+from adaptive_batch.memory.estimator import LinearMemoryEstimate, OperatorMemoryEstimate, PhaseMemoryEstimate
+from adaptive_batch.memory.oom import is_oom_error, release_memory
+from adaptive_batch.memory.tracker import StepMemory
+
+ROUNDING_MODES = ("none", "power_of_two")
+# No trial is launched whose peak could exceed the budget by more than this factor, judged from
+# the largest fit so far (see ``search_max_batch_size``).
+MAX_TRIAL_OVERSHOOT = 1.25
+
+
+@dataclass
+class Trial:
+    """One real step of the search.
+
+    Attributes:
+        batch_size: the size tried.
+        fits: it ran, and its peak is within the budget.
+        peak_bytes: the step's peak, or ``None`` when it ran out of memory.
+        seconds: how long the trial took.
+        oom: it ran out of memory.
+        phase: the search's phase (``warmup``, ``estimate``, ``search``).
+        phase_peak_bytes: the peak of each phase of the step, when measured.
+        start_bytes: what was live when the step began, when measured.
+    """
+
+    batch_size: int
+    fits: bool
+    peak_bytes: Optional[int]
+    seconds: float
+    oom: bool
+    phase: str
+    phase_peak_bytes: Optional[Dict[str, int]] = None
+    start_bytes: Optional[int] = None
+
+
+Estimate = Union[LinearMemoryEstimate, PhaseMemoryEstimate, OperatorMemoryEstimate]
+
+
+@dataclass
+class SearchResult:
+    """What the search found and every trial it ran."""
+
+    max_batch_size: int
+    budget_bytes: int
+    estimate: Optional[Estimate]
+    predicted_max_batch_size: Optional[int]
+    trials: List[Trial] = field(default_factory=list)
+    total_seconds: float = 0.0
+
+    @property
+    def num_trials(self) -> int:
+        return len(self.trials)
+
+    @property
+    def max_overshoot(self) -> Optional[float]:
+        """The largest measured trial peak as a multiple of the budget (``None``: none measured).
+        Trials that ran out of memory have no peak; they count in ``trials``."""
+        ratios = [t.peak_bytes / self.budget_bytes for t in self.trials if t.peak_bytes is not None]
+        return max(ratios) if ratios else None
+
+    def to_dict(self) -> dict:
+        estimate = {}
+        if isinstance(self.estimate, OperatorMemoryEstimate):
+            estimate = self.estimate.to_dict(self.predicted_max_batch_size or 1)
+        elif self.estimate is not None:
+            estimate = self.estimate.to_dict()
+        estimate["kind"] = _ESTIMATE_KINDS.get(type(self.estimate))
+        estimate["predicted_max_batch_size"] = self.predicted_max_batch_size
+        return {
+            "max_batch_size": self.max_batch_size,
+            "budget_bytes": self.budget_bytes,
+            "estimate": estimate,
+            "trials": [asdict(t) for t in self.trials],
+            "max_overshoot": self.max_overshoot,
+            "total_seconds": self.total_seconds,
+        }
+
+
+_ESTIMATE_KINDS = {LinearMemoryEstimate: "step", PhaseMemoryEstimate: "phases", OperatorMemoryEstimate: "operators"}
+
+
+def round_batch_size(batch_size: int, mode: str) -> int:
+    """Rounds a found batch size down (``"power_of_two"``) or keeps it (``"none"``).
+
+    Raises:
+        ValueError: for an unknown mode or a batch size below 1.
+    """
+    if mode not in ROUNDING_MODES:
+        raise ValueError(
+            f"batch_size_rounding={mode!r} is not one of {list(ROUNDING_MODES)}: pick one of them."
+        )
+    if batch_size < 1:
+        raise ValueError(f"cannot round batch size {batch_size}: it must be at least 1.")
+    if mode == "power_of_two":
+        return 1 << int(math.floor(math.log2(batch_size)))
+    return batch_size
+
+
+def powers_of_two(up_to: int) -> List[int]:
+    """1, 2, 4, ... up to and including ``up_to`` (empty below 1)."""
+    return [1 << k for k in range(up_to.bit_length())] if up_to >= 1 else []
+
+
+def search_max_batch_size(
+    run_trial: Callable[[int], Union[int, Mapping[str, int]]],
+    *,
+    budget_bytes: int,
+    max_batch_size: Optional[int] = None,
+    warmup: bool = True,
+    release: Callable[[], None] = release_memory,
+    log: Optional[Callable[[str], None]] = None,
+    max_trials: int = 64,
+    max_overshoot: float = MAX_TRIAL_OVERSHOOT,
+) -> SearchResult:
+    """Finds the largest batch size whose step fits in ``budget_bytes``.
+
+    Steps at batch sizes 1 and 2 fit ``peak(b) = fixed + per_sample * b``: one line per operator
+    of the step when ``run_trial`` gives the step's memory after each operator, else one line per
+    phase when it gives phases, else one line (the step's peak is the largest line's); the
+    predicted largest size is tried, then its neighbour; if the prediction was off, the search
+    gallops (steps 1, 2, 4, ...) away from it until the answer is bracketed, then bisects.
+
+    Every trial past the estimate steps is bounded by the worst case the largest fit so far
+    allows: what a step adds to the memory it starts with (``peak - start``, ``start`` being the
+    training state and the batch, or 0 when not measured) growing in proportion to the batch.
+    The next size is at most ``lo * (max_overshoot * budget - start) / (peak(lo) - start)``, so
+    no trial's peak passes ``max_overshoot`` x budget unless a step's memory grows faster than
+    in proportion to its batch, however wrong the line is. Where the line is right it allows
+    the jump to the prediction; where it is untrusted (peaks nearly flat at batch 1-2 while
+    a hidden term grows, as under FSDP2) the search grows geometrically from the largest fit.
+
+    Args:
+        run_trial: runs one real step at a batch size and returns its peak bytes, the peak
+            of each of its phases (``{"forward": ..., "backward": ..., "optimizer": ...}``),
+            or a :class:`StepMemory` (phases and the memory after each operator); raises an
+            out-of-memory error when the step cannot allocate.
+        budget_bytes: the most a step's peak may be.
+        max_batch_size: the largest size worth trying (e.g. the dataset size); ``None``: no cap.
+        warmup: run one step at batch 1 first and leave it out of the estimate, so one-time
+            allocations (optimizer state) are in place for the measured steps.
+        release: frees what a failed step left behind.
+        log: called with one line per trial.
+        max_trials: a guard against a step that never runs out of memory with no cap.
+        max_overshoot: the bound on a trial's peak, as a multiple of the budget, that limits
+            how far past the largest fit the next trial may go (``math.inf``: no bound, for
+            trials that allocate nothing, such as the planner's fake steps).
+
+    Returns:
+        The result, with every trial.
+
+    Raises:
+        BatchSizeTooLargeError: when batch size 1 does not fit.
+        ValueError: for a budget or cap below 1, or ``max_overshoot`` below 1.
+        RuntimeError: when ``max_trials`` trials did not settle the answer.
+    """
+    if budget_bytes < 1:
+        raise ValueError(f"budget_bytes={budget_bytes} must be positive.")
+    if max_batch_size is not None and max_batch_size < 1:
+        raise ValueError(f"max_batch_size={max_batch_size} must be at least 1.")
+    if not max_overshoot >= 1:
+        raise ValueError(f"max_overshoot={max_overshoot} must be at least 1.")
+    start = time.perf_counter()
+    trials: List[Trial] = []
+    lo = 0  # largest size seen to fit
+    hi: Optional[int] = None  # smallest size seen to fail
+    steps: Dict[int, StepMemory] = {}  # the estimate steps' memory after each operator
+
+    def run(batch_size: int, phase: str) -> bool:
+        nonlocal lo, hi
+        if len(trials) >= max_trials:
+            raise RuntimeError(
+                f"the batch size search ran {max_trials} trials without settling "
+                f"(largest fit {lo}, smallest failure {hi}): set max_batch_size to cap it."
+            )
+        t0 = time.perf_counter()
+        peak: Optional[int] = None
+        phases: Optional[Dict[str, int]] = None
+        start_bytes: Optional[int] = None
+        oom = False
+        try:
+            measured = run_trial(batch_size)
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is an OOM
+            if not is_oom_error(exc):
+                raise
+            oom = True
+        if oom:
+            release()
+        elif isinstance(measured, StepMemory):
+            phases, peak, start_bytes = dict(measured.phase_peak_bytes), measured.peak_bytes, measured.start_bytes
+            if phase == "estimate" and measured.timeline:
+                steps[batch_size] = measured
+        elif isinstance(measured, Mapping):
+            phases = {name: int(value) for name, value in measured.items()}
+            peak = max(phases.values())
+        else:
+            peak = int(measured)
+        fits = not oom and peak is not None and peak <= budget_bytes
+        trial = Trial(batch_size, fits, peak, time.perf_counter() - t0, oom, phase, phases, start_bytes)
+        trials.append(trial)
+        if log is not None:
+            outcome = "fits" if fits else ("out of memory" if oom else "over budget")
+            log(
+                f"probe trial {len(trials)} ({phase}): batch_size={batch_size} {outcome}, "
+                f"peak {format_bytes(peak)}, {trial.seconds:.2f}s"
+            )
+        if fits:
+            lo = max(lo, batch_size)
+        else:
+            hi = batch_size if hi is None else min(hi, batch_size)
+        return fits
+
+    def result(estimate, predicted) -> SearchResult:
+        return SearchResult(
+            max_batch_size=lo,
+            budget_bytes=budget_bytes,
+            estimate=estimate,
+            predicted_max_batch_size=predicted,
+            trials=trials,
+            total_seconds=time.perf_counter() - start,
+        )
+
+    if warmup and not run(1, "warmup"):
+        raise BatchSizeTooLargeError(trials[-1].peak_bytes, budget_bytes)
+    if not run(1, "estimate"):
+        raise BatchSizeTooLargeError(trials[-1].peak_bytes, budget_bytes)
+    if max_batch_size == 1 or not run(2, "estimate"):
+        return result(None, None)
+
+    if len(steps) == 2 and not _same_operators(steps[1], steps[2]) and max_batch_size != 2:
+        # Batch 1 often runs other operators (a view where larger batches copy): measure at 3.
+        if log is not None:
+            log("probe: batch 1 and 2 ran different operators; one more estimate step at batch 3")
+        if not run(3, "estimate"):
+            return result(None, None)
+        del steps[1]
+    estimate = _fit_estimate([t for t in trials if t.phase == "estimate"], steps)
+    predicted = estimate.max_batch_size(budget_bytes)
+    if predicted is not None and max_batch_size is not None:
+        predicted = min(predicted, max_batch_size)
+
+    def upper() -> Optional[int]:
+        return hi - 1 if hi is not None else max_batch_size
+
+    def fit_trial(size: int) -> Optional[Trial]:
+        return next((t for t in reversed(trials) if t.batch_size == size and t.fits), None)
+
+    def fit_peak(size: int) -> Optional[int]:
+        trial = fit_trial(size)
+        return None if trial is None else trial.peak_bytes
+
+    def bounded() -> Optional[int]:
+        """The largest size whose peak stays within ``max_overshoot`` x budget if what a step
+        adds grew in proportion to the batch from the largest fit (see the docstring)."""
+        trial = fit_trial(lo)
+        if trial is None or trial.peak_bytes is None or math.isinf(max_overshoot):
+            return None
+        start = min(trial.start_bytes or 0, trial.peak_bytes)
+        added = trial.peak_bytes - start
+        if added <= 0:
+            return None
+        return int(lo * (max_overshoot * budget_bytes - start) // added)
+
+    def clamp(candidate: int) -> int:
+        top = upper()
+        bound = bounded()
+        if bound is not None:
+            candidate = min(candidate, bound)
+        candidate = max(candidate, lo + 1)
+        return min(candidate, top) if top is not None else candidate
+
+    def interpolate() -> Optional[int]:
+        """Where the line through the measured peaks at ``lo`` and ``hi`` meets the budget."""
+        if lo < 1 or hi is None or hi - lo < 2:
+            return None
+        p_lo = fit_peak(lo)
+        p_hi = next((t.peak_bytes for t in reversed(trials) if t.batch_size == hi and not t.oom), None)
+        if p_lo is None or p_hi is None or p_hi <= p_lo:
+            return None
+        return lo + int((budget_bytes - p_lo) * (hi - lo) // (p_hi - p_lo))
+
+    # With no bound from the line (flat peaks), start by doubling.
+    candidate = clamp(predicted if predicted is not None else 2 * lo)
+    direction = 0
+    step = 1
+    bracketed = False
+    # Interpolating between measured peaks beats halving when the small-batch line was off
+    # (e.g. under FSDP2 the peak is nearly flat at batch 1-2, then grows 3x as fast);
+    # two interpolated trials in a row on the same side fall back to one halving.
+    last_interpolated: Optional[bool] = None  # the outcome of the last interpolated trial
+    from_interpolation = False
+    while upper() is None or lo < upper():
+        fits = run(candidate, "search")
+        moved = 1 if fits else -1
+        if direction and moved != direction:
+            bracketed = True
+        direction = direction or moved
+        if upper() is not None and lo >= upper():
+            break
+        halve = from_interpolation and last_interpolated == fits
+        if from_interpolation:
+            last_interpolated = None if halve else fits
+        guess = None if halve else interpolate()
+        from_interpolation = guess is not None
+        if guess is not None:
+            candidate = clamp(guess)
+        elif fits and predicted is not None and lo < predicted and not bracketed:
+            # The bound stopped short of the prediction: go on towards it.
+            candidate = clamp(predicted)
+        elif bracketed or halve:
+            candidate = clamp((lo + upper() + 1) // 2)
+        elif fits:
+            candidate = clamp(lo + step)
+            step *= 2
+        else:
+            candidate = clamp(hi - step)
+            step *= 2
+    return result(estimate, predicted)
+
+
+def _same_operators(a: StepMemory, b: StepMemory) -> bool:
+    return a.operators is not None and b.operators is not None and a.operators == b.operators
+
+
+def _fit_estimate(measured: List[Trial], steps: Dict[int, StepMemory]) -> Estimate:
+    """The most detailed estimate the measurements allow: per operator, per phase, per step."""
+    if len(steps) == 2:
+        (b1, s1), (b2, s2) = sorted(steps.items())
+        try:
+            return OperatorMemoryEstimate.fit((b1, s1.timeline), (b2, s2.timeline), (s1.operators, s2.operators))
+        except ValueError:
+            pass  # the two steps ran different operators
+    if all(t.phase_peak_bytes for t in measured):
+        return PhaseMemoryEstimate.fit([(t.batch_size, t.phase_peak_bytes) for t in measured])
+    return LinearMemoryEstimate.fit([(t.batch_size, t.peak_bytes) for t in measured])

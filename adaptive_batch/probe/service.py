@@ -1,0 +1,365 @@
+"""The probe as one service: budget, cache, lockstep ranks, throughput choice, report.
+
+:func:`probe_batch_size` is what a recipe and the ``adaptive-batch probe`` command both call.
+It works out the budget (``max_memory`` or the device, less the safety margin, the smallest of
+all ranks), reuses a cached result with the same key, else runs the real-step search of
+:func:`adaptive_batch.probe.trials.probe_max_batch_size` in lockstep on every rank, optionally times
+the candidates for the throughput objective, and writes ``batch_probe.json`` (and the plot).
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
+
+import torch
+from torch import nn
+
+from adaptive_batch.distributed import LockstepTrial, RankGroup
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.memory.device import (
+    DeviceCapacity,
+    address_space_limit_at,
+    device_capacity,
+    device_name,
+    format_bytes,
+    parse_memory,
+    proc_status_bytes,
+    return_freed_memory_to_os,
+)
+from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_versions
+from adaptive_batch.probe.search import MAX_TRIAL_OVERSHOOT, ROUNDING_MODES, round_batch_size
+from adaptive_batch.probe.throughput import OBJECTIVES, probe_throughput
+from adaptive_batch.probe.trials import (
+    PROBE_FILENAME,
+    MemoryBudget,
+    describe_result,
+    memory_budget,
+    probe_max_batch_size,
+    probe_report,
+    training_state_bytes,
+    write_probe_report,
+)
+from adaptive_batch.validation import check_bool, check_choice, check_fraction, check_positive_int
+
+MemorySpec = Union[None, int, float, str]
+_ANY_CAPACITY = 1 << 62
+
+
+def default_safety_margin(device_type: str) -> float:
+    """The fraction of the budget held back when the config leaves it to the device.
+
+    CUDA's caching allocator reserves more than it hands out (fragmentation), so 5%. On the CPU
+    the probe counts live tensor bytes and glibc returns freed blocks at once, so 1% covers
+    what kernels allocate outside tensors.
+    """
+    return 0.05 if device_type == "cuda" else 0.01
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeOptions:
+    """The offline probe's settings; they check themselves when built.
+
+    Attributes:
+        use_maximum_batch_size: probe for the largest batch before training.
+        max_memory: the budget for a step's peak: bytes, a size (``"6GiB"``), a fraction of
+            the device (``0.8``, ``"80%"``), or ``None`` for the device.
+        memory_safety_margin: fraction of the budget held back; ``None`` for the device's
+            default (:func:`default_safety_margin`).
+        batch_size_rounding: ``"none"`` keeps the found size, ``"power_of_two"`` rounds down.
+        max_batch_size: the largest batch the probe may choose (and growth's bound when not
+            probing), or ``None``.
+        batch_size_objective: ``"max_fit"`` (the largest) or ``"throughput"`` (the smallest
+            within ``throughput_tolerance`` of the best samples per second).
+        throughput_tolerance: the fraction of the best rate a smaller batch may fall short by.
+        probe_cache: reuse a cached probe result with the same key.
+        probe_cache_dir: where the cache lives, or ``None`` for the user's cache directory.
+        plot: draw memory against batch size to ``batch_probe.png``.
+
+    Raises:
+        ConfigError: for the first bad value.
+    """
+
+    use_maximum_batch_size: bool = False
+    max_memory: MemorySpec = None
+    memory_safety_margin: Optional[float] = None
+    batch_size_rounding: Literal["none", "power_of_two"] = "none"
+    max_batch_size: Optional[int] = None
+    batch_size_objective: Literal["max_fit", "throughput"] = "max_fit"
+    throughput_tolerance: float = 0.02
+    probe_cache: bool = True
+    probe_cache_dir: Optional[str] = None
+    plot: bool = False
+
+    def __post_init__(self) -> None:
+        check_bool("use_maximum_batch_size", self.use_maximum_batch_size)
+        # The form only: fractions and the device's size are checked by max_memory_bytes.
+        self.max_memory_bytes(_ANY_CAPACITY)
+        if self.memory_safety_margin is not None:
+            check_fraction("memory_safety_margin", self.memory_safety_margin, "0.05 keeps 5% of the budget back")
+        check_choice(
+            "batch_size_rounding", self.batch_size_rounding, ROUNDING_MODES, "use batch_size_rounding=none to keep the exact size."
+        )
+        check_positive_int("max_batch_size", self.max_batch_size, allow_none=True)
+        check_choice(
+            "batch_size_objective",
+            self.batch_size_objective,
+            OBJECTIVES,
+            "max_fit takes the largest batch that fits, throughput the fastest.",
+        )
+        check_fraction(
+            "throughput_tolerance",
+            self.throughput_tolerance,
+            "0.02 takes the smallest batch within 2% of the best samples per second",
+        )
+        check_bool("probe_cache", self.probe_cache)
+        if self.probe_cache_dir is not None and not isinstance(self.probe_cache_dir, str):
+            raise ConfigError(f"probe_cache_dir={self.probe_cache_dir!r} must be a directory path or null.")
+        if check_bool("plot", self.plot):
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "plot=True needs matplotlib, which is not installed: pip install 'adaptive-batch[plot]', "
+                    "or set plot=False."
+                ) from None
+
+    def max_memory_bytes(self, capacity_bytes: Optional[int]) -> Optional[int]:
+        """``max_memory`` in bytes for a device that holds ``capacity_bytes``.
+
+        Raises:
+            ConfigError: for a fraction without a known capacity, or more than the device.
+        """
+        try:
+            return parse_memory(self.max_memory, capacity_bytes=capacity_bytes)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def safety_margin(self, device_type: str) -> float:
+        """The margin to hold back on ``device_type``."""
+        if self.memory_safety_margin is None:
+            return default_safety_margin(device_type)
+        return float(self.memory_safety_margin)
+
+
+def step_budget(
+    options: ProbeOptions,
+    *,
+    device: torch.device,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+) -> "tuple[MemoryBudget, DeviceCapacity]":
+    """The budget for a step's peak on ``device`` (``max_memory`` or the device, less the
+    margin), and the capacity it was read from.
+
+    Raises:
+        ConfigError: for a ``max_memory`` the device cannot give.
+    """
+    if device.type == "cpu":
+        # Trials run under an address-space limit (the process's or trial_memory_limit's);
+        # otherwise glibc keeps freed blocks mapped, and they count against it.
+        return_freed_memory_to_os()
+    capacity = device_capacity(device)
+    budget = memory_budget(
+        max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes),
+        capacity=capacity,
+        live_bytes=training_state_bytes(model, optimizer),
+        safety_margin=options.safety_margin(device.type),
+    )
+    return budget, capacity
+
+
+def trial_address_space(
+    budget: MemoryBudget,
+    capacity: DeviceCapacity,
+    *,
+    device: torch.device,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+) -> Optional[int]:
+    """The soft ``RLIMIT_AS`` the probe's trials run under on CPU, ``None`` elsewhere.
+
+    Available RAM and a cgroup limit are soft: a trial past them is ended by the kernel's OOM
+    killer, not refused. Under this limit (the address space now plus a headroom: what
+    ``prlimit --as`` would give) a trial that overshoots fails to allocate, which the search
+    catches. The headroom is what the machine can give (``capacity``); with ``max_memory``
+    below that, the budget's headroom times the trials' overshoot bound, so the user's budget
+    is judged by the probe's measure (tensor bytes), as the planner's is, and a runaway trial
+    still stops well short of the machine.
+    """
+    vm_size = proc_status_bytes("VmSize") if device.type == "cpu" else None
+    if vm_size is None:
+        return None
+    budget_headroom = max(0, budget.limit_bytes - training_state_bytes(model, optimizer))
+    return vm_size + min(capacity.headroom_bytes, int(MAX_TRIAL_OVERSHOOT * budget_headroom))
+
+
+@contextmanager
+def trial_memory_limit(limit_bytes: Optional[int], log: Optional[Callable[[str], None]] = None) -> Iterator[Optional[int]]:
+    """Holds the block to ``limit_bytes`` of address space (see :func:`trial_address_space`);
+    a tighter limit already set stays, and the previous one is back on exit.
+
+    Yields:
+        The limit in force, or ``None`` when ``limit_bytes`` is ``None``.
+    """
+    if limit_bytes is None:
+        yield None
+        return
+    with address_space_limit_at(limit_bytes) as limit:
+        if log is not None and limit == limit_bytes:
+            log(
+                f"probe: trials run under a soft RLIMIT_AS of {format_bytes(limit)}, so a trial past the "
+                "budget fails to allocate instead of waking the kernel's OOM killer; lifted after them."
+            )
+        yield limit
+
+
+def probe_batch_size(
+    options: ProbeOptions,
+    *,
+    train_step: Callable[[Any], None],
+    make_batch: Callable[[int], Any],
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    device: torch.device,
+    seq_len: int,
+    dataset_size: int,
+    output_dir: str,
+    ranks: Optional[RankGroup] = None,
+    cache_fields: Optional[Dict[str, Any]] = None,
+    log: Callable[[str], None] = print,
+) -> Dict[str, Any]:
+    """Finds the batch to train with (or reuses a cached result) and writes the report.
+
+    Args:
+        options: the probe's settings.
+        train_step: one full training step (forward, loss, backward, optimizer step).
+        make_batch: a worst-case batch of a given size.
+        model: the model the step trains; restored afterwards.
+        optimizer: its optimizer; restored afterwards.
+        device: where the step runs.
+        seq_len: the sequence length of ``make_batch``'s rows, for the report and cache key.
+        dataset_size: the samples one rank has, a cap on the batch.
+        output_dir: where ``batch_probe.json``, the plot and the temporary snapshot go.
+        ranks: the data-parallel ranks (one process when ``None``).
+        cache_fields: what changes a step's memory (model, optimizer, dtype, ...), for the
+            cache key; the budget, device, caps and versions are added here.
+        log: where progress lines go.
+
+    Returns:
+        The report: what ``batch_probe.json`` holds (``batch_size`` is the one to use).
+
+    Raises:
+        BatchSizeTooLargeError: when batch 1 does not fit.
+        ConfigError: for a ``max_memory`` the device cannot give.
+    """
+    ranks = ranks or RankGroup(device)
+    budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
+    # Every rank searches against the smallest budget; each measures against its own.
+    rank_budgets = ranks.gather(budget.budget_bytes)
+    common_budget = min(rank_budgets)
+    cap = dataset_size if options.max_batch_size is None else min(dataset_size, options.max_batch_size)
+
+    cache, key = None, None
+    if options.probe_cache:
+        cache = ProbeCache(options.probe_cache_dir or default_cache_dir(), warn=log)
+        key = dict(
+            cache_fields or {},
+            seq_len=seq_len,
+            device=device_name(device),
+            budget_bytes=common_budget,
+            rank_budget_bytes=rank_budgets,
+            batch_size_cap=cap,
+            batch_size_rounding=options.batch_size_rounding,
+            batch_size_objective=options.batch_size_objective,
+            throughput_tolerance=options.throughput_tolerance,
+            versions=library_versions(),
+        )
+        cached = ranks.decide_on_main(lambda: cache.load(key))
+        if cached is not None:
+            report = dict(cached, cache={"hit": True, "path": cache.path(key)})
+            path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
+            log(
+                f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
+                f"{cached['batch_size']}, no probing; probe_cache=False probes again. Details in {path}"
+            )
+            return report
+
+    log(
+        f"use_maximum_batch_size: probing up to batch {cap} at seq_len={seq_len} with a "
+        f"budget of {format_bytes(budget.budget_bytes)} ({budget.source})."
+    )
+    steps = dict(
+        train_step=train_step,
+        make_batch=make_batch,
+        model=model,
+        optimizer=optimizer,
+        device=device,
+        snapshot_dir=output_dir,
+        log=log,
+    )
+    lockstep: List[LockstepTrial] = []
+
+    def agree_on_outcomes(run_trial: Callable[[int], int]) -> LockstepTrial:
+        lockstep.append(ranks.lockstep_trial(run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget))
+        return lockstep[-1]
+
+    address_space = trial_address_space(budget, capacity, device=device, model=model, optimizer=optimizer)
+    result = probe_max_batch_size(
+        budget_bytes=common_budget,
+        max_batch_size=cap,
+        wrap_trial=agree_on_outcomes,
+        trial_limit=lambda: trial_memory_limit(address_space, log=log),
+        **steps,
+    )
+    batch_size = round_batch_size(result.max_batch_size, options.batch_size_rounding)
+    extra: Dict[str, Any] = {
+        "capacity": capacity.to_dict(),
+        "trial_address_space_limit": address_space,
+        "batch_size_cap": cap,
+        "batch_size_objective": options.batch_size_objective,
+        "world_size": ranks.world_size,
+        # What every rank measured against its own budget; the batch is what fits on all.
+        "ranks": ranks.gather(lockstep[0].report()),
+    }
+    if options.batch_size_objective == "throughput":
+        # Ranks time the same steps; rank 0's choice holds for all.
+        timed = probe_throughput(
+            max_batch_size=batch_size,
+            tolerance=options.throughput_tolerance,
+            trial_limit=lambda: trial_memory_limit(address_space),
+            **steps,
+        )
+        choice = ranks.broadcast(timed)
+        extra["throughput"] = choice.to_dict()
+        log(
+            f"batch_size_objective=throughput: batch {choice.batch_size} is within "
+            f"{choice.tolerance:.0%} of the best {choice.best_samples_per_second:.1f} samples/s."
+        )
+        batch_size = choice.batch_size
+    report = probe_report(result, batch_size=batch_size, seq_len=seq_len, device=device, budget=budget, extra=extra)
+    if cache is not None:
+        stored = ranks.decide_on_main(lambda: cache.store(key, report))
+        report["cache"] = {"hit": False, "path": stored}
+    log(describe_result(result, budget))
+    path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
+    log(f"use_maximum_batch_size: the batch to use is {batch_size}; details in {path}")
+    return report
+
+
+def save_probe_report(
+    report: Dict[str, Any],
+    output_dir: str,
+    ranks: RankGroup,
+    *,
+    plot: bool = False,
+    log: Callable[[str], None] = print,
+) -> str:
+    """Rank 0 writes ``batch_probe.json`` (and the plot when asked); returns its path."""
+    if not ranks.is_main:
+        return f"{output_dir}/{PROBE_FILENAME}"
+    path = write_probe_report(report, output_dir)
+    if plot:
+        from adaptive_batch.probe.plot import plot_probe_report
+
+        log(f"plot: memory against batch size in {plot_probe_report(report, f'{output_dir}/batch_probe.png')}")
+    return path

@@ -1,0 +1,148 @@
+"""Putting a training run back exactly as it was after probing it with real steps.
+
+The snapshot goes to a file, not to memory: a copy of the weights in memory would itself take
+the room the probe is measuring. The file has no name while it holds the snapshot (created,
+unlinked, then written through its open descriptor), so a run killed while probing leaves
+nothing behind: the kernel frees it with the process.
+"""
+
+import glob
+import os
+import tempfile
+from types import TracebackType
+from typing import Any, BinaryIO, Callable, Dict, Optional, Type
+
+import torch
+from torch import nn
+
+from adaptive_batch.rng import rng_state, set_rng_state
+
+class TrainingStateSnapshot:
+    """Saves model, optimizer, LR scheduler and RNG state on entry and restores it on exit.
+
+    Used as a context manager around probe steps; the state is restored whether the block ends
+    normally or with an error, and the snapshot file is removed.
+
+    Args:
+        model: the model whose parameters and buffers the steps change.
+        optimizer: the optimizer (its state, e.g. Adam moments, is created by the first step).
+        lr_scheduler: an LR scheduler, or ``None``.
+        directory: where the snapshot file goes (e.g. the run's output directory).
+        log: told about stale snapshot files removed from ``directory``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        lr_scheduler: Optional[Any] = None,
+        directory: Optional[str] = None,
+        log: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.directory = directory
+        self.log = log
+        self._file: Optional[BinaryIO] = None
+        self._path: Optional[str] = None  # where to read it back from
+        self._named: Optional[str] = None  # its name, where the platform cannot unlink it early
+        self._rng: Optional[Dict[str, Any]] = None
+
+    def save(self) -> None:
+        """Writes the state to an unnamed temporary file and remembers the RNG state."""
+        if self.directory is not None:
+            os.makedirs(self.directory, exist_ok=True)
+        remove_stale_snapshots(self.directory, log=self.log)
+        fd, path = tempfile.mkstemp(prefix=SNAPSHOT_PREFIX, suffix=".pt", dir=self.directory)
+        self._file = os.fdopen(fd, "w+b")
+        if os.path.isdir("/proc/self/fd"):
+            os.unlink(path)
+            self._path, self._named = f"/proc/self/fd/{fd}", None
+        else:  # pragma: no cover - Linux has /proc
+            self._path, self._named = path, path
+        state = {"model": self.model.state_dict()}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        torch.save(state, self._file)
+        self._file.flush()
+        self._rng = rng_state()
+
+    def restore(self) -> None:
+        """Loads the saved state back in place and closes (frees) the file.
+
+        Raises:
+            RuntimeError: if :meth:`save` was not called.
+        """
+        if self._path is None or self._rng is None or self._file is None:
+            raise RuntimeError("TrainingStateSnapshot.restore() called before save().")
+        # mmap keeps the load from holding a second full copy of the weights in memory;
+        # weights_only: the file sits in a directory others can write to.
+        state = torch.load(self._path, mmap=True, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        for p in self.model.parameters():
+            p.grad = None
+        if self.optimizer is not None:
+            # Drop the probe's optimizer state before loading: load_state_dict replaces it.
+            self.optimizer.state.clear()
+            self.optimizer.load_state_dict(state["optimizer"])
+            _own_memory(self.optimizer)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        del state
+        self._file.close()
+        if self._named is not None:
+            os.remove(self._named)
+        self._file = self._path = self._named = None
+        set_rng_state(self._rng)
+
+    def __enter__(self) -> "TrainingStateSnapshot":
+        self.save()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.restore()
+
+
+SNAPSHOT_PREFIX = ".probe_snapshot_"
+
+
+def remove_stale_snapshots(directory: Optional[str], log: Optional[Callable[[str], None]] = None) -> int:
+    """Removes named snapshot files from ``directory``: a snapshot only has a name where it
+    could not be unlinked, or from an older version of this package, and then only while its
+    run lives, so one found at the start of a probe was left by a killed run.
+
+    Returns:
+        How many files were removed.
+    """
+    removed = 0
+    for path in glob.glob(os.path.join(directory or tempfile.gettempdir(), SNAPSHOT_PREFIX + "*.pt")):
+        try:
+            size = os.path.getsize(path)
+            os.remove(path)
+        except OSError:
+            continue
+        removed += 1
+        if log is not None:
+            log(f"probe: removed {path} ({size} bytes), a snapshot a killed run left behind.")
+    return removed
+
+
+def _own_memory(optimizer: torch.optim.Optimizer) -> None:
+    """Copies optimizer state that still points into the memory-mapped snapshot.
+
+    ``Optimizer.load_state_dict`` keeps a loaded CPU tensor as it is when dtype and device
+    already match, so the state would live in a mapping of the (deleted) snapshot file, and
+    keep the whole file mapped: address space a later step under a limit cannot use.
+    """
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                state[key] = value.clone()

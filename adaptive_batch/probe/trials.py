@@ -1,0 +1,265 @@
+"""The offline probe: real training steps at trial batch sizes, then everything put back.
+
+:func:`probe_max_batch_size` takes a training-step callable and a batch maker, so it works for
+any loop, not only the recipes in this repository::
+
+    result = probe_max_batch_size(
+        train_step=lambda batch: my_step(model, optimizer, batch),
+        make_batch=lambda b: worst_case_batch(b, seq_len=2048),
+        model=model, optimizer=optimizer, device=torch.device("cuda"),
+        budget_bytes=70 * 2**30,
+    )
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+import json
+import os
+import tempfile
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from adaptive_batch.memory.device import DeviceCapacity, format_bytes
+from adaptive_batch.memory.oom import release_memory
+from adaptive_batch.memory.tracker import StepMemory, live_tensor_bytes, measure_phase_peaks
+from adaptive_batch.probe.search import SearchResult, search_max_batch_size
+from adaptive_batch.probe.snapshot import TrainingStateSnapshot
+
+PROBE_FILENAME = "batch_probe.json"
+# Key of the probe result in the recipe state (recipe_state.pt), so a resumed run does not probe.
+PROBE_STATE_KEY = "batch_probe"
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The bytes a training step's peak may reach.
+
+    Attributes:
+        budget_bytes: the limit the probe holds steps to, after the safety margin.
+        limit_bytes: the limit before the margin (``max_memory``, or what the device holds).
+        safety_margin: the fraction of ``limit_bytes`` held back for fragmentation.
+        source: where ``limit_bytes`` came from (``"max_memory"`` or the device's limit).
+    """
+
+    budget_bytes: int
+    limit_bytes: int
+    safety_margin: float
+    source: str
+
+    def to_dict(self) -> dict:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "limit_bytes": self.limit_bytes,
+            "safety_margin": self.safety_margin,
+            "source": self.source,
+        }
+
+
+def memory_budget(
+    *,
+    max_memory_bytes: Optional[int],
+    capacity: DeviceCapacity,
+    live_bytes: int,
+    safety_margin: float,
+) -> MemoryBudget:
+    """The budget for a step's peak, from ``max_memory`` or from the device's headroom.
+
+    Args:
+        max_memory_bytes: the user's limit for a step's peak (parameters and optimizer state
+            included), or ``None`` for the whole device.
+        capacity: the device's headroom, read after the model and optimizer were built.
+        live_bytes: tensor bytes alive when ``capacity`` was read; they count in every peak.
+        safety_margin: fraction in ``[0, 1)`` held back.
+
+    Raises:
+        ValueError: if ``safety_margin`` is outside ``[0, 1)``.
+    """
+    if not 0 <= safety_margin < 1:
+        raise ValueError(
+            f"memory_safety_margin={safety_margin!r} must be in [0, 1): e.g. 0.05 keeps 5% back."
+        )
+    device_limit = live_bytes + capacity.headroom_bytes
+    if max_memory_bytes is not None and max_memory_bytes <= device_limit:
+        limit, source = max_memory_bytes, "max_memory"
+    else:
+        limit, source = device_limit, capacity.source
+    return MemoryBudget(
+        budget_bytes=int(limit * (1 - safety_margin)),
+        limit_bytes=int(limit),
+        safety_margin=float(safety_margin),
+        source=source,
+    )
+
+
+def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+    for p in model.parameters():
+        if p.grad is not None:
+            yield p.grad
+    if optimizer is not None:
+        for leaf in tree_leaves(list(optimizer.state.values())):
+            if isinstance(leaf, torch.Tensor):
+                yield leaf
+
+
+def training_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> int:
+    """Bytes of the tensors a training run keeps between steps."""
+    return live_tensor_bytes(_state_tensors(model, optimizer))
+
+
+def measure_training_step(
+    train_step: Callable[[Any], None],
+    batch: Any,
+    *,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    device: torch.device,
+) -> StepMemory:
+    """Runs ``train_step(batch)`` once and measures it: the peak of each phase and, on CPU,
+    the memory after each operator, with the training state and the batch counted.
+
+    Raises:
+        Whatever the step raises, out-of-memory errors included (its gradients are dropped).
+    """
+    baseline = list(_state_tensors(model, optimizer)) + [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    try:
+        return measure_phase_peaks(lambda: train_step(batch), device, baseline, model=model, optimizer=optimizer)
+    finally:
+        # A step that failed half-way leaves gradients behind.
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+
+
+def probe_max_batch_size(
+    *,
+    train_step: Callable[[Any], None],
+    make_batch: Callable[[int], Any],
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    device: torch.device,
+    budget_bytes: int,
+    lr_scheduler: Optional[Any] = None,
+    max_batch_size: Optional[int] = None,
+    snapshot_dir: Optional[str] = None,
+    log: Optional[Callable[[str], None]] = None,
+    wrap_trial: Optional[Callable[[Callable[[int], int]], Callable[[int], int]]] = None,
+    trial_limit: Optional[Callable[[], ContextManager]] = None,
+) -> SearchResult:
+    """Finds the largest batch whose full training step fits in ``budget_bytes``.
+
+    Each trial builds a batch with ``make_batch(b)`` and runs ``train_step(batch)`` (forward,
+    loss, backward, optimizer step, zero grad) while measuring the peak of each phase of the
+    step and, on CPU, its memory after each operator; the estimate is a line per operator (per
+    phase where operators are not measured). Model, optimizer, LR
+    scheduler and RNG state are saved before the first trial and restored after the last, also
+    when a trial raises.
+
+    Args:
+        train_step: one full optimizer step on a batch.
+        make_batch: builds a worst-case batch of a given size (longest sequences).
+        model: the model ``train_step`` trains.
+        optimizer: its optimizer (``None`` if the step keeps none).
+        device: where the step runs.
+        budget_bytes: the most a step's peak may be.
+        lr_scheduler: restored as well when given.
+        max_batch_size: the largest size worth trying (e.g. the dataset size).
+        snapshot_dir: where the temporary snapshot file goes.
+        log: called with one line per trial.
+        wrap_trial: wraps the measured trial before the search calls it, e.g.
+            :meth:`RankGroup.lockstep_trial` so data-parallel ranks agree on every outcome.
+        trial_limit: a context the trials (not the snapshot's save and restore) run in, e.g.
+            :func:`adaptive_batch.probe.service.trial_memory_limit`.
+
+    Returns:
+        The search result with every trial.
+
+    Raises:
+        BatchSizeTooLargeError: when batch size 1 does not fit.
+    """
+
+    def run_trial(batch_size: int) -> StepMemory:
+        return measure_training_step(train_step, make_batch(batch_size), model=model, optimizer=optimizer, device=device)
+
+    with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir, log=log), (
+        trial_limit() if trial_limit is not None else nullcontext()
+    ):
+        result = search_max_batch_size(
+            run_trial if wrap_trial is None else wrap_trial(run_trial),
+            budget_bytes=budget_bytes,
+            max_batch_size=max_batch_size,
+            release=lambda: release_memory(device),
+            log=log,
+        )
+    release_memory(device)
+    return result
+
+
+def probe_report(
+    result: SearchResult,
+    *,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    budget: MemoryBudget,
+    extra: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
+    """The content of ``batch_probe.json``: the result, the trials and how the budget was set."""
+    report = result.to_dict()
+    report.update(
+        {
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "device": str(device),
+            "budget": budget.to_dict(),
+            "num_trials": result.num_trials,
+        }
+    )
+    report.update(extra or {})
+    return report
+
+
+def write_probe_report(report: Dict[str, Any], output_dir: str) -> str:
+    """Writes ``batch_probe.json`` atomically (never a half-written file) and returns its path."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, PROBE_FILENAME)
+    fd, tmp = tempfile.mkstemp(prefix=".batch_probe_", suffix=".json", dir=output_dir)
+    with os.fdopen(fd, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def describe_result(result: SearchResult, budget: MemoryBudget) -> str:
+    """One line for the log: what was found, against which budget, at what cost."""
+    predicted = result.predicted_max_batch_size
+    return (
+        f"use_maximum_batch_size: largest batch that fits is {result.max_batch_size} "
+        f"(estimate predicted {predicted}), budget {format_bytes(budget.budget_bytes)} "
+        f"= {format_bytes(budget.limit_bytes)} from {budget.source} less a "
+        f"{budget.safety_margin:.0%} safety margin; {result.num_trials} trial steps in "
+        f"{result.total_seconds:.1f}s"
+    )
+
+
+def worst_case_text_batch(
+    batch_size: int,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    device: torch.device,
+    seed: int = 0,
+) -> Dict[str, torch.Tensor]:
+    """A batch of ``batch_size`` sequences all ``seq_len`` tokens long, every label counted.
+
+    Real batches are padded to their longest sample, so none is larger than this one; token
+    values come from a private generator and leave the global RNG alone.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    tokens = tokens.to(device)
+    return {"tokens": tokens, "labels": tokens.clone()}

@@ -1,0 +1,187 @@
+"""One optimizer step's batch run as micro-batches, retried smaller after an out-of-memory.
+
+The global batch (what one optimizer step learns from) is split into micro-batches of at most
+``micro_batch_limit`` rows, as equal as possible, whose gradients accumulate. The loss is summed
+per token over all of them and divided by the step's token count once, so the update equals
+the one a single big batch would give. When a micro-batch runs out of memory the step's
+partial gradients are dropped and the same rows run again in halves: no sample is lost or seen
+twice, and the lowered limit is returned for the steps after.
+"""
+
+from dataclasses import dataclass, field
+import math
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from adaptive_batch.errors import MicroBatchOutOfMemoryError, PeerOutOfMemoryError
+from adaptive_batch.memory.oom import is_oom_error, release_memory
+
+Batch = Dict[str, torch.Tensor]
+ForwardBackward = Callable[[Batch], Tuple[torch.Tensor, torch.Tensor]]
+
+
+def micro_batch_sizes(batch_size: int, micro_batch_limit: int, min_micro_batches: int = 1) -> List[int]:
+    """Splits ``batch_size`` rows into the fewest micro-batches of at most ``micro_batch_limit``
+    (and at least ``min_micro_batches`` where there are rows enough), sizes differing by at
+    most one (largest first).
+
+    Raises:
+        ValueError: if either is under 1.
+    """
+    if batch_size < 1 or micro_batch_limit < 1:
+        raise ValueError(f"cannot split a batch of {batch_size} into micro-batches of at most {micro_batch_limit}.")
+    count = max(math.ceil(batch_size / micro_batch_limit), min(min_micro_batches, batch_size))
+    base, extra = divmod(batch_size, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+def split_batch(batch: Batch, sizes: List[int]) -> List[Batch]:
+    """Splits every tensor with a leading batch dimension into ``sizes`` rows each; other
+    values are shared by all pieces.
+
+    Raises:
+        ValueError: if ``sizes`` does not add up to the batch's rows.
+    """
+    rows = batch_rows(batch)
+    if sum(sizes) != rows:
+        raise ValueError(f"micro-batch sizes {sizes} add up to {sum(sizes)}, not the batch's {rows} rows.")
+    pieces: List[Batch] = [{} for _ in sizes]
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            for piece, part in zip(pieces, torch.split(value, sizes)):
+                piece[key] = part
+        else:
+            for piece in pieces:
+                piece[key] = value
+    return pieces
+
+
+def batch_rows(batch: Batch) -> int:
+    """The number of samples in a collated batch (rows of ``tokens``)."""
+    return int(batch["tokens"].shape[0])
+
+
+@dataclass
+class AccumulatedStep:
+    """What :func:`accumulate_gradients` ran.
+
+    Attributes:
+        loss_sum: the summed (per-token loss x tokens) over all micro-batches, detached.
+        num_tokens: the step's count of tokens that carry a loss.
+        micro_batch_sizes: the sizes that finally ran.
+        micro_batch_limit: the limit after any retries (lower than asked if one ran out).
+        oom_retries: how many times the step was restarted smaller.
+        oom_messages: the out-of-memory messages, one per retry.
+    """
+
+    loss_sum: torch.Tensor
+    num_tokens: torch.Tensor
+    micro_batch_sizes: List[int]
+    micro_batch_limit: int
+    oom_retries: int = 0
+    oom_messages: List[str] = field(default_factory=list)
+
+
+def accumulate_gradients(
+    forward_backward: ForwardBackward,
+    batch: Batch,
+    *,
+    micro_batch_limit: int,
+    zero_grad: Callable[[], None],
+    retry_on_oom: bool = True,
+    device: Optional[torch.device] = None,
+    log: Callable[[str], None] = lambda message: None,
+    agree_on_oom: Optional[Callable[[bool], bool]] = None,
+    observer: Optional[Any] = None,
+    min_micro_batches: int = 1,
+) -> AccumulatedStep:
+    """Runs forward and backward over ``batch`` in micro-batches, accumulating gradients.
+
+    Args:
+        forward_backward: runs one micro-batch's forward and backward; returns its summed
+            loss (per-token loss x tokens) and token count.
+        batch: the whole step's collated batch.
+        micro_batch_limit: the most rows one micro-batch may have.
+        zero_grad: drops the gradients, to restart a step that ran out of memory.
+        retry_on_oom: restart the step in smaller micro-batches after an out-of-memory error;
+            when ``False`` the error propagates.
+        device: the device, to give its cached memory back between attempts.
+        log: where retries are reported.
+        agree_on_oom: for data-parallel ranks, ``agree(failed) -> failed on any rank``, called
+            after every micro-batch: a rank that ran out of memory tells the others, and all
+            of them restart the step with the same smaller micro-batches, so their collectives
+            stay matched. It can only help when the error is raised outside a collective (or
+            on every rank at once); a rank left waiting in one cannot be reached.
+        observer: told ``start()`` at every attempt of the step and
+            ``after_micro_batch(tokens)`` after each micro-batch's backward (the gradient
+            noise measurement, :class:`~adaptive_batch.schedule.noise_scale.MicroBatchGradients`).
+        min_micro_batches: split the step into at least this many (2: two gradients to
+            compare, ``noise_scale_split_step``); the limit is unchanged by it.
+
+    Returns:
+        The step's summed loss, token count and what ran.
+
+    Raises:
+        MicroBatchOutOfMemoryError: if even one-sample micro-batches run out of memory.
+        RuntimeError: any other error of ``forward_backward``, or an out-of-memory error
+            when ``retry_on_oom`` is ``False``.
+    """
+    rows = batch_rows(batch)
+    limit = micro_batch_limit
+    messages: List[str] = []
+    while True:
+        sizes = micro_batch_sizes(rows, limit, min_micro_batches)
+        message = None
+        if observer is not None:
+            observer.start()
+        try:
+            loss_sum, num_tokens = _run_micro_batches(forward_backward, batch, sizes, agree_on_oom, observer)
+        except (RuntimeError, MemoryError) as e:
+            if not (retry_on_oom and is_oom_error(e)):
+                raise
+            message = str(e).splitlines()[0]
+        if message is None:
+            return AccumulatedStep(loss_sum, num_tokens, sizes, limit, len(messages), messages)
+        # Out of the except block, so the traceback no longer holds the failed step's tensors.
+        zero_grad()
+        release_memory(device)
+        messages.append(message)
+        if max(sizes) == 1:
+            raise MicroBatchOutOfMemoryError(
+                f"out of memory with micro-batches of 1 sample ({message}); the model and "
+                "optimizer alone nearly fill the memory: lower max_seq_len or free memory."
+            )
+        limit = max(1, max(sizes) // 2)
+        log(
+            f"out of memory in a step of {rows} samples in micro-batches of up to {max(sizes)} "
+            f"({message}); retrying it in micro-batches of up to {limit}."
+        )
+
+
+def _run_micro_batches(
+    forward_backward: ForwardBackward,
+    batch: Batch,
+    sizes: List[int],
+    agree_on_oom: Optional[Callable[[bool], bool]],
+    observer: Optional[Any] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    loss_sum = num_tokens = None
+    for piece in split_batch(batch, sizes):
+        if agree_on_oom is None:
+            loss, tokens = forward_backward(piece)
+        else:
+            failure = None
+            try:
+                loss, tokens = forward_backward(piece)
+            except (RuntimeError, MemoryError) as e:
+                if not is_oom_error(e):
+                    raise
+                failure = str(e).splitlines()[0]
+            if agree_on_oom(failure is not None):
+                raise PeerOutOfMemoryError(failure or "out of memory on another rank")
+        if observer is not None:
+            observer.after_micro_batch(tokens)
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+        num_tokens = tokens if num_tokens is None else num_tokens + tokens
+    return loss_sum, num_tokens

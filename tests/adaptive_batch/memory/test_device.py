@@ -1,0 +1,173 @@
+import pytest
+import torch
+
+from adaptive_batch import parse_memory
+from adaptive_batch.memory.device import (
+    ALLOC_CONF_VARS,
+    DeviceCapacity,
+    cpu_capacity,
+    device_capacity,
+    format_bytes,
+    use_expandable_segments,
+)
+
+GiB = 1024**3
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        (6 * GiB, 6 * GiB),
+        ("6GiB", 6 * GiB),
+        ("6 gib", 6 * GiB),
+        ("512MB", 512 * 1000**2),
+        ("512MiB", 512 * 1024**2),
+        ("1.5GiB", int(1.5 * GiB)),
+        ("1000000000", 1_000_000_000),
+        (2e9, 2_000_000_000),
+        (0.5, 8 * GiB),
+        ("0.25", 4 * GiB),
+        ("50%", 8 * GiB),
+        (1.0, 16 * GiB),
+        (None, None),
+    ],
+)
+def test_parse_memory_accepts(spec, expected):
+    assert parse_memory(spec, capacity_bytes=16 * GiB) == expected
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("lots", "cannot be parsed"),
+        ("6 parsecs", "cannot be parsed"),
+        (0, "greater than zero"),
+        (-5, "greater than zero"),
+        ("0GiB", "greater than zero"),
+        (True, "boolean"),
+        ("150%", "percentage"),
+        (2.5, "neither a fraction"),
+        ([1], "has type list"),
+        ("32GiB", "larger than the device"),
+        ("1e400", "not a finite size"),
+        ("1e400GiB", "not a finite size"),
+        (float("inf"), "not a finite number"),
+        (float("nan"), "not a finite number"),
+        (1, "too small for any training step"),
+        ("1.5", "neither a fraction"),
+        ("512", "too small for any training step"),
+        ("100KiB", "too small for any training step"),
+    ],
+)
+def test_parse_memory_rejects_with_key_value_and_fix(spec, message):
+    with pytest.raises(ValueError) as info:
+        parse_memory(spec, capacity_bytes=16 * GiB)
+    text = str(info.value)
+    assert message in text
+    assert f"max_memory={spec!r}" in text
+    assert "set it to null" in text or "set max_memory" in text
+
+
+def test_fraction_needs_a_known_capacity():
+    with pytest.raises(ValueError, match="capacity is unknown"):
+        parse_memory(0.5, capacity_bytes=None)
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * GiB // 2) == "1.50 GiB"
+    assert format_bytes(None) == "unknown"
+
+
+def test_cpu_capacity_without_limit_is_available_ram_or_cgroup():
+    cap = cpu_capacity()
+    assert cap.device == "cpu" and cap.headroom_bytes > 0
+    assert cap.source in ("MemAvailable less a reserve", "cgroup memory.max", "RLIMIT_AS")
+
+
+def test_cpu_capacity_follows_an_address_space_limit(limited_address_space):
+    with limited_address_space(300 * 1024**2):
+        cap = device_capacity(__import__("torch").device("cpu"))
+    assert isinstance(cap, DeviceCapacity)
+    assert cap.source == "RLIMIT_AS" and cap.hard_limit
+    assert 250 * 1024**2 < cap.headroom_bytes <= 300 * 1024**2
+
+
+def test_unsupported_device_type_is_rejected():
+    import torch
+
+    with pytest.raises(ValueError, match="device='meta'"):
+        device_capacity(torch.device("meta"))
+
+
+def test_cpu_capacity_leaves_a_reserve_of_available_ram(monkeypatch):
+    import adaptive_batch.memory.device as memory
+
+    monkeypatch.setattr(memory, "_cgroup_headroom", lambda: None)
+    monkeypatch.setattr(memory, "address_space_limit", lambda: None)
+    monkeypatch.setattr(memory, "_meminfo_bytes", lambda f: {"MemAvailable": 20 * GiB, "MemTotal": 24 * GiB}[f])
+    cap = cpu_capacity()
+    assert cap.headroom_bytes == 20 * GiB - int(0.1 * 24 * GiB)
+    assert not cap.hard_limit and "reserve" in cap.source
+    monkeypatch.setattr(memory, "_meminfo_bytes", lambda f: {"MemAvailable": 3 * GiB, "MemTotal": 4 * GiB}[f])
+    assert cpu_capacity().headroom_bytes == 2 * GiB  # at least 1 GiB stays with the machine
+
+
+def test_a_cgroup_limit_is_not_a_catchable_one(monkeypatch):
+    import adaptive_batch.memory.device as memory
+
+    monkeypatch.setattr(memory, "address_space_limit", lambda: None)
+    monkeypatch.setattr(memory, "_cgroup_headroom", lambda: 1 * GiB)
+    cap = cpu_capacity()
+    assert cap.source == "cgroup memory.max" and not cap.hard_limit
+
+
+def test_address_space_limit_at_sets_keeps_a_tighter_one_and_restores():
+    import resource
+
+    from adaptive_batch.memory.device import address_space_limit_at, proc_status_bytes
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    wanted = proc_status_bytes("VmSize") + 8 * GiB
+    with address_space_limit_at(wanted) as limit:
+        assert limit == wanted == resource.getrlimit(resource.RLIMIT_AS)[0]
+        with address_space_limit_at(wanted + GiB) as looser:
+            assert looser == wanted  # the tighter one stays
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+
+
+class AllocatorSettings:
+    """Stands in for torch's allocator-settings setter (no CUDA here): records each call."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = []
+        for name in ALLOC_CONF_VARS:
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", self.calls.append, raising=False)
+
+
+def test_expandable_segments_are_turned_on_and_said(monkeypatch):
+    settings = AllocatorSettings(monkeypatch)
+    logged, warned = [], []
+    assert use_expandable_segments(log=logged.append, warn=warned.append)
+    assert settings.calls == ["expandable_segments:True"]
+    assert len(logged) == 1 and "expandable_segments:True" in logged[0] and not warned
+
+
+@pytest.mark.parametrize("name", ALLOC_CONF_VARS)
+def test_expandable_segments_the_user_turned_on_are_left_alone(monkeypatch, name):
+    settings = AllocatorSettings(monkeypatch)
+    monkeypatch.setenv(name, "max_split_size_mb:512, expandable_segments:True")
+    logged = []
+    assert use_expandable_segments(log=logged.append, warn=logged.append)
+    assert settings.calls == [] and logged == []
+
+
+def test_expandable_segments_the_user_turned_off_stay_off_with_a_warning(monkeypatch):
+    settings = AllocatorSettings(monkeypatch)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    logged, warned = [], []
+    assert not use_expandable_segments(log=logged.append, warn=warned.append)
+    assert settings.calls == [] and logged == []
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in warned[0]
+    assert "remove expandable_segments:False" in warned[0]

@@ -1,0 +1,117 @@
+import gc
+
+import pytest
+import torch
+
+from adaptive_batch.memory.tracker import LiveTensorCounter, live_tensor_bytes, measure_peak_bytes
+
+
+def test_counts_the_peak_of_live_tensors_not_the_sum():
+    def step():
+        a = torch.ones(1024, 1024)  # 4 MiB
+        b = torch.ones(1024, 1024)  # 4 MiB more: peak 8 MiB
+        del a, b
+        c = torch.ones(512, 1024)  # 2 MiB after both are gone
+        del c
+
+    peak = measure_peak_bytes(step, torch.device("cpu"))
+    assert peak == 8 * 1024**2
+
+
+def test_baseline_tensors_count_once_and_views_share_storage():
+    w = torch.zeros(1024, 256)  # 1 MiB
+    view = w[:10]
+    assert live_tensor_bytes([w, view, w.t()]) == 1024**2
+    peak = measure_peak_bytes(lambda: torch.ones(256, 1024) + 0, torch.device("cpu"), [w, view])
+    # w (1 MiB) + ones (1 MiB) + the sum (1 MiB)
+    assert peak == 3 * 1024**2
+
+
+def test_freed_storages_are_uncounted():
+    counter = LiveTensorCounter()
+    with counter:
+        x = torch.ones(1024, 1024)
+        assert counter.live_bytes == 4 * 1024**2
+        del x
+        gc.collect()
+    assert counter.live_bytes == 0
+    assert counter.peak_bytes == 4 * 1024**2
+
+
+def test_backward_and_optimizer_state_are_counted():
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 256)
+    params = live_tensor_bytes(model.parameters())
+
+    def step():
+        model(x).pow(2).sum().backward()
+        opt.step()
+
+    peak = measure_peak_bytes(step, torch.device("cpu"), list(model.parameters()) + [x])
+    # parameters + gradients + two Adam moments at least
+    assert peak >= 4 * params
+
+
+def test_a_failed_step_leaves_nothing_alive(limited_address_space):
+    def failing_step():
+        activations = torch.ones(1024, 1024)  # noqa: F841  (alive when the next line fails)
+        torch.empty(1024**3, dtype=torch.uint8)
+
+    counter = LiveTensorCounter()
+    with limited_address_space(100 * 1024**2):
+        try:
+            with counter:
+                failing_step()
+        except RuntimeError:
+            pass
+    gc.collect()
+    assert counter.peak_bytes == 4 * 1024**2
+    assert counter.live_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "vocab_size,tie",
+    [(259, False), (151_936, True)],  # the tiny config's byte vocabulary; Qwen2.5's, tied
+    ids=["vocab259", "vocab152k"],
+)
+def test_operator_lines_from_batch_2_and_3_predict_the_peak_at_8(vocab_size, tie):
+    from adaptive_batch.memory.estimator import OperatorMemoryEstimate
+    from tests.adaptive_batch.conftest import one_layer_qwen, real_step_memory
+
+    measure = real_step_memory(*one_layer_qwen(vocab_size, tie), vocab_size)
+    measure(1)  # the optimizer state exists from here on
+    two, three, eight = measure(2), measure(3), measure(8)
+    assert set(eight.phase_peak_bytes) == {"forward", "backward", "optimizer"}
+    assert eight.peak_bytes == max(eight.phase_peak_bytes.values()) and max(eight.timeline) <= eight.peak_bytes
+    lines = OperatorMemoryEstimate.fit((2, two.timeline), (3, three.timeline), (two.operators, three.operators))
+    assert abs(lines.peak_bytes(8) - eight.peak_bytes) / eight.peak_bytes < 0.01
+
+
+def test_a_dtensor_counts_its_local_shard_not_its_global_size():
+    # Under FSDP2 every parameter and optimizer state is a DTensor; counted at its global size,
+    # a rank's peak came out larger than what it held, and the distributed probe found less.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+        from adaptive_batch.memory.tracker import LiveTensorCounter, live_tensor_bytes
+        dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+        mesh = init_device_mesh("cpu", (4,))
+        shard = DTensor.from_local(torch.zeros(250, 10), mesh, [Shard(0)])
+        assert shard.shape == (1000, 10)
+        assert live_tensor_bytes([shard]) == 10_000, live_tensor_bytes([shard])
+        with LiveTensorCounter(device_type="cpu") as counter:
+            doubled = shard * 2
+        assert counter.peak_bytes == 10_000, counter.peak_bytes
+        print("ok")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

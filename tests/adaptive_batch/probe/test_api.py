@@ -1,0 +1,157 @@
+"""find_max_batch_size on a plain nn.Module: in-process under a budget, and in a process under
+a real address-space limit, where the batch above the answer really runs out of memory."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from adaptive_batch import ConfigError, find_max_batch_size
+
+
+def parts(width=512):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(batch):
+        nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def make_batch(b):
+        return {"x": torch.randn(b, width), "y": torch.randn(b, 1)}
+
+    return model, optimizer, step, make_batch
+
+
+def test_found_batch_fits_the_next_does_not_and_nothing_changed():
+    model, optimizer, step, make_batch = parts()
+    before = [p.detach().clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    lines = []
+    found = find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory="64MiB", log=lines.append)
+    assert found > 1 and lines
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert optimizer.state == {} or all(len(s) == 0 for s in optimizer.state.values())
+    assert torch.equal(torch.get_rng_state(), rng)
+    # a tighter budget gives a smaller answer; the cap is honoured
+    assert find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory="32MiB") < found
+    assert find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory="64MiB", max_batch_size=3) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_memory="lots"), "max_memory='lots' cannot be parsed"),
+        (dict(safety_margin=1.5), "safety_margin=1.5 must be a number in [0, 1)"),
+        (dict(max_batch_size=0), "max_batch_size=0 must be a positive integer or null"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    model, optimizer, step, make_batch = parts(8)
+    with pytest.raises(ConfigError) as info:
+        find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, **kwargs)
+    assert message in str(info.value)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    from torch import nn
+    from adaptive_batch import find_max_batch_size, is_oom_error
+    from adaptive_batch.memory.device import proc_status_bytes
+
+    torch.manual_seed(0)
+    width = 2048
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(batch):
+        nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def make_batch(b):
+        return {"x": torch.randn(b, width), "y": torch.randn(b, 1)}
+
+    step(make_batch(1))  # the optimizer state exists before the limit, as in a running loop
+    resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + int(sys.argv[1]), resource.RLIM_INFINITY))
+    checksum = sum(float(p.sum()) for p in model.parameters())
+    found = find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory=None)
+    unchanged = checksum == sum(float(p.sum()) for p in model.parameters())
+    step(make_batch(found))  # trains
+    over = 2 * found
+    try:
+        step(make_batch(over))
+        over_fails = False
+    except Exception as e:
+        over_fails = is_oom_error(e)
+    print(json.dumps({"found": found, "unchanged": unchanged, "over_fails": over_fails}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_under_a_real_process_limit(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(160 * 2**20)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["found"] > 1 and result["unchanged"] and result["over_fails"], result
+
+
+# A step whose memory jumps past the line: batch 7 and up allocates 3 GiB at once (touched).
+# The "machine" is a MemAvailable of 2 GiB (1 GiB budget after the reserve) with no limit
+# set: without the probe's own RLIMIT_AS the trial at the line's prediction would take 3 GiB.
+OVERSHOOT_SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    from torch import nn
+    import adaptive_batch.memory.device as memory
+    from adaptive_batch import find_max_batch_size
+
+    memory._meminfo_bytes = lambda field: {"MemAvailable": 2 * 2**30, "MemTotal": 4 * 2**30}[field]
+    memory._cgroup_headroom = lambda: None
+    assert resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(batch):
+        b = batch.shape[0]
+        extra = torch.ones(3 * 2**30 // 4 if b >= 7 else b * 10 * 2**20 // 4)
+        model(batch).sum().mul(extra.sum() * 0).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    lines = []
+    found = find_max_batch_size(step, make_batch=lambda b: torch.randn(b, 64), model=model,
+                                optimizer=optimizer, max_memory=None, log=lines.append)
+    hwm = memory.proc_status_bytes("VmHWM")
+    limit_after = resource.getrlimit(resource.RLIMIT_AS)[0]
+    print(json.dumps({"found": found, "peak_rss": hwm, "lines": lines,
+                      "lifted": limit_after == resource.RLIM_INFINITY}))
+    """
+)
+
+
+def test_an_overshooting_trial_fails_to_allocate_under_the_probes_own_limit(tmp_path):
+    script = tmp_path / "overshoot.py"
+    script.write_text(OVERSHOOT_SCRIPT)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["found"] == 6, result
+    assert any("soft RLIMIT_AS" in line for line in result["lines"]), result["lines"]
+    assert any("out of memory" in line for line in result["lines"]), result["lines"]
+    # The 3 GiB trial never got its memory, and the limit is gone after probing.
+    assert result["peak_rss"] < 2 * 2**30, result
+    assert result["lifted"]

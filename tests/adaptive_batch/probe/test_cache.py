@@ -1,0 +1,78 @@
+import json
+
+import pytest
+
+from adaptive_batch.probe.cache import ProbeCache, cache_key, default_cache_dir, library_versions
+
+FIELDS = {"model": {"_component_": "m", "dim": 256}, "dtype": "torch.float32", "budget_bytes": 1000, "seq_len": 256}
+REPORT = {
+    "max_batch_size": 19,
+    "batch_size": 19,
+    "budget_bytes": 1000,
+    "seq_len": 256,
+    "trials": [{"batch_size": 19, "fits": True}, {"batch_size": 20, "fits": False}],
+}
+
+
+def test_hit_after_store_and_miss_on_any_changed_field(tmp_path):
+    cache = ProbeCache(str(tmp_path))
+    assert cache.load(FIELDS) is None
+    path = cache.store(FIELDS, REPORT)
+    assert path.startswith(str(tmp_path)) and cache.load(FIELDS) == REPORT
+    assert cache.load({**FIELDS, "budget_bytes": 999}) is None
+    assert cache.load({**FIELDS, "model": {"_component_": "m", "dim": 512}}) is None
+    assert cache_key(FIELDS) == cache_key(dict(reversed(list(FIELDS.items()))))  # order does not matter
+
+
+def test_corrupt_and_stale_entries_are_ignored_with_a_warning(tmp_path):
+    warnings = []
+    cache = ProbeCache(str(tmp_path), warn=warnings.append)
+    path = cache.store(FIELDS, REPORT)
+    with open(path, "w") as f:
+        f.write('{"format": 1, "fields": ')  # cut short
+    assert cache.load(FIELDS) is None and "unreadable" in warnings[-1]
+    # an entry whose fields are not the key's (hand-edited, or a hash collision)
+    with open(path, "w") as f:
+        json.dump({"format": 1, "fields": {**FIELDS, "seq_len": 4096}, "report": REPORT}, f)
+    assert cache.load(FIELDS) is None and "stale" in warnings[-1]
+    with open(path, "w") as f:
+        json.dump({"format": 1, "fields": FIELDS, "report": {"max_batch_size": "19"}}, f)
+    assert cache.load(FIELDS) is None and "invalid" in warnings[-1]
+    with open(path, "w") as f:
+        json.dump({"format": 0, "fields": FIELDS, "report": REPORT}, f)
+    assert cache.load(FIELDS) is None and len(warnings) == 4
+
+
+def test_versions_and_default_directory(monkeypatch, tmp_path):
+    versions = library_versions()
+    assert set(versions) == {"torch", "torchtune", "adaptive-batch"} and versions["torchtune"] == "0.6.1"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == str(tmp_path / "adaptive-batch" / "probe")
+
+
+@pytest.mark.parametrize(
+    "poison,reason",
+    [
+        ({"max_batch_size": 0, "batch_size": 0}, "must be integers of at least 1"),
+        ({"max_batch_size": -3, "batch_size": -3}, "must be integers of at least 1"),
+        ({"batch_size": True}, "must be integers of at least 1"),
+        ({"batch_size": 40}, "larger than max_batch_size"),
+        ({"max_batch_size": 500, "batch_size": 500}, "over the cap of 64"),
+        ({"budget_bytes": 10**12}, "budget_bytes=1000000000000 differs"),
+        ({"seq_len": 8}, "seq_len=8 differs"),
+        ({"trials": [{"batch_size": 19, "fits": False}]}, "no fitting trial at max_batch_size=19"),
+        ({"trials": "many"}, "no fitting trial"),
+    ],
+)
+def test_a_poisoned_entry_is_never_a_hit(tmp_path, poison, reason):
+    warnings = []
+    cache = ProbeCache(str(tmp_path), warn=warnings.append)
+    fields = {**FIELDS, "batch_size_cap": 64}
+    path = cache.store(fields, REPORT)
+    with open(path) as f:
+        entry = json.load(f)
+    entry["report"].update(poison)
+    with open(path, "w") as f:
+        json.dump(entry, f)
+    assert cache.load(fields) is None
+    assert "ignoring invalid entry" in warnings[-1] and reason in warnings[-1] and "probing again" in warnings[-1]

@@ -1,0 +1,285 @@
+import pytest
+
+from adaptive_batch import BatchSizeTooLargeError
+from adaptive_batch.memory.tracker import StepMemory
+from adaptive_batch.probe.search import round_batch_size, search_max_batch_size
+
+CPU_OOM = "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"
+
+
+class LinearStep:
+    """A fake step: peak = fixed + per_sample * b; real OOM above ``oom_above``. With
+    ``start=True`` it says, as the probe's measured steps do, that ``fixed`` was live at its start."""
+
+    def __init__(self, fixed, per_sample, oom_above=None, first_call_extra=0, start=False):
+        self.fixed, self.per_sample, self.oom_above = fixed, per_sample, oom_above
+        self.first_call_extra = first_call_extra
+        self.start = start
+        self.calls = []
+
+    def __call__(self, b):
+        self.calls.append(b)
+        if self.oom_above is not None and b > self.oom_above:
+            raise RuntimeError(CPU_OOM)
+        extra = self.first_call_extra if len(self.calls) == 1 else 0
+        peak = self.fixed + self.per_sample * b - extra
+        return StepMemory({"backward": peak}, start_bytes=self.fixed) if self.start else peak
+
+
+def no_release():
+    pass
+
+
+def check_bracket(result, cap=None):
+    """The answer fitted; the size above it was tried and failed, or it is the cap."""
+    fits = {t.batch_size for t in result.trials if t.fits}
+    fails = {t.batch_size for t in result.trials if not t.fits}
+    assert result.max_batch_size in fits
+    assert result.max_batch_size + 1 in fails or result.max_batch_size == cap
+
+
+def test_accurate_estimate_settles_in_five_trial_steps():
+    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=50, start=True)
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release)
+    assert result.max_batch_size == 37
+    assert result.predicted_max_batch_size == 37
+    assert step.calls == [1, 1, 2, 37, 38]
+    assert result.estimate.to_dict()["bytes_per_sample"] == 100
+    check_bracket(result)
+
+
+def test_without_the_start_of_a_step_the_jump_is_bounded_as_if_all_memory_were_per_sample():
+    # The same step, but nothing says 1_000 of it is held at every size: the search may not
+    # trust the line's jump from 2 to 37 (1_200 x 37/2 would be 4.7x the budget).
+    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=50)
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release)
+    assert result.max_batch_size == 37
+    assert step.calls[:4] == [1, 1, 2, 9]  # 2 x 1.25 x 4_700 / 1_200
+    check_bracket(result)
+    assert result.max_overshoot <= 1.25
+
+
+@pytest.mark.parametrize("start", [False, True])
+def test_no_trial_peaks_above_the_overshoot_bound_when_the_line_is_badly_wrong(start):
+    # Flat at batch 1-2, then a hidden term 12x as steep takes over: the line says 250.
+    def step(b):
+        peak = max(4_000 + 20 * b, 1_000 + 240 * b)
+        return StepMemory({"backward": peak}, start_bytes=1_000) if start else peak
+
+    result = search_max_batch_size(step, budget_bytes=10_000, release=no_release)
+    assert result.predicted_max_batch_size == 300
+    assert result.max_batch_size == 37  # 1_000 + 240 x 37 = 9_880
+    check_bracket(result)
+    assert result.max_overshoot <= 1.25
+    assert result.to_dict()["max_overshoot"] == result.max_overshoot
+
+
+def test_warmup_step_is_left_out_of_the_estimate():
+    # The first step allocates less (no optimizer state yet): fitting it would skew the line.
+    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=400)
+    result = search_max_batch_size(step, budget_bytes=5_000, release=no_release)
+    assert result.estimate.fixed_bytes == 1_000
+    assert [t.phase for t in result.trials[:3]] == ["warmup", "estimate", "estimate"]
+
+
+def test_real_oom_below_the_budget_walks_down_then_bisects():
+    # The line says 90 fits, but allocations fail above 61 (memory the counter cannot see).
+    step = LinearStep(fixed=1_000, per_sample=100, oom_above=61, start=True)
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 90, release=no_release)
+    assert result.max_batch_size == 61
+    check_bracket(result)
+    assert any(t.oom for t in result.trials)
+    assert len(step.calls) == len(set(step.calls[1:])) + 1  # no size run twice after warm-up
+    assert len(result.trials) <= 14
+
+
+def test_pessimistic_estimate_gallops_up():
+    # Small batches pay a per-sample cost that large ones amortise: the line underestimates.
+    def step(b):
+        return 1_000 + (100 * b if b <= 2 else 200 + 20 * b)
+
+    result = search_max_batch_size(step, budget_bytes=1_000 + 200 + 20 * 300, release=no_release)
+    assert result.max_batch_size == 300
+    check_bracket(result)
+
+
+def test_flat_small_batches_are_corrected_by_interpolating_measured_peaks():
+    # As under FSDP: at batch 1-2 the peak is set by something else than activations, so the
+    # line through them predicts far too much; the measured failure gives the real slope.
+    def step(b):
+        return max(5_000 + 10 * b, 3_000 + 240 * b)
+
+    result = search_max_batch_size(step, budget_bytes=10_000, release=no_release)
+    assert result.predicted_max_batch_size == 500
+    assert result.max_batch_size == 29
+    check_bracket(result)
+    # galloping down from 500 and bisecting took 21; trying 500 peaked at 12x the budget
+    assert len(result.trials) <= 9
+    assert result.max_overshoot <= 1.25
+
+
+def test_nothing_fits_names_the_bytes_needed_and_available():
+    step = LinearStep(fixed=10_000, per_sample=100)
+    with pytest.raises(BatchSizeTooLargeError) as info:
+        search_max_batch_size(step, budget_bytes=5_000, release=no_release)
+    assert info.value.bytes_needed == 10_100
+    assert info.value.budget_bytes == 5_000
+    assert "10100 bytes" in str(info.value) and "5000 bytes" in str(info.value)
+
+
+def test_nothing_fits_because_batch_one_runs_out_of_memory():
+    step = LinearStep(fixed=1, per_sample=1, oom_above=0)
+    with pytest.raises(BatchSizeTooLargeError, match="ran out of memory"):
+        search_max_batch_size(step, budget_bytes=5_000, release=no_release)
+
+
+def test_everything_fits_up_to_the_cap():
+    step = LinearStep(fixed=1_000, per_sample=1)
+    result = search_max_batch_size(step, budget_bytes=10**9, max_batch_size=48, release=no_release)
+    assert result.max_batch_size == 48
+    assert max(step.calls) == 48  # never tries past the cap (e.g. the dataset size)
+    check_bracket(result, cap=48)
+
+
+def test_cap_of_one_runs_no_second_size():
+    step = LinearStep(fixed=1_000, per_sample=1)
+    result = search_max_batch_size(step, budget_bytes=10**9, max_batch_size=1, release=no_release)
+    assert result.max_batch_size == 1 and set(step.calls) == {1}
+
+
+def test_only_batch_one_fits():
+    step = LinearStep(fixed=1_000, per_sample=100)
+    result = search_max_batch_size(step, budget_bytes=1_150, release=no_release)
+    assert result.max_batch_size == 1
+    check_bracket(result)
+
+
+def test_flat_peaks_without_cap_double_until_oom():
+    step = LinearStep(fixed=1_000, per_sample=0, oom_above=100)
+    result = search_max_batch_size(step, budget_bytes=10**9, release=no_release)
+    assert result.max_batch_size == 100
+    assert result.predicted_max_batch_size is None
+    check_bracket(result)
+
+
+def test_step_that_never_fails_without_cap_hits_the_guard():
+    step = LinearStep(fixed=1_000, per_sample=0)
+    with pytest.raises(RuntimeError, match="max_batch_size"):
+        search_max_batch_size(step, budget_bytes=10**9, release=no_release, max_trials=20)
+
+
+def test_noisy_non_monotone_step_still_gives_a_bracketed_answer():
+    # Sizes 40 and 44 fail at random on top of a true limit of 50.
+    def step(b):
+        if b in (40, 44) or b > 50:
+            raise RuntimeError(CPU_OOM)
+        return 1_000 + 100 * b
+
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 60, release=no_release)
+    check_bracket(result)
+    assert result.max_batch_size <= 50
+    sizes = [t.batch_size for t in result.trials[1:]]
+    assert len(sizes) == len(set(sizes))
+
+
+def test_non_oom_errors_propagate():
+    def step(b):
+        raise RuntimeError("shape mismatch in the model")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        search_max_batch_size(step, budget_bytes=10**9, release=no_release)
+
+
+def test_release_is_called_after_each_oom():
+    released = []
+    step = LinearStep(fixed=1_000, per_sample=100, oom_above=10)
+    search_max_batch_size(step, budget_bytes=10**9, release=lambda: released.append(1))
+    assert len(released) == sum(1 for b in step.calls if b > 10)
+
+
+def test_result_serialises_with_every_trial():
+    step = LinearStep(fixed=1_000, per_sample=100)
+    d = search_max_batch_size(step, budget_bytes=3_000, release=no_release).to_dict()
+    assert d["max_batch_size"] == 20
+    assert d["estimate"] == {"fixed_bytes": 1_000, "bytes_per_sample": 100, "kind": "step", "predicted_max_batch_size": 20}
+    assert {"batch_size", "fits", "peak_bytes", "seconds"} <= set(d["trials"][0])
+
+
+@pytest.mark.parametrize("b,mode,expected", [(37, "none", 37), (37, "power_of_two", 32), (64, "power_of_two", 64), (1, "power_of_two", 1)])
+def test_rounding(b, mode, expected):
+    assert round_batch_size(b, mode) == expected
+
+
+def test_rounding_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="batch_size_rounding='nearest'"):
+        round_batch_size(8, "nearest")
+
+
+def test_bad_budget_and_cap():
+    with pytest.raises(ValueError, match="budget_bytes"):
+        search_max_batch_size(LinearStep(1, 1), budget_bytes=0)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        search_max_batch_size(LinearStep(1, 1), budget_bytes=10, max_batch_size=0)
+
+
+def test_powers_of_two():
+    from adaptive_batch.probe.search import powers_of_two
+
+    assert powers_of_two(0) == [] and powers_of_two(1) == [1]
+    assert powers_of_two(8) == [1, 2, 4, 8] and powers_of_two(15) == [1, 2, 4, 8]
+
+
+class StepWithOperators:
+    """A fake step whose memory after each operator is affine in the batch; at batch 1 one
+    operator is a view where larger batches copy (as a reshape of a non-contiguous tensor is)."""
+
+    def __init__(self, oom_above=None):
+        self.oom_above, self.calls = oom_above, []
+
+    def timeline(self, b):
+        # embedding optimizer temporaries (flat, 1_300), logits (400 a sample), the copy
+        return [200 + 10 * b, 250 + 400 * b, 1_300] + ([] if b == 1 else [260 + 400 * b])
+
+    def __call__(self, b):
+        from adaptive_batch.memory.tracker import StepMemory
+
+        self.calls.append(b)
+        if self.oom_above is not None and b > self.oom_above:
+            raise RuntimeError(CPU_OOM)
+        line = self.timeline(b)
+        ops = ["mm", "logits", "adamw"] + ([] if b == 1 else ["clone"])
+        return StepMemory({"forward": max(line[:2]), "backward": max([line[1]] + line[3:]), "optimizer": line[2]}, line, ops)
+
+
+def test_operator_lines_land_on_the_answer_with_one_failure_and_batch_three_when_one_differs():
+    step = StepWithOperators()
+    lines = []
+    result = search_max_batch_size(step, budget_bytes=3_000, release=no_release, log=lines.append)
+    # 260 + 400 * 6 = 2_660 fits, 7 gives 3_060
+    assert step.calls == [1, 1, 2, 3, 6, 7]
+    assert result.max_batch_size == result.predicted_max_batch_size == 6
+    assert sum(not t.fits for t in result.trials) == 1
+    assert "batch 1 and 2 ran different operators" in " ".join(lines)
+    d = result.to_dict()
+    assert d["estimate"]["kind"] == "operators" and d["estimate"]["bytes_per_sample"] == 400
+    assert d["trials"][1]["phase_peak_bytes"] == {"forward": 650, "backward": 650, "optimizer": 1_300}
+
+
+def test_phase_lines_where_a_step_gives_phases_only():
+    def step(b):
+        return {"forward": 300 + 160 * b, "backward": 700 + 300 * b, "optimizer": 1_300}
+
+    result = search_max_batch_size(step, budget_bytes=3_000, release=no_release)
+    assert result.predicted_max_batch_size == result.max_batch_size == 7
+    assert result.to_dict()["estimate"]["kind"] == "phases"
+    # Without the step's start, the jump from 2 is bounded: 2 x 1.25 x 3_000 / 1_300 = 5.
+    assert [t.batch_size for t in result.trials] == [1, 1, 2, 5, 7, 8]
+
+
+def test_an_unbounded_search_jumps_to_the_prediction_without_a_start():
+    # The planner's fake steps allocate nothing: the bound is off, the jump is the line's.
+    import math
+
+    step = LinearStep(fixed=1_000, per_sample=100)
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release, max_overshoot=math.inf)
+    assert step.calls == [1, 1, 2, 37, 38]

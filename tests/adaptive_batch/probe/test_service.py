@@ -1,0 +1,105 @@
+"""ProbeOptions check themselves; probe_batch_size finds, caches and reports on a real model."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from adaptive_batch import BatchSizeTooLargeError, ConfigError, ProbeOptions, probe_batch_size
+from adaptive_batch.probe.service import default_safety_margin
+
+
+def test_defaults_are_the_documented_ones():
+    opts = ProbeOptions()
+    assert (opts.use_maximum_batch_size, opts.max_memory, opts.batch_size_rounding) == (False, None, "none")
+    assert (opts.batch_size_objective, opts.throughput_tolerance, opts.probe_cache, opts.plot) == ("max_fit", 0.02, True, False)
+    assert opts.safety_margin("cpu") == default_safety_margin("cpu") == 0.01
+    assert opts.safety_margin("cuda") == default_safety_margin("cuda") == 0.05
+    assert ProbeOptions(memory_safety_margin=0.2).safety_margin("cuda") == 0.2
+
+
+def test_max_memory_in_bytes():
+    assert ProbeOptions(max_memory="1GiB").max_memory_bytes(8 * 2**30) == 2**30
+    assert ProbeOptions(max_memory=0.5).max_memory_bytes(8 * 2**30) == 4 * 2**30
+    assert ProbeOptions(max_memory="25%").max_memory_bytes(8 * 2**30) == 2 * 2**30
+    assert ProbeOptions().max_memory_bytes(8 * 2**30) is None
+    with pytest.raises(ConfigError, match="larger than the device"):
+        ProbeOptions(max_memory="64GiB").max_memory_bytes(8 * 2**30)
+    with pytest.raises(ConfigError, match="capacity is unknown"):
+        ProbeOptions(max_memory="50%").max_memory_bytes(None)
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("use_maximum_batch_size", "yes", "use_maximum_batch_size='yes' must be true or false"),
+        ("use_maximum_batch_size", 1, "use_maximum_batch_size=1 must be true or false"),
+        ("max_memory", "lots", "max_memory='lots' cannot be parsed"),
+        ("max_memory", 0, "max_memory=0 must be greater than zero"),
+        ("max_memory", "-1GiB", "max_memory='-1GiB' cannot be parsed"),
+        ("memory_safety_margin", 1.0, "memory_safety_margin=1.0 must be a number in"),
+        ("memory_safety_margin", -0.1, "memory_safety_margin=-0.1"),
+        ("batch_size_rounding", "nearest", "batch_size_rounding='nearest' is not one of"),
+        ("max_batch_size", 0, "max_batch_size=0 must be a positive integer or null"),
+        ("batch_size_objective", "fastest", "batch_size_objective='fastest' is not one of"),
+        ("throughput_tolerance", 1.0, "throughput_tolerance=1.0 must be a number in [0, 1)"),
+        ("throughput_tolerance", "2%", "throughput_tolerance='2%' must be a number"),
+        ("probe_cache", "no", "probe_cache='no' must be true or false"),
+        ("probe_cache_dir", 5, "probe_cache_dir=5 must be a directory path or null"),
+        ("plot", "yes", "plot='yes' must be true or false"),
+    ],
+)
+def test_bad_values(key, value, message):
+    with pytest.raises(ConfigError) as info:
+        ProbeOptions(**{key: value})
+    assert message in str(info.value)
+
+
+def _mlp_parts(width=256):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(batch):
+        nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def make_batch(b):
+        return {"x": torch.ones(b, width), "y": torch.zeros(b, 1)}
+
+    return dict(train_step=step, make_batch=make_batch, model=model, optimizer=optimizer)
+
+
+def test_probe_finds_caches_and_reports(tmp_path):
+    parts = _mlp_parts()
+    # Parameters and Adam state ~1.5 MiB; 1 KiB of input a sample plus activations.
+    opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache_dir=str(tmp_path / "cache"))
+    common = dict(device=torch.device("cpu"), seq_len=256, dataset_size=10_000, output_dir=str(tmp_path / "out"),
+                  cache_fields={"model": "mlp"}, log=lambda line: None)
+    report = probe_batch_size(opts, **parts, **common)
+    assert report["cache"]["hit"] is False
+    on_disk = json.loads((tmp_path / "out" / "batch_probe.json").read_text())
+    assert on_disk["batch_size"] == report["batch_size"] == report["max_batch_size"] > 1
+    fits = {t["batch_size"]: t["fits"] for t in report["trials"]}
+    assert fits[report["max_batch_size"]] and fits[report["max_batch_size"] + 1] is False
+    assert report["world_size"] == 1 and report["ranks"][0]["budget_bytes"] == report["budget"]["budget_bytes"]
+    again = probe_batch_size(opts, **_mlp_parts(), **common)
+    assert again["cache"]["hit"] is True and again["batch_size"] == report["batch_size"]
+
+
+def test_rounding_and_cap(tmp_path):
+    common = dict(device=torch.device("cpu"), seq_len=1, output_dir=str(tmp_path), log=lambda line: None)
+    opts = ProbeOptions(max_memory=4 * 2**20, probe_cache=False, batch_size_rounding="power_of_two")
+    report = probe_batch_size(opts, **_mlp_parts(), dataset_size=10_000, **common)
+    assert report["batch_size"] & (report["batch_size"] - 1) == 0 and report["batch_size"] <= report["max_batch_size"]
+    capped = probe_batch_size(ProbeOptions(max_memory=4 * 2**20, probe_cache=False, max_batch_size=3),
+                              **_mlp_parts(), dataset_size=10_000, **common)
+    assert capped["batch_size"] == 3 and capped["batch_size_cap"] == 3
+
+
+def test_batch_one_too_large(tmp_path):
+    with pytest.raises(BatchSizeTooLargeError):
+        probe_batch_size(ProbeOptions(max_memory=2**20, probe_cache=False), **_mlp_parts(), device=torch.device("cpu"),
+                         seq_len=1, dataset_size=8, output_dir=str(tmp_path), log=lambda line: None)

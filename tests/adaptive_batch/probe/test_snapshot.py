@@ -1,0 +1,140 @@
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from adaptive_batch.probe.snapshot import TrainingStateSnapshot
+
+
+def train_steps(model, opt, sched, n=2):
+    for _ in range(n):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    random.random()
+    np.random.rand()
+
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_everything_comes_back_bitwise(tmp_path, warm):
+    model, opt, sched = make()
+    if warm:  # optimizer state exists before the snapshot (a resumed run)
+        train_steps(model, opt, sched)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    moments = {k: {n: t.clone() for n, t in s.items()} for k, s in opt_state["state"].items()}
+    sched_state = sched.state_dict()
+    rng = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
+
+    with TrainingStateSnapshot(model, opt, sched, directory=str(tmp_path)):
+        train_steps(model, opt, sched, n=3)
+        assert not torch.equal(model[0].weight, params["0.weight"])
+
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    restored = opt.state_dict()
+    assert restored["param_groups"] == opt_state["param_groups"]
+    assert set(restored["state"]) == set(moments)
+    for k, s in moments.items():
+        for n, t in s.items():
+            assert torch.equal(restored["state"][k][n], t)
+    assert sched.state_dict() == sched_state
+    assert random.getstate() == rng[0]
+    assert np.array_equal(np.random.get_state()[1], rng[1])
+    assert torch.equal(torch.get_rng_state(), rng[2])
+    assert os.listdir(tmp_path) == []  # the snapshot file is gone
+
+
+def test_restored_when_the_block_raises(tmp_path):
+    model, opt, sched = make()
+    before = model[0].weight.clone()
+    with pytest.raises(KeyError):
+        with TrainingStateSnapshot(model, opt, sched, directory=str(tmp_path)):
+            train_steps(model, opt, sched)
+            raise KeyError("boom")
+    assert torch.equal(model[0].weight, before)
+    assert opt.state_dict()["state"] == {}
+
+
+def test_restore_before_save_is_an_error():
+    model, opt, _ = make()
+    with pytest.raises(RuntimeError, match="before save"):
+        TrainingStateSnapshot(model, opt).restore()
+
+
+def test_restored_optimizer_state_owns_its_memory(tmp_path):
+    """The restore reads a memory-mapped file; optimizer state left pointing into it kept the
+    whole (deleted) file mapped after the probe, address space that the found batch then lacked
+    under a process limit."""
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()
+    with TrainingStateSnapshot(model, optimizer, directory=str(tmp_path)):
+        pass
+    with open("/proc/self/maps") as maps:
+        assert not [line for line in maps if ".probe_snapshot_" in line]
+    assert all(v.untyped_storage().resizable() for s in optimizer.state.values() for v in s.values())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_snapshot_file_has_no_name_while_it_is_held(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with TrainingStateSnapshot(model, None, directory=str(tmp_path)):
+        assert os.listdir(tmp_path) == []
+        torch.nn.init.zeros_(model.weight)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_stale_snapshot_is_removed_with_a_message(tmp_path):
+    stale = tmp_path / ".probe_snapshot_abc123.pt"
+    stale.write_bytes(b"x" * 100)
+    lines = []
+    with TrainingStateSnapshot(torch.nn.Linear(2, 2), None, directory=str(tmp_path), log=lines.append):
+        pass
+    assert not stale.exists()
+    assert "snapshot a killed run left behind" in lines[0] and str(stale) in lines[0]
+
+
+KILLED_SCRIPT = """
+import os, signal, sys
+import torch
+from adaptive_batch import find_max_batch_size
+
+model = torch.nn.Linear(16, 16)
+optimizer = torch.optim.AdamW(model.parameters())
+
+def step(batch):
+    if batch.shape[0] == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed in the middle of probing
+    model(batch).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+find_max_batch_size(step, make_batch=lambda b: torch.randn(b, 16), model=model, optimizer=optimizer,
+                    max_memory="1GiB", snapshot_dir=sys.argv[1])
+"""
+
+
+def test_a_run_killed_while_probing_leaves_no_snapshot(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_SCRIPT)
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == -9, run.stderr[-2000:]
+    assert out.is_dir() and os.listdir(out) == []

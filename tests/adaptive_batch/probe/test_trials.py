@@ -1,0 +1,141 @@
+import json
+
+import pytest
+import torch
+from torchtune.models.llama3_2 import llama3_2
+
+from adaptive_batch import BatchSizeTooLargeError
+from adaptive_batch.memory.device import DeviceCapacity, device_capacity
+from adaptive_batch.probe.trials import (
+    PROBE_FILENAME,
+    memory_budget,
+    probe_max_batch_size,
+    probe_report,
+    training_state_bytes,
+    worst_case_text_batch,
+    write_probe_report,
+)
+
+SEQ = 64
+VOCAB = 128
+CPU = torch.device("cpu")
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = llama3_2(vocab_size=VOCAB, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=64, max_seq_len=SEQ)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def step_fn(model, opt):
+    def train_step(batch):
+        logits = model(batch["tokens"])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return train_step
+
+
+def make_batch(b):
+    return worst_case_text_batch(b, seq_len=SEQ, vocab_size=VOCAB, device=CPU)
+
+
+def test_worst_case_batch_is_full_length_and_leaves_global_rng_alone():
+    state = torch.get_rng_state()
+    batch = make_batch(3)
+    assert batch["tokens"].shape == (3, SEQ) and torch.equal(batch["tokens"], batch["labels"])
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_probe_finds_a_bracketed_size_and_leaves_training_untouched(tmp_path):
+    model, opt = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    live = training_state_bytes(model, opt)
+    budget = live * 3 + 40 * 1024**2
+    result = probe_max_batch_size(
+        train_step=step_fn(model, opt), make_batch=make_batch, model=model, optimizer=opt,
+        device=CPU, budget_bytes=budget, snapshot_dir=str(tmp_path),
+    )
+    fits = {t.batch_size: t for t in result.trials if t.fits}
+    assert result.max_batch_size in fits and fits[result.max_batch_size].peak_bytes <= budget
+    above = [t for t in result.trials if t.batch_size == result.max_batch_size + 1]
+    assert above and not above[0].fits and above[0].peak_bytes > budget
+    # the estimate was close: at most one size off
+    assert abs(result.predicted_max_batch_size - result.max_batch_size) <= 1
+    assert result.num_trials <= 6
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert opt.state_dict()["state"] == {}
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_probe_under_a_real_address_space_limit(tmp_path, limited_address_space):
+    from adaptive_batch.memory.device import return_freed_memory_to_os
+
+    return_freed_memory_to_os()
+    model, opt = tiny()
+    with limited_address_space(150 * 1024**2):
+        capacity = device_capacity(CPU)
+        budget = memory_budget(
+            max_memory_bytes=None, capacity=capacity,
+            live_bytes=training_state_bytes(model, opt), safety_margin=0.0,
+        )
+        # Hold the search to real allocation failures: the budget is the whole limit and more.
+        result = probe_max_batch_size(
+            train_step=step_fn(model, opt), make_batch=make_batch, model=model, optimizer=opt,
+            device=CPU, budget_bytes=budget.budget_bytes * 4, snapshot_dir=str(tmp_path),
+        )
+    assert budget.source == "RLIMIT_AS"
+    assert any(t.oom for t in result.trials), "the limit should have stopped a trial"
+    assert result.max_batch_size >= 2
+    oom_sizes = [t.batch_size for t in result.trials if t.oom]
+    assert min(oom_sizes) == result.max_batch_size + 1
+    # after the limit is lifted and everything released, training goes on normally
+    step_fn(model, opt)(make_batch(result.max_batch_size))
+
+
+def test_batch_one_too_large(tmp_path):
+    model, opt = tiny()
+    with pytest.raises(BatchSizeTooLargeError) as info:
+        probe_max_batch_size(
+            train_step=step_fn(model, opt), make_batch=make_batch, model=model, optimizer=opt,
+            device=CPU, budget_bytes=1024, snapshot_dir=str(tmp_path),
+        )
+    assert info.value.bytes_needed > 1024
+    assert torch.equal(model.tok_embeddings.weight, tiny()[0].tok_embeddings.weight)
+
+
+def test_memory_budget_from_max_memory_or_device():
+    cap = DeviceCapacity(device="cpu", headroom_bytes=1_000, source="RLIMIT_AS", hard_limit=True)
+    b = memory_budget(max_memory_bytes=800, capacity=cap, live_bytes=100, safety_margin=0.1)
+    assert (b.limit_bytes, b.budget_bytes, b.source) == (800, 720, "max_memory")
+    b = memory_budget(max_memory_bytes=None, capacity=cap, live_bytes=100, safety_margin=0.0)
+    assert (b.limit_bytes, b.source) == (1_100, "RLIMIT_AS")
+    # max_memory above what the device holds now: the device's limit wins
+    b = memory_budget(max_memory_bytes=5_000, capacity=cap, live_bytes=100, safety_margin=0.0)
+    assert b.limit_bytes == 1_100
+    with pytest.raises(ValueError, match="memory_safety_margin=1.5"):
+        memory_budget(max_memory_bytes=None, capacity=cap, live_bytes=0, safety_margin=1.5)
+
+
+def test_report_has_the_documented_fields(tmp_path):
+    model, opt = tiny()
+    result = probe_max_batch_size(
+        train_step=step_fn(model, opt), make_batch=make_batch, model=model, optimizer=opt,
+        device=CPU, budget_bytes=training_state_bytes(model, opt) * 3 + 20 * 1024**2,
+        max_batch_size=4, snapshot_dir=str(tmp_path),
+    )
+    cap = DeviceCapacity(device="cpu", headroom_bytes=10**9, source="MemAvailable", hard_limit=False)
+    budget = memory_budget(max_memory_bytes=None, capacity=cap, live_bytes=0, safety_margin=0.01)
+    path = write_probe_report(
+        probe_report(result, batch_size=4, seq_len=SEQ, device=CPU, budget=budget), str(tmp_path)
+    )
+    assert path.endswith(PROBE_FILENAME)
+    report = json.loads(open(path).read())
+    assert report["max_batch_size"] == 4 and report["seq_len"] == SEQ and report["device"] == "cpu"
+    assert {"fixed_bytes", "bytes_per_sample", "predicted_max_batch_size"} <= set(report["estimate"])
+    assert {"batch_size", "fits", "peak_bytes", "seconds"} <= set(report["trials"][0])
+    assert report["total_seconds"] > 0 and "budget_bytes" in report

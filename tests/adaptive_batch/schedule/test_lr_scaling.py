@@ -1,0 +1,89 @@
+
+import pytest
+import torch
+
+from adaptive_batch.schedule.lr_scaling import BatchLRScaler, lr_scale_factor
+
+
+def test_rules():
+    assert lr_scale_factor(32, 8, "linear") == 4
+    assert lr_scale_factor(32, 8, "sqrt") == 2
+    assert lr_scale_factor(32, 8, "none") == 1
+    with pytest.raises(ValueError, match="lr_scaling='cubic'"):
+        lr_scale_factor(2, 1, "cubic")
+
+
+def opt():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+
+def test_scaler_without_scheduler_scales_the_configured_lr_every_step():
+    o = opt()
+    s = BatchLRScaler(o, rule="linear", reference=4, unit="samples")
+    assert s.apply(samples=8, tokens=100) == pytest.approx(0.2)
+    s.restore()
+    assert o.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert s.apply(samples=2, tokens=100) == pytest.approx(0.05)  # no compounding
+
+
+def test_scaler_composes_with_a_scheduler_in_tokens():
+    o = opt()
+    sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)  # chainable: multiplies lr
+    s = BatchLRScaler(o, rule="sqrt", reference=1000, unit="tokens", lr_scheduler=sched)
+    lrs = []
+    for _ in range(3):
+        lrs.append(s.apply(samples=1, tokens=4000))
+        o.step()
+        s.restore()
+        sched.step()
+    assert lrs == pytest.approx([0.2, 0.1, 0.05])
+
+
+def test_bad_reference_and_unit():
+    with pytest.raises(ValueError, match="lr_scaling_reference=0"):
+        BatchLRScaler(opt(), rule="linear", reference=0)
+    with pytest.raises(ValueError, match="lr_scaling_unit='bytes'"):
+        BatchLRScaler(opt(), rule="linear", reference=1, unit="bytes")
+
+
+@pytest.mark.parametrize("rule, decay_at_4x", [("linear", 0.01), ("sqrt", 0.02), ("none", 0.04)])
+def test_weight_decay_keeps_the_adamw_timescale(rule, decay_at_4x):
+    """Power Lines: B / (lr x weight_decay) stays the configured 8 / (0.1 x 0.01)."""
+    o = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1, weight_decay=0.01)
+    s = BatchLRScaler(o, rule=rule, reference=8, weight_decay_scaling="timescale")
+    lr = s.apply(samples=32, tokens=0)
+    assert o.param_groups[0]["weight_decay"] == pytest.approx(decay_at_4x) == s.last_weight_decay
+    assert 32 / (lr * o.param_groups[0]["weight_decay"]) == pytest.approx(8 / (0.1 * 0.01))
+    s.restore()
+    assert o.param_groups[0]["weight_decay"] == 0.01 and o.param_groups[0]["lr"] == 0.1
+
+
+def test_weight_decay_left_alone_by_default_and_refused_without_one():
+    o = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1, weight_decay=0.01)
+    s = BatchLRScaler(o, rule="linear", reference=8)
+    s.apply(samples=32, tokens=0)
+    assert o.param_groups[0]["weight_decay"] == 0.01 and s.last_weight_decay is None
+    with pytest.raises(ValueError, match="weight_decay_scaling='timescale' with NoDecay, which has no weight_decay"):
+        BatchLRScaler(NoDecay(), rule="none", reference=8, weight_decay_scaling="timescale")
+    with pytest.raises(ValueError, match="weight_decay_scaling='always'"):
+        BatchLRScaler(o, rule="none", reference=8, weight_decay_scaling="always")
+
+
+class NoDecay(torch.optim.Optimizer):
+    """An optimizer whose param groups have no weight_decay."""
+
+    def __init__(self):
+        super().__init__([torch.nn.Parameter(torch.zeros(2))], {"lr": 0.1})
+
+    def step(self, closure=None):
+        return None
+
+
+def test_weight_decay_scaling_option_checks():
+    from adaptive_batch import ConfigError
+    from adaptive_batch.schedule.lr_scaling import LRScalingOptions
+
+    with pytest.raises(ConfigError, match="weight_decay_scaling='yes'"):
+        LRScalingOptions(weight_decay_scaling="yes")
+    assert LRScalingOptions(weight_decay_scaling="timescale").scales
+    assert not LRScalingOptions().scales

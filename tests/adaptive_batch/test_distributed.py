@@ -1,0 +1,202 @@
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from adaptive_batch import BatchIncreaseFunctionError, PeerOutOfMemoryError, RankGroup
+from adaptive_batch.distributed import MAX_MEMORY_ENV, per_rank_increase, rank_max_memory
+from adaptive_batch.probe.search import search_max_batch_size
+from adaptive_batch.run.step import accumulate_gradients
+from adaptive_batch.schedule.growth import grow_batch_size
+
+MiB = 2**20
+
+
+def test_rank_max_memory_is_the_config_value_without_the_variable():
+    assert rank_max_memory("1GiB", env={}) == "1GiB"
+    assert rank_max_memory(None, env={MAX_MEMORY_ENV: " "}) is None
+
+
+def test_rank_max_memory_takes_one_value_or_this_local_rank_s():
+    assert rank_max_memory(None, env={MAX_MEMORY_ENV: "20GiB"}) == "20GiB"
+    env = {MAX_MEMORY_ENV: "70GiB, 40GiB", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert rank_max_memory("1GiB", env=env) == "40GiB"
+    assert rank_max_memory(None, capacity_bytes=1000, env={MAX_MEMORY_ENV: "0.5"}) == "0.5"
+
+
+def test_rank_max_memory_rejects_a_wrong_count_or_a_bad_value():
+    env = {MAX_MEMORY_ENV: "1GiB,2GiB,3GiB", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    with pytest.raises(ValueError, match="lists 3 values for 2 ranks on this node"):
+        rank_max_memory(None, env=env)
+    with pytest.raises(ValueError, match=f"{MAX_MEMORY_ENV}.*'lots'.*cannot be parsed"):
+        rank_max_memory(None, env={MAX_MEMORY_ENV: "lots"})
+    with pytest.raises(ValueError, match="larger than the device"):
+        rank_max_memory(None, capacity_bytes=MiB, env={MAX_MEMORY_ENV: "2MiB"})
+
+
+def test_one_process_agrees_with_itself():
+    ranks = RankGroup(torch.device("cpu"))
+    assert (ranks.distributed, ranks.world_size, ranks.rank, ranks.is_main) == (False, 1, 0, True)
+    assert (ranks.max(3), ranks.any(False), ranks.any(True)) == (3, False, True)
+    assert ranks.sums(2.5, torch.tensor(4), 1) == [2.5, 4.0, 1.0]
+    assert ranks.broadcast({"a": 1}) == {"a": 1} and ranks.gather(7) == [7]
+
+
+def test_a_lockstep_trial_of_one_process_is_the_trial():
+    ranks = RankGroup(torch.device("cpu"))
+    trial = ranks.lockstep_trial(lambda b: 100 + 10 * b, budget_bytes=150, common_budget_bytes=150)
+    assert trial(2) == 120 and trial(6) == 160
+
+    def out_of_memory(b):
+        torch.empty(1 << 62, dtype=torch.uint8)  # a real allocator failure
+
+    failing = ranks.lockstep_trial(out_of_memory, budget_bytes=150, common_budget_bytes=150)
+    with pytest.raises(PeerOutOfMemoryError, match="batch_size=3 ran out of memory \\(this rank: .*DefaultCPUAllocator"):
+        failing(3)
+    assert trial.report()["trials"][1] == {"batch_size": 6, "peak_bytes": 160, "oom": False, "fits_here": False}
+    assert failing.trials[0].oom and failing.trials[0].peak_bytes is None
+
+
+def double(epoch, current_batch_size):
+    return current_batch_size
+
+
+def test_per_rank_increase_shows_the_function_global_batches():
+    assert per_rank_increase(double, 1) is double and per_rank_increase(None, 4) is None
+    seen = []
+
+    def add_six(epoch, current_batch_size):
+        seen.append(current_batch_size)
+        return 6
+
+    grow = per_rank_increase(add_six, 4)
+    assert grow(0, 2) == 1  # 6 over 4 ranks, rounded down so every rank keeps the same batch
+    assert seen == [8]
+    assert per_rank_increase(double, 2)(1, 3) == 3
+
+    def broken(epoch, current_batch_size):
+        return 1.5
+
+    with pytest.raises(BatchIncreaseFunctionError, match="broken at epoch=1, current_batch_size=6"):
+        per_rank_increase(broken, 2)(1, 3)
+
+
+# Two real processes over gloo. Rank 1 has the smaller budget and runs out of memory (a real
+# allocator failure) from batch 8 on; rank 0 never does.
+BUDGETS = {0: 400 * MiB, 1: 200 * MiB}
+
+
+def _peak(batch_size):
+    return 50 * MiB + 20 * MiB * batch_size
+
+
+def _lockstep_search(rank, out_dir):
+    ranks = RankGroup(torch.device("cpu"))
+
+    def run_trial(batch_size):
+        if rank == 1 and batch_size >= 8:
+            torch.empty(1 << 62, dtype=torch.uint8)
+        return _peak(batch_size)
+
+    common = min(ranks.gather(BUDGETS[rank]))
+    trial = ranks.lockstep_trial(run_trial, budget_bytes=BUDGETS[rank], common_budget_bytes=common)
+    result = search_max_batch_size(trial, budget_bytes=trial.common_budget_bytes, max_batch_size=64)
+    return {"max": result.max_batch_size, "tried": [t.batch_size for t in result.trials], "mine": trial.report()}
+
+
+class Linear:
+    """A model whose forward-backward runs out of memory on rank 1 for micro-batches over 3."""
+
+    def __init__(self, rank):
+        torch.manual_seed(0)
+        self.rank = rank
+        self.model = torch.nn.Linear(4, 1)
+
+    def forward_backward(self, batch):
+        if self.rank == 1 and batch["tokens"].shape[0] > 3:
+            torch.empty(1 << 62, dtype=torch.uint8)
+        loss = self.model(batch["tokens"]).sum()
+        loss.backward()
+        return loss.detach(), torch.tensor(batch["tokens"].shape[0])
+
+
+def _retry_together(rank, out_dir):
+    ranks = RankGroup(torch.device("cpu"))
+    setup = Linear(rank)
+    batch = {"tokens": torch.arange(24, dtype=torch.float32).reshape(6, 4) + rank}
+    step = accumulate_gradients(
+        setup.forward_backward, batch, micro_batch_limit=6, zero_grad=lambda: setup.model.zero_grad(set_to_none=True),
+        agree_on_oom=ranks.any,
+    )
+    reference = torch.nn.Linear(4, 1)
+    reference.load_state_dict(setup.model.state_dict())
+    reference.zero_grad()
+    reference(batch["tokens"]).sum().backward()
+    return {
+        "sizes": step.micro_batch_sizes,
+        "retries": step.oom_retries,
+        "messages": step.oom_messages,
+        "grad_matches": torch.allclose(setup.model.weight.grad, reference.weight.grad),
+    }
+
+
+SCENARIOS = {"lockstep_search": _lockstep_search, "retry_together": _retry_together}
+
+
+def _worker(rank, world_size, scenario, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world_size)
+    try:
+        result = SCENARIOS[scenario](rank, out_dir)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(scenario, tmp_path):
+    mp.spawn(_worker, args=(2, scenario, str(tmp_path)), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_lockstep_search_ends_at_the_smallest_rank_s_largest_fit(tmp_path):
+    rank0, rank1 = run_two_ranks("lockstep_search", tmp_path)
+    # 50 MiB + 20 MiB x b within rank 1's 200 MiB: 7; rank 0 alone would fit 17.
+    assert rank0["max"] == rank1["max"] == 7
+    assert rank0["tried"] == rank1["tried"]
+    assert any(t["fits_here"] and t["batch_size"] > 7 for t in rank0["mine"]["trials"])
+    assert not any(t["oom"] for t in rank0["mine"]["trials"])
+    assert [t["oom"] for t in rank1["mine"]["trials"]] == [t["batch_size"] >= 8 for t in rank1["mine"]["trials"]]
+    assert any(t["oom"] for t in rank1["mine"]["trials"])
+
+
+def test_an_out_of_memory_error_on_one_rank_splits_the_step_on_both(tmp_path):
+    rank0, rank1 = run_two_ranks("retry_together", tmp_path)
+    assert rank0["sizes"] == rank1["sizes"] == [3, 3]
+    assert rank0["retries"] == rank1["retries"] == 1
+    assert "another rank" in rank0["messages"][0] and "DefaultCPUAllocator" in rank1["messages"][0]
+    assert rank0["grad_matches"] and rank1["grad_matches"]
+
+
+def test_per_rank_increase_errors_name_the_user_function_once():
+    def stop(epoch, current_batch_size):
+        raise RuntimeError("preempted")
+
+    with pytest.raises(BatchIncreaseFunctionError) as info:
+        grow_batch_size(per_rank_increase(stop, 2), epoch=2, current_batch_size=4, bound=16)
+    assert str(info.value).startswith("batch_increase_function ") and str(info.value).count("batch_increase_function") == 1
+    assert "stop at epoch=2, current_batch_size=8 raised RuntimeError: preempted" in str(info.value)
+
+
+def test_per_rank_increase_passes_statistics_and_the_noise_scale_mark_on():
+    from adaptive_batch import GrowthStatistics, noise_scale_growth
+    from adaptive_batch.schedule.growth import call_batch_increase_function
+
+    stats = GrowthStatistics(global_step=1, samples_seen=8, tokens_seen=80, gradient_noise_scale=24.0,
+                             max_batch_size=64)
+    per_rank = per_rank_increase(noise_scale_growth(max_factor=4), 2)
+    assert per_rank.needs_gradient_noise_scale
+    # 2 ranks x 4 = global 8, toward 24: +16 globally, +8 a rank
+    assert call_batch_increase_function(per_rank, 1, 4, stats=stats) == 8
