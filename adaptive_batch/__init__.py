@@ -34,7 +34,8 @@ from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.plan import MemoryPlan, plan_memory
 from adaptive_batch.probe.service import ProbeOptions, probe_batch_size
-from adaptive_batch.run.controller import AdaptiveBatchController, AdaptiveBatchOptions, StepOutcome
+from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
+from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.step_checkpoints import StepCheckpoints
 from adaptive_batch.schedule.growth import (
     GrowthStatistics,

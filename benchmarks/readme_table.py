@@ -1,21 +1,23 @@
-"""Puts a benchmark's table into the README between its markers."""
+"""Puts a benchmark's table into the README or the docs page that holds its markers."""
 
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def write_readme_table(name: str, table: str) -> bool:
-    """Replaces what lies between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``.
+    """Replaces what lies between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in the page
+    that has both.
 
     Returns:
-        Whether the README had both markers (nothing is written otherwise).
+        Whether a page had both markers (nothing is written otherwise).
     """
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = README.read_text()
-    if start not in text or end not in text:
-        return False
-    head, rest = text.split(start, 1)
-    tail = rest.split(end, 1)[1]
-    README.write_text(f"{head}{start}\n{table}\n{end}{tail}")
-    return True
+    for page in PAGES:
+        text = page.read_text()
+        if start in text and end in text:
+            head, rest = text.split(start, 1)
+            page.write_text(f"{head}{start}\n{table}\n{end}{rest.split(end, 1)[1]}")
+            return True
+    return False

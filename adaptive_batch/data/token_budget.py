@@ -27,9 +27,13 @@ class TokenBatchOptions:
 
     Attributes:
         max_tokens: the padded-token budget of a batch, or ``None`` for fixed-size batches.
-        sequence_picking_order: the order samples are packed in.
-        min_batch_size: the fewest samples in a full token batch.
-        long_sample_policy: what happens to a sample longer than ``max_tokens``.
+        sequence_picking_order: the order samples are packed in: ``"dataloader"`` (dataset
+            order, shuffled per epoch with ``shuffle``), ``"seqlen"`` (shortest first: least
+            padding) or ``"random"`` (a seeded permutation each epoch).
+        min_batch_size: the fewest samples in a full token batch, checked before training
+            against the longest sample.
+        long_sample_policy: a sample longer than ``max_tokens`` is cut to it (``"truncate"``)
+            or stops the run (``"error"``); never dropped.
 
     Raises:
         ConfigError: for the first bad value.

@@ -31,8 +31,10 @@ class LRScalingOptions:
     """How the LR follows the batch; the options check themselves when built.
 
     Attributes:
-        lr_scaling: the rule.
-        lr_scaling_unit: what a batch is counted in (real tokens, or samples).
+        lr_scaling: ``"none"``, ``"linear"`` (LR x B/B0) or ``"sqrt"`` (LR x sqrt(B/B0)),
+            applied every step to the optimizer's or scheduler's current LR.
+        lr_scaling_unit: what a batch B is counted in: ``"samples"`` per step, or real
+            (non-padding) ``"tokens"`` per step.
         lr_scaling_reference: the batch, in that unit, the configured LR was tuned for;
             ``None`` for the configured batch in samples.
         weight_decay_scaling: ``"timescale"`` scales each param group's ``weight_decay`` so

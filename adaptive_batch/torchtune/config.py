@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.run.controller import AdaptiveBatchOptions
+from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.validation import check_positive_int
 
 # The keys torchtune 0.6.1's full_finetune_single_device recipe reads.

@@ -332,7 +332,7 @@ def test_expandable_segments_before_probing_on_cuda(tmp_path, monkeypatch, devic
     calls = []
     monkeypatch.setattr("adaptive_batch.run.controller.use_expandable_segments", lambda **kw: calls.append(kw))
     monkeypatch.setattr(
-        "adaptive_batch.run.controller.device_capacity", lambda d: DeviceCapacity(device=str(d), headroom_bytes=2**30, source="test", hard_limit=True)
+        "adaptive_batch.run.options.device_capacity", lambda d: DeviceCapacity(device=str(d), headroom_bytes=2**30, source="test", hard_limit=True)
     )
     AdaptiveBatchController(
         AdaptiveBatchOptions(probe=ProbeOptions(use_maximum_batch_size=probing)),

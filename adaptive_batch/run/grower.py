@@ -1,0 +1,162 @@
+"""Growing the batch during training, and the gradient noise scale growth may follow.
+
+:class:`Grower` calls the user's batch increase function at each boundary of its interval
+(every epoch, or every N steps, samples or tokens), decided on rank 0 and taken by every rank,
+and folds each step's micro-batch gradients into the gradient noise scale when asked to.
+"""
+
+from typing import Any, Callable, Dict, Optional
+
+from adaptive_batch.data.samplers import BatchState
+from adaptive_batch.distributed import RankGroup, per_rank_increase
+from adaptive_batch.errors import BatchIncreaseFunctionError
+from adaptive_batch.schedule.growth import GrowthOptions, GrowthStatistics
+from adaptive_batch.schedule.noise_scale import (
+    GradientNoiseScale,
+    MicroBatchGradients,
+    NoiseScaleOptions,
+    estimate_noise,
+)
+
+
+class Grower:
+    """The growth function and the noise scale of a run.
+
+    Args:
+        growth: the function and its interval.
+        noise: whether and how the gradient noise scale is measured.
+        ranks: the data-parallel ranks.
+        log: where growth is reported.
+        warn: where a growth that must wait is reported.
+    """
+
+    def __init__(
+        self,
+        growth: GrowthOptions,
+        noise: NoiseScaleOptions,
+        *,
+        ranks: RankGroup,
+        log: Callable[[str], None],
+        warn: Callable[[str], None],
+    ) -> None:
+        # The user's function seen from a rank (global sizes in and out), built once.
+        self._function = per_rank_increase(growth.batch_increase_function, ranks.world_size)
+        self.interval = growth.batch_increase_interval
+        self.ranks, self.log, self.warn = ranks, log, warn
+        self.noise_scale = GradientNoiseScale(noise.noise_scale_ema) if noise.measure_noise_scale else None
+        self.gradients: Optional[MicroBatchGradients] = None
+        self._samples_per_token: Optional[float] = None
+        self._warned_no_noise = False
+
+    @property
+    def active(self) -> bool:
+        return self._function is not None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {} if self.noise_scale is None else self.noise_scale.state_dict()
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        if self.noise_scale is not None and state:
+            self.noise_scale.load_state_dict(state)
+
+    # ---------------------------------------------------------------- growth
+
+    def start_epoch(self, batch: BatchState, epoch: int) -> None:
+        """Growth at the epoch's boundary, or at the boundaries an interval has reached."""
+        if not self.active:
+            return
+        if not self.interval.per_epoch:
+            self.grow_at_boundaries(batch)
+        elif epoch >= batch.intervals_done:
+            self._grow(batch, epoch)
+
+    def grow_at_boundaries(self, batch: BatchState) -> bool:
+        """Every steps, samples or tokens boundary reached and not yet applied, in order;
+        whether any was (the sampler then takes the new batch)."""
+        if not self.active or self.interval.per_epoch:
+            return False
+        pending = list(batch.pending_boundaries(self.interval))
+        for k in pending:
+            self._grow(batch, k)
+        return bool(pending)
+
+    def _grow(self, batch: BatchState, k: int) -> None:
+        """Boundary ``k``'s call, decided on rank 0 and taken by every rank."""
+        label = "epoch" if self.interval.per_epoch else "interval"
+        function, stats = self._function, self.statistics(batch)
+        waiting = stats.gradient_noise_scale is None and stats.global_step > 0
+        if waiting and getattr(function, "needs_gradient_noise_scale", False):
+            self._warn_no_noise_scale(k)
+        decision = self.ranks.decide_on_main(
+            lambda: batch.grow_at(function, k, label=label, stats=stats), errors=(BatchIncreaseFunctionError,)
+        )
+        batch.batch_size, batch.intervals_done = decision.batch_size, k + 1
+        # Per epoch, a request held at the bound is said too; per step it would repeat each step.
+        asked = decision.requested != decision.previous and self.interval.per_epoch
+        if decision.batch_size != decision.previous or asked:
+            self._log_growth(batch, k, decision)
+
+    def statistics(self, batch: BatchState) -> GrowthStatistics:
+        """What a growth function taking ``stats`` sees, in global sizes."""
+        return GrowthStatistics(
+            global_step=batch.global_step,
+            samples_seen=batch.global_samples_seen,
+            tokens_seen=batch.tokens_seen,
+            gradient_noise_scale=None if self.noise_scale is None else self._noise_in_samples(),
+            max_batch_size=batch.growth_bound() * self.ranks.world_size,
+        )
+
+    def _warn_no_noise_scale(self, k: int) -> None:
+        if self._warned_no_noise:
+            return
+        self._warned_no_noise = True
+        why = (
+            "its |G|^2 average is not above 0 yet"
+            if self.noise_scale.updates
+            else "it is measured on steps of two or more micro-batches (noise_scale_split_step=True splits steps of one)"
+        )
+        self.warn(f"{self.interval.describe(k).capitalize()}: no gradient noise scale yet, so the batch stays; {why}.")
+
+    def _log_growth(self, batch: BatchState, k: int, decision: Any) -> None:
+        note = ""
+        if decision.clamped:
+            why = "an epoch's samples" if decision.bound == batch.samples_per_epoch else "the largest micro-batch"
+            note = f" (clamped from {decision.requested} to {decision.bound}, {why})"
+        per_rank = f" per rank, x{self.ranks.world_size} ranks" if self.ranks.distributed else ""
+        where = self.interval.describe(k).capitalize()
+        if not self.interval.per_epoch:
+            where += f" at step {batch.global_step}"
+        self.log(f"{where}: batch_size {decision.previous} -> {decision.batch_size}{per_rank}{note}.")
+
+    # ---------------------------------------------------------------- the noise scale
+
+    def track_gradients(self, params: Any) -> None:
+        """With ``measure_noise_scale``, allocates the gradient copy the measurement needs;
+        called before the probe, so it counts as training state."""
+        if self.noise_scale is not None:
+            self.gradients = MicroBatchGradients(list(params))
+            self.gradients.allocate()
+
+    def measure_noise(self, global_samples: float) -> Optional[float]:
+        """Folds the step's micro-batch gradients into the noise scale; returns it in samples
+        (``None`` before it can be measured, or when it is not)."""
+        gradients = self.gradients
+        if gradients is None or len(gradients.sq_norms) < 2:
+            return None if self.noise_scale is None else self._noise_in_samples()
+        n = len(gradients.sq_norms)
+        # Sharded gradients: a norm is the sum of the ranks' local ones; tokens are all ranks'.
+        totals = self.ranks.sums(*gradients.sq_norms, *gradients.tokens, gradients.step_sq_norm())
+        sq, tokens, step_sq = totals[:n], totals[n : 2 * n], totals[-1]
+        # .grad holds summed-loss gradients averaged over ranks: per-token means need x world / tokens.
+        world = self.ranks.world_size
+        means = [s * world**2 / t**2 for s, t in zip(sq, tokens)]
+        step_tokens = sum(tokens)
+        self.noise_scale.update(estimate_noise(means, tokens, step_sq * world**2 / step_tokens**2, step_tokens))
+        self._samples_per_token = global_samples / step_tokens
+        return self._noise_in_samples()
+
+    def _noise_in_samples(self) -> Optional[float]:
+        """The averaged noise scale (per token) in samples, at the last measured step's ratio."""
+        value = self.noise_scale.value
+        ratio = self._samples_per_token
+        return None if value is None or ratio is None else value * ratio

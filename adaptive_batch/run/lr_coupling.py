@@ -1,0 +1,93 @@
+"""The learning rate coupled to the batch: a schedule counted in samples, and the scaling rule.
+
+With fixed-size batches that grow, a schedule counted in optimizer steps would never finish
+(torchtune sets ``num_training_steps`` once); :class:`LRCoupling` advances it by samples seen
+instead, and applies the linear or square-root rule for each step's batch around the
+optimizer step.
+"""
+
+from typing import Any, Callable, Optional
+
+from adaptive_batch.data.samplers import BatchState
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.schedule.lr_progress import SampleProgressLR
+from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRScalingOptions
+
+
+class LRCoupling:
+    """Sets each step's LR from its batch.
+
+    Args:
+        options: the scaling rule, unit and reference.
+        optimizer: whose param groups the rule sets.
+        lr_scheduler: the run's scheduler, or ``None``.
+        read_lr: reads the LR a step uses, for the log.
+        batch: the run's batch state (samples seen, the first step's batch).
+        count_in_samples: advance ``lr_scheduler`` by samples seen (fixed-size batches).
+        configured_batch: the per-rank batch the config's LR was set for (the reference when
+            ``lr_scaling_reference`` is unset).
+        world_size: data-parallel ranks; a step's batch is their mean share.
+
+    Raises:
+        ConfigError: for a scheduler that cannot be counted in samples, or a rule the
+            optimizer cannot take.
+    """
+
+    def __init__(
+        self,
+        options: LRScalingOptions,
+        *,
+        optimizer: Any,
+        lr_scheduler: Any,
+        read_lr: Callable[[], float],
+        batch: BatchState,
+        count_in_samples: bool,
+        configured_batch: int,
+        world_size: int = 1,
+    ) -> None:
+        self._scheduler, self._read_lr, self._batch, self._world = lr_scheduler, read_lr, batch, world_size
+        self._progress: Optional[SampleProgressLR] = None
+        self.scaler: Optional[BatchLRScaler] = None
+        if lr_scheduler is not None and count_in_samples:
+            try:
+                self._progress = SampleProgressLR(lr_scheduler, batch.initial_batch_size)
+            except TypeError as e:
+                raise ConfigError(f"lr_scheduler: {e}") from None
+            self._progress.set_progress(batch.samples_seen)
+        if options.scales:
+            reference = options.lr_scaling_reference
+            try:
+                self.scaler = BatchLRScaler(
+                    optimizer,
+                    rule=options.lr_scaling,
+                    reference=float(reference if reference is not None else configured_batch),
+                    unit=options.lr_scaling_unit,
+                    lr_scheduler=self._progress or lr_scheduler,
+                    weight_decay_scaling=options.weight_decay_scaling,
+                )
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+    def start_step(self) -> None:
+        """Brings a sample-counted schedule to the samples seen, before the step's forward."""
+        if self._progress is not None:
+            self._progress.set_progress(self._batch.samples_seen)
+
+    def before_optimizer_step(self, global_samples: int, num_tokens: float) -> float:
+        """Scales the LR for the step's batch; returns the LR the step uses."""
+        if self.scaler is None:
+            return self._read_lr()
+        # Across ranks the LR scales with a rank's mean share, so it is the same on all.
+        return self.scaler.apply(samples=global_samples / self._world, tokens=int(num_tokens / self._world))
+
+    def after_optimizer_step(self) -> None:
+        """Puts the unscaled LR back and advances a step-counted scheduler."""
+        if self.scaler is not None:
+            self.scaler.restore()
+        if self._scheduler is not None and self._progress is None:
+            self._scheduler.step()
+
+    @property
+    def weight_decay(self) -> Optional[float]:
+        """The weight decay the last step used, when the rule scales it."""
+        return None if self.scaler is None else self.scaler.last_weight_decay

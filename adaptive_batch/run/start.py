@@ -1,0 +1,88 @@
+"""The batch a run starts with, and the largest micro-batch, once the probe has spoken.
+
+Pure decisions over the probe's report and the settings: they return numbers and a plan and
+write nothing (the controller writes the report once, after them).
+"""
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.probe.search import round_batch_size
+from adaptive_batch.probe.service import ProbeOptions
+from adaptive_batch.schedule.global_batch import KEY as GLOBAL_KEY
+from adaptive_batch.schedule.global_batch import MicroBatchPlan, fastest_split, split_global_batch
+from adaptive_batch.schedule.growth import GrowthOptions
+
+
+def starting_batch(
+    *,
+    batch_size: int,
+    gradient_accumulation_steps: int,
+    report: Optional[Dict[str, Any]],
+    probe: ProbeOptions,
+    growth: GrowthOptions,
+    log: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> Tuple[int, int]:
+    """The first step's samples (per rank) and the largest micro-batch.
+
+    Without growth the micro-batch is the probed batch when probing, else ``batch_size``, and
+    a step ``gradient_accumulation_steps`` of them. With growth ``batch_size`` x
+    ``gradient_accumulation_steps`` is the first step, and the largest batch that fits (or
+    ``max_batch_size``) the largest micro-batch.
+    """
+    accumulation = gradient_accumulation_steps
+    if growth.batch_increase_function is None:
+        if report is None:
+            return batch_size * accumulation, batch_size
+        micro = report["batch_size"]
+        log(f"use_maximum_batch_size: training with batch_size={micro}")
+        return micro * accumulation, micro
+    # Growth is bounded by the largest batch that fits, whatever batch the objective chose.
+    bound = (
+        round_batch_size(report["max_batch_size"], probe.batch_size_rounding)
+        if report is not None
+        else probe.max_batch_size
+    )
+    start = batch_size * accumulation
+    with_accumulation = growth.grow_with_accumulation
+    log(
+        f"batch_increase_function: starting at {start} samples a step, micro-batches of up to "
+        f"{bound}; growth " + ("may pass it by gradient accumulation." if with_accumulation else "stops there.")
+    )
+    if start > bound and not with_accumulation:
+        warn(
+            f"batch_size={batch_size} x gradient_accumulation_steps={accumulation} is over "
+            f"the largest batch that fits, {bound}: starting at {bound}."
+        )
+        start = bound
+    return start, bound
+
+
+def global_batch_plan(
+    global_batch: int,
+    *,
+    world_size: int,
+    dataset_size: int,
+    batch_size: int,
+    report: Optional[Dict[str, Any]],
+    throughput_tolerance: float,
+) -> MicroBatchPlan:
+    """How a rank runs its share of ``global_batch``: micro-batches of the probed batch (or
+    the fastest split of it), else of ``batch_size``.
+
+    Raises:
+        ConfigError: when a rank's share is more than its samples.
+    """
+    share = global_batch // world_size
+    if share > dataset_size:
+        raise ConfigError(
+            f"{GLOBAL_KEY}={global_batch} is {share} samples a rank a step, more than the "
+            f"{dataset_size} samples a rank has: lower {GLOBAL_KEY} to at most {dataset_size * world_size}."
+        )
+    trials = (report or {}).get("throughput", {}).get("trials")
+    if report is not None and trials:
+        return fastest_split(global_batch, world_size=world_size, trials=trials, tolerance=throughput_tolerance)
+    if report is not None:
+        return split_global_batch(global_batch, world_size=world_size, largest_micro_batch=report["batch_size"])
+    return split_global_batch(global_batch, world_size=world_size, largest_micro_batch=batch_size, chosen_by="batch_size")
