@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from adaptive_batch.errors import ConfigError, PeerOutOfMemoryError
 from adaptive_batch.memory.device import parse_memory
-from adaptive_batch.memory.oom import is_oom_error, release_memory
+from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.memory.tracker import STEP_PHASES, StepMemory
 from adaptive_batch.schedule.growth import (
     BatchIncreaseFunction,
@@ -228,14 +228,7 @@ class LockstepTrial:
         Raises:
             PeerOutOfMemoryError: on every rank, when any rank ran out of memory.
         """
-        measured: Union[None, int, Mapping[str, int]] = None
-        failure: Optional[str] = None
-        try:
-            measured = self.run_trial(batch_size)
-        except Exception as exc:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
-            if not is_oom_error(exc):
-                raise
-            failure = str(exc).splitlines()[0]
+        measured, failure = catch_oom(lambda: self.run_trial(batch_size))
         if failure is not None:
             release_memory()
         if isinstance(measured, StepMemory):

@@ -6,6 +6,7 @@
 #       --config configs/tiny/full_single_device.yaml use_maximum_batch_size=True
 
 from functools import partial
+import itertools
 import math
 import sys
 import time
@@ -26,11 +27,12 @@ from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 import adaptive_batch as ab
+from adaptive_batch import StepOutcome
 from adaptive_batch.data.lengths import sample_lengths
 from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
 from adaptive_batch.probe.trials import worst_case_text_batch
-from adaptive_batch.run import step_checkpoints
 from adaptive_batch.rng import rng_state, set_rng_state
+from adaptive_batch.run import step_checkpoints
 from adaptive_batch.run.step_checkpoints import LR_SCHEDULER_KEY, RNG_KEY
 import adaptive_batch.torchtune as abt
 from adaptive_batch.validation import check_known_keys
@@ -625,66 +627,51 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         reset_peak_rss()
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            # Per-epoch growth happens here, before the epoch's first step (growth by steps,
-            # samples or tokens after a step); a run resumed mid-epoch gets the steps left.
-            steps_this_epoch = self._batching.start_epoch(curr_epoch, self._dataloader)
-            pbar = tqdm(total=steps_this_epoch, disable=not self._ranks.is_main)
+            # Growth by epoch happens here; a run resumed mid-epoch gets the steps it has left.
+            steps = self._batching.start_epoch(curr_epoch, self._dataloader)
+            pbar = tqdm(total=steps, disable=not self._ranks.is_main)
             t0 = time.perf_counter()
-            for idx, batch in enumerate(self._dataloader):
-                # Start tracking CUDA memory for active steps for just the first epoch
-                if (
-                    curr_epoch == 0
-                    and self.profiler_profile_memory
-                    and idx == self.profiler_wait_steps + self.profiler_warmup_steps
-                    and self._device.type == "cuda"
-                ):
-                    torch.cuda.memory._record_memory_history()
-
+            for idx, batch in enumerate(itertools.islice(self._dataloader, steps)):
+                self._record_memory_history(curr_epoch, idx, before_step=True)
                 utils.batch_to_device(batch, self._device)
-                step = self._batching.run_step(self._forward_backward, batch, zero_grad=self._zero_grad)
+                step = self._batching.step(
+                    batch, forward_backward=self._forward_backward, optimizer_step=self._optimizer_step,
+                    zero_grad=self._zero_grad,
+                )
                 del batch
-                step_lr = self._batching.before_optimizer_step(step)
-                grad_norm = self._optimizer_step(step.num_tokens)
-                self._batching.after_optimizer_step(step)
-                self.global_step = self._batching.global_step
-
+                self.global_step = step.global_step
                 pbar.update(1)
                 pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {step.loss}")
-
                 if self.global_step % self._log_every_n_steps == 0 and self._ranks.is_main:
-                    log_dict = {
-                        "loss": step.loss,
-                        "lr": step_lr,
-                        **self._batching.step_metrics(step, seconds=time.perf_counter() - t0),
-                    }
-                    if self._log_peak_memory_stats:
-                        log_dict.update(self._memory_metrics())
-                    if grad_norm is not None:
-                        log_dict.update({"grad_norm": grad_norm})
-                    self._metric_logger.log_dict(log_dict, step=self.global_step)
-                    reset_peak_rss()
-
-                # Stop tracking CUDA memory now that active steps are complete
-                if (
-                    curr_epoch == 0
-                    and self.profiler_profile_memory
-                    and idx == self.profiler_wait_steps + self.profiler_warmup_steps + self.profiler_active_steps
-                    and self._device.type == "cuda"
-                ):
-                    torch.cuda.memory._record_memory_history(enabled=None)
-
+                    self._log_step(step, seconds=time.perf_counter() - t0)
+                self._record_memory_history(curr_epoch, idx, before_step=False)
                 if self._step_checkpoints.due(self.global_step):
                     self.save_step_checkpoint()
-
                 t0 = time.perf_counter()
                 self._profiler.step()
-                if idx + 1 == steps_this_epoch:
-                    break
-
             self.epochs_run += 1
             self.save_checkpoint(epoch=curr_epoch)
-
         self._profiler.stop()
+
+    def _log_step(self, step: StepOutcome, seconds: float) -> None:
+        log_dict = {"loss": step.loss, "lr": step.lr, **self._batching.step_metrics(step, seconds=seconds)}
+        if self._log_peak_memory_stats:
+            log_dict.update(self._memory_metrics())
+        if step.grad_norm is not None:
+            log_dict.update({"grad_norm": step.grad_norm})
+        self._metric_logger.log_dict(log_dict, step=self.global_step)
+        reset_peak_rss()
+
+    def _record_memory_history(self, epoch: int, idx: int, *, before_step: bool) -> None:
+        """torchtune's CUDA memory snapshot of the profiler's active steps, first epoch only:
+        started before step ``wait + warmup``, stopped after step ``wait + warmup + active``."""
+        if epoch != 0 or not self.profiler_profile_memory or self._device.type != "cuda":
+            return
+        start = self.profiler_wait_steps + self.profiler_warmup_steps
+        if before_step and idx == start:
+            torch.cuda.memory._record_memory_history()
+        elif not before_step and idx == start + self.profiler_active_steps:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
     def cleanup(self) -> None:
         if self._metric_logger is not None:

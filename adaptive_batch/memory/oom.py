@@ -1,7 +1,7 @@
 """Recognising out-of-memory failures by type, and giving back what a failed step held."""
 
 import gc
-from typing import Optional
+from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
 
@@ -29,6 +29,29 @@ def is_oom_error(exc: BaseException) -> bool:
         message = str(exc)
         return any(marker in message for marker in _OOM_MARKERS)
     return False
+
+
+T = TypeVar("T")
+
+
+def catch_oom(fn: Callable[[], T]) -> Tuple[Optional[T], Optional[str]]:
+    """Runs ``fn()``; an out-of-memory error comes back as its first line instead of raising.
+
+    The error and its traceback (which hold the failed step's frames, and through them its
+    tensors) are gone when this returns, so a :func:`release_memory` after it frees them.
+
+    Returns:
+        ``(result, None)``, or ``(None, message)`` when ``fn`` ran out of memory.
+
+    Raises:
+        Whatever else ``fn`` raises.
+    """
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+        if not is_oom_error(exc):
+            raise
+        return None, str(exc).splitlines()[0]
 
 
 def release_memory(device: Optional[torch.device] = None) -> None:

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Union
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.memory.device import format_bytes
 from adaptive_batch.memory.estimator import LinearMemoryEstimate, OperatorMemoryEstimate, PhaseMemoryEstimate
-from adaptive_batch.memory.oom import is_oom_error, release_memory
+from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.memory.tracker import StepMemory
 
 ROUNDING_MODES = ("none", "power_of_two")
@@ -191,13 +191,8 @@ def search_max_batch_size(
         peak: Optional[int] = None
         phases: Optional[Dict[str, int]] = None
         start_bytes: Optional[int] = None
-        oom = False
-        try:
-            measured = run_trial(batch_size)
-        except Exception as exc:  # noqa: BLE001 - re-raised unless it is an OOM
-            if not is_oom_error(exc):
-                raise
-            oom = True
+        measured, failure = catch_oom(lambda: run_trial(batch_size))
+        oom = failure is not None
         if oom:
             release()
         elif isinstance(measured, StepMemory):

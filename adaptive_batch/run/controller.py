@@ -58,6 +58,9 @@ class StepOutcome:
         loss: the mean loss per counted token, all ranks.
         interval: the growth boundary whose batch the step ran (the epoch, per epoch).
         noise_scale: the gradient noise scale in samples after this step, when measured.
+        lr: the LR the optimizer step used (set by :meth:`AdaptiveBatchController.step`).
+        grad_norm: what the optimizer step returned (the clipped gradients' norm, or ``None``).
+        global_step: optimizer steps taken, this one included.
     """
 
     accumulated: AccumulatedStep
@@ -68,6 +71,9 @@ class StepOutcome:
     loss: float
     interval: int = 0
     noise_scale: Optional[float] = None
+    lr: float = float("nan")
+    grad_norm: Any = None
+    global_step: int = 0
 
 
 class AdaptiveBatchController:
@@ -315,6 +321,27 @@ class AdaptiveBatchController:
                 f"(global step {self.batch.global_step})."
             )
         return self.mode.steps_left(dataloader.batch_sampler, self.batch, len(dataloader), self._max_steps_per_epoch)
+
+    def step(
+        self,
+        batch: Dict[str, torch.Tensor],
+        *,
+        forward_backward: Callable,
+        optimizer_step: Callable[[float], Any],
+        zero_grad: Callable[[], None],
+    ) -> StepOutcome:
+        """One optimizer step of ``batch``: :meth:`run_step`, the LR set for its batch around
+        ``optimizer_step(tokens of all ranks)``, then :meth:`after_optimizer_step`.
+
+        Raises:
+            MicroBatchOutOfMemoryError: when one-sample micro-batches run out of memory.
+        """
+        outcome = self.run_step(forward_backward, batch, zero_grad=zero_grad)
+        outcome.lr = self.before_optimizer_step(outcome)
+        outcome.grad_norm = optimizer_step(outcome.num_tokens)
+        self.after_optimizer_step(outcome)
+        outcome.global_step = self.global_step
+        return outcome
 
     def run_step(self, forward_backward: Callable, batch: Dict[str, torch.Tensor], *, zero_grad: Callable[[], None]) -> StepOutcome:
         """Forward and backward of a step's batch in micro-batches of at most the largest that

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from adaptive_batch.errors import MicroBatchOutOfMemoryError, PeerOutOfMemoryError
-from adaptive_batch.memory.oom import is_oom_error, release_memory
+from adaptive_batch.memory.oom import catch_oom, release_memory
 
 Batch = Dict[str, torch.Tensor]
 ForwardBackward = Callable[[Batch], Tuple[torch.Tensor, torch.Tensor]]
@@ -132,17 +132,15 @@ def accumulate_gradients(
     messages: List[str] = []
     while True:
         sizes = micro_batch_sizes(rows, limit, min_micro_batches)
-        message = None
         if observer is not None:
             observer.start()
-        try:
-            loss_sum, num_tokens = _run_micro_batches(forward_backward, batch, sizes, agree_on_oom, observer)
-        except (RuntimeError, MemoryError) as e:
-            if not (retry_on_oom and is_oom_error(e)):
-                raise
-            message = str(e).splitlines()[0]
+
+        def run() -> Tuple[torch.Tensor, torch.Tensor]:
+            return _run_micro_batches(forward_backward, batch, sizes, agree_on_oom, observer)
+
+        sums, message = catch_oom(run) if retry_on_oom else (run(), None)
         if message is None:
-            return AccumulatedStep(loss_sum, num_tokens, sizes, limit, len(messages), messages)
+            return AccumulatedStep(*sums, sizes, limit, len(messages), messages)
         # Out of the except block, so the traceback no longer holds the failed step's tensors.
         zero_grad()
         release_memory(device)
@@ -171,15 +169,10 @@ def _run_micro_batches(
         if agree_on_oom is None:
             loss, tokens = forward_backward(piece)
         else:
-            failure = None
-            try:
-                loss, tokens = forward_backward(piece)
-            except (RuntimeError, MemoryError) as e:
-                if not is_oom_error(e):
-                    raise
-                failure = str(e).splitlines()[0]
+            result, failure = catch_oom(lambda: forward_backward(piece))
             if agree_on_oom(failure is not None):
                 raise PeerOutOfMemoryError(failure or "out of memory on another rank")
+            loss, tokens = result
         if observer is not None:
             observer.after_micro_batch(tokens)
         loss_sum = loss if loss_sum is None else loss_sum + loss

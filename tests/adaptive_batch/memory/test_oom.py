@@ -41,3 +41,36 @@ def test_cuda_and_cudnn_forms_of_out_of_memory(message):
 def test_other_cuda_errors_are_not_out_of_memory():
     assert not is_oom_error(RuntimeError("CUDA error: device-side assert triggered"))
     assert not is_oom_error(RuntimeError("cuDNN error: CUDNN_STATUS_BAD_PARAM"))
+
+
+def test_catch_oom_returns_the_result_or_the_first_line_and_lets_other_errors_through():
+    from adaptive_batch.memory.oom import catch_oom
+
+    assert catch_oom(lambda: 7) == (7, None)
+
+    def cpu_oom():
+        raise RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried 8 GB\nmore")
+
+    assert catch_oom(cpu_oom) == (None, "[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried 8 GB")
+
+    def bug():
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        catch_oom(bug)
+
+
+def test_catch_oom_keeps_nothing_of_the_failed_step_alive():
+    import weakref
+
+    from adaptive_batch.memory.oom import catch_oom
+
+    refs = []
+
+    def step():
+        activations = torch.ones(1024)
+        refs.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert catch_oom(step)[1].startswith("CUDA out of memory")
+    assert refs[0]() is None  # the traceback, and the frame holding the tensor, are gone
