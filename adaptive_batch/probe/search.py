@@ -175,156 +175,193 @@ def search_max_batch_size(
     if not max_overshoot >= 1:
         raise ValueError(f"max_overshoot={max_overshoot} must be at least 1.")
     start = time.perf_counter()
-    trials: List[Trial] = []
-    lo = 0  # largest size seen to fit
-    hi: Optional[int] = None  # smallest size seen to fail
-    steps: Dict[int, StepMemory] = {}  # the estimate steps' memory after each operator
+    trials = _Trials(run_trial, budget_bytes, release=release, log=log, max_trials=max_trials)
+    bracket = _Bracket(trials, budget_bytes, max_batch_size, max_overshoot)
 
-    def run(batch_size: int, phase: str) -> bool:
-        nonlocal lo, hi
-        if len(trials) >= max_trials:
+    def result(estimate: Optional[Estimate], predicted: Optional[int]) -> SearchResult:
+        return SearchResult(bracket.lo, budget_bytes, estimate, predicted, trials.done, time.perf_counter() - start)
+
+    if warmup and not bracket.run(1, "warmup"):
+        raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
+    if not bracket.run(1, "estimate"):
+        raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
+    if max_batch_size == 1 or not bracket.run(2, "estimate"):
+        return result(None, None)
+    steps = trials.estimate_steps
+    if len(steps) == 2 and not _same_operators(steps[1], steps[2]) and max_batch_size != 2:
+        # Batch 1 often runs other operators (a view where larger batches copy): measure at 3.
+        if log is not None:
+            log("probe: batch 1 and 2 ran different operators; one more estimate step at batch 3")
+        if not bracket.run(3, "estimate"):
+            return result(None, None)
+        del steps[1]
+    estimate = _fit_estimate([t for t in trials.done if t.phase == "estimate"], steps)
+    predicted = estimate.max_batch_size(budget_bytes)
+    if predicted is not None and max_batch_size is not None:
+        predicted = min(predicted, max_batch_size)
+    _Search(bracket, predicted).run()
+    return result(estimate, predicted)
+
+
+class _Trials:
+    """Runs and records the search's real steps: one :class:`Trial` each, logged."""
+
+    def __init__(self, run_trial: Callable, budget_bytes: int, *, release: Callable[[], None],
+                 log: Optional[Callable[[str], None]], max_trials: int) -> None:
+        self.run_trial, self.budget_bytes, self.release, self.log = run_trial, budget_bytes, release, log
+        self.max_trials = max_trials
+        self.done: List[Trial] = []
+        self.estimate_steps: Dict[int, StepMemory] = {}  # the estimate steps' memory after each operator
+
+    def run(self, batch_size: int, phase: str, *, lo: int, hi: Optional[int]) -> Trial:
+        """One real step at ``batch_size``; an out-of-memory error is a trial that did not fit.
+
+        Raises:
+            RuntimeError: when ``max_trials`` trials have run (``lo`` and ``hi`` say how far
+                the search got).
+        """
+        if len(self.done) >= self.max_trials:
             raise RuntimeError(
-                f"the batch size search ran {max_trials} trials without settling "
+                f"the batch size search ran {self.max_trials} trials without settling "
                 f"(largest fit {lo}, smallest failure {hi}): set max_batch_size to cap it."
             )
         t0 = time.perf_counter()
+        measured, failure = catch_oom(lambda: self.run_trial(batch_size))
         peak: Optional[int] = None
         phases: Optional[Dict[str, int]] = None
         start_bytes: Optional[int] = None
-        measured, failure = catch_oom(lambda: run_trial(batch_size))
-        oom = failure is not None
-        if oom:
-            release()
+        if failure is not None:
+            self.release()
         elif isinstance(measured, StepMemory):
             phases, peak, start_bytes = dict(measured.phase_peak_bytes), measured.peak_bytes, measured.start_bytes
             if phase == "estimate" and measured.timeline:
-                steps[batch_size] = measured
+                self.estimate_steps[batch_size] = measured
         elif isinstance(measured, Mapping):
             phases = {name: int(value) for name, value in measured.items()}
             peak = max(phases.values())
         else:
             peak = int(measured)
-        fits = not oom and peak is not None and peak <= budget_bytes
+        oom = failure is not None
+        fits = not oom and peak is not None and peak <= self.budget_bytes
         trial = Trial(batch_size, fits, peak, time.perf_counter() - t0, oom, phase, phases, start_bytes)
-        trials.append(trial)
-        if log is not None:
+        self.done.append(trial)
+        if self.log is not None:
             outcome = "fits" if fits else ("out of memory" if oom else "over budget")
-            log(
-                f"probe trial {len(trials)} ({phase}): batch_size={batch_size} {outcome}, "
+            self.log(
+                f"probe trial {len(self.done)} ({phase}): batch_size={batch_size} {outcome}, "
                 f"peak {format_bytes(peak)}, {trial.seconds:.2f}s"
             )
-        if fits:
-            lo = max(lo, batch_size)
+        return trial
+
+
+class _Bracket:
+    """What the trials so far say: ``lo`` is the largest size that fitted, ``hi`` the smallest
+    that did not; and how far past ``lo`` the next trial may safely go."""
+
+    def __init__(self, trials: _Trials, budget_bytes: int, cap: Optional[int], max_overshoot: float) -> None:
+        self.trials, self.budget_bytes, self.cap, self.max_overshoot = trials, budget_bytes, cap, max_overshoot
+        self.lo = 0
+        self.hi: Optional[int] = None
+
+    def run(self, batch_size: int, phase: str) -> bool:
+        """A trial at ``batch_size``, taken into the bracket; whether it fitted."""
+        trial = self.trials.run(batch_size, phase, lo=self.lo, hi=self.hi)
+        if trial.fits:
+            self.lo = max(self.lo, batch_size)
         else:
-            hi = batch_size if hi is None else min(hi, batch_size)
-        return fits
+            self.hi = batch_size if self.hi is None else min(self.hi, batch_size)
+        return trial.fits
 
-    def result(estimate, predicted) -> SearchResult:
-        return SearchResult(
-            max_batch_size=lo,
-            budget_bytes=budget_bytes,
-            estimate=estimate,
-            predicted_max_batch_size=predicted,
-            trials=trials,
-            total_seconds=time.perf_counter() - start,
-        )
+    def upper(self) -> Optional[int]:
+        """The largest size still possible: below the smallest failure, else the cap."""
+        return self.hi - 1 if self.hi is not None else self.cap
 
-    if warmup and not run(1, "warmup"):
-        raise BatchSizeTooLargeError(trials[-1].peak_bytes, budget_bytes)
-    if not run(1, "estimate"):
-        raise BatchSizeTooLargeError(trials[-1].peak_bytes, budget_bytes)
-    if max_batch_size == 1 or not run(2, "estimate"):
-        return result(None, None)
+    def settled(self) -> bool:
+        upper = self.upper()
+        return upper is not None and self.lo >= upper
 
-    if len(steps) == 2 and not _same_operators(steps[1], steps[2]) and max_batch_size != 2:
-        # Batch 1 often runs other operators (a view where larger batches copy): measure at 3.
-        if log is not None:
-            log("probe: batch 1 and 2 ran different operators; one more estimate step at batch 3")
-        if not run(3, "estimate"):
-            return result(None, None)
-        del steps[1]
-    estimate = _fit_estimate([t for t in trials if t.phase == "estimate"], steps)
-    predicted = estimate.max_batch_size(budget_bytes)
-    if predicted is not None and max_batch_size is not None:
-        predicted = min(predicted, max_batch_size)
+    def _fit_trial(self, size: int) -> Optional[Trial]:
+        return next((t for t in reversed(self.trials.done) if t.batch_size == size and t.fits), None)
 
-    def upper() -> Optional[int]:
-        return hi - 1 if hi is not None else max_batch_size
-
-    def fit_trial(size: int) -> Optional[Trial]:
-        return next((t for t in reversed(trials) if t.batch_size == size and t.fits), None)
-
-    def fit_peak(size: int) -> Optional[int]:
-        trial = fit_trial(size)
-        return None if trial is None else trial.peak_bytes
-
-    def bounded() -> Optional[int]:
+    def bounded(self) -> Optional[int]:
         """The largest size whose peak stays within ``max_overshoot`` x budget if what a step
-        adds grew in proportion to the batch from the largest fit (see the docstring)."""
-        trial = fit_trial(lo)
-        if trial is None or trial.peak_bytes is None or math.isinf(max_overshoot):
+        adds grew in proportion to the batch from the largest fit (see
+        :func:`search_max_batch_size`)."""
+        trial = self._fit_trial(self.lo)
+        if trial is None or trial.peak_bytes is None or math.isinf(self.max_overshoot):
             return None
         start = min(trial.start_bytes or 0, trial.peak_bytes)
         added = trial.peak_bytes - start
         if added <= 0:
             return None
-        return int(lo * (max_overshoot * budget_bytes - start) // added)
+        return int(self.lo * (self.max_overshoot * self.budget_bytes - start) // added)
 
-    def clamp(candidate: int) -> int:
-        top = upper()
-        bound = bounded()
+    def clamp(self, candidate: int) -> int:
+        """``candidate`` within the overshoot bound, above ``lo`` and at most :meth:`upper`."""
+        top, bound = self.upper(), self.bounded()
         if bound is not None:
             candidate = min(candidate, bound)
-        candidate = max(candidate, lo + 1)
+        candidate = max(candidate, self.lo + 1)
         return min(candidate, top) if top is not None else candidate
 
-    def interpolate() -> Optional[int]:
+    def interpolate(self) -> Optional[int]:
         """Where the line through the measured peaks at ``lo`` and ``hi`` meets the budget."""
+        lo, hi = self.lo, self.hi
         if lo < 1 or hi is None or hi - lo < 2:
             return None
-        p_lo = fit_peak(lo)
-        p_hi = next((t.peak_bytes for t in reversed(trials) if t.batch_size == hi and not t.oom), None)
+        fit = self._fit_trial(lo)
+        p_lo = None if fit is None else fit.peak_bytes
+        p_hi = next((t.peak_bytes for t in reversed(self.trials.done) if t.batch_size == hi and not t.oom), None)
         if p_lo is None or p_hi is None or p_hi <= p_lo:
             return None
-        return lo + int((budget_bytes - p_lo) * (hi - lo) // (p_hi - p_lo))
+        return lo + int((self.budget_bytes - p_lo) * (hi - lo) // (p_hi - p_lo))
 
-    # With no bound from the line (flat peaks), start by doubling.
-    candidate = clamp(predicted if predicted is not None else 2 * lo)
-    direction = 0
-    step = 1
-    bracketed = False
-    # Interpolating between measured peaks beats halving when the small-batch line was off
-    # (e.g. under FSDP2 the peak is nearly flat at batch 1-2, then grows 3x as fast);
-    # two interpolated trials in a row on the same side fall back to one halving.
-    last_interpolated: Optional[bool] = None  # the outcome of the last interpolated trial
-    from_interpolation = False
-    while upper() is None or lo < upper():
-        fits = run(candidate, "search")
-        moved = 1 if fits else -1
-        if direction and moved != direction:
-            bracketed = True
-        direction = direction or moved
-        if upper() is not None and lo >= upper():
-            break
-        halve = from_interpolation and last_interpolated == fits
-        if from_interpolation:
-            last_interpolated = None if halve else fits
-        guess = None if halve else interpolate()
-        from_interpolation = guess is not None
+
+class _Search:
+    """The trials after the estimate: the prediction, then gallop, interpolate or bisect.
+
+    Interpolating between measured peaks beats halving when the small-batch line was off (e.g.
+    under FSDP2 the peak is nearly flat at batch 1-2, then grows 3x as fast); two interpolated
+    trials in a row on the same side fall back to one halving.
+    """
+
+    def __init__(self, bracket: _Bracket, predicted: Optional[int]) -> None:
+        self.bracket, self.predicted = bracket, predicted
+        self.direction = 0  # +1 while trials fit, -1 while they fail, until bracketed
+        self.step = 1  # the gallop's next stride
+        self.bracketed = False
+        self.last_interpolated: Optional[bool] = None  # the outcome of the last interpolated trial
+        self.from_interpolation = False
+
+    def run(self) -> None:
+        b = self.bracket
+        # With no bound from the line (flat peaks), start by doubling.
+        candidate = b.clamp(self.predicted if self.predicted is not None else 2 * b.lo)
+        while not b.settled():
+            fits = b.run(candidate, "search")
+            moved = 1 if fits else -1
+            if self.direction and moved != self.direction:
+                self.bracketed = True
+            self.direction = self.direction or moved
+            if b.settled():
+                break
+            candidate = self._next(fits)
+
+    def _next(self, fits: bool) -> int:
+        b = self.bracket
+        halve = self.from_interpolation and self.last_interpolated == fits
+        if self.from_interpolation:
+            self.last_interpolated = None if halve else fits
+        guess = None if halve else b.interpolate()
+        self.from_interpolation = guess is not None
         if guess is not None:
-            candidate = clamp(guess)
-        elif fits and predicted is not None and lo < predicted and not bracketed:
-            # The bound stopped short of the prediction: go on towards it.
-            candidate = clamp(predicted)
-        elif bracketed or halve:
-            candidate = clamp((lo + upper() + 1) // 2)
-        elif fits:
-            candidate = clamp(lo + step)
-            step *= 2
-        else:
-            candidate = clamp(hi - step)
-            step *= 2
-    return result(estimate, predicted)
+            return b.clamp(guess)
+        if fits and self.predicted is not None and b.lo < self.predicted and not self.bracketed:
+            return b.clamp(self.predicted)  # the bound stopped short of the prediction: go on towards it
+        if self.bracketed or halve:
+            return b.clamp((b.lo + b.upper() + 1) // 2)
+        stride, self.step = self.step, self.step * 2
+        return b.clamp(b.lo + stride if fits else b.hi - stride)
 
 
 def _same_operators(a: StepMemory, b: StepMemory) -> bool:
