@@ -260,43 +260,36 @@ def probe_batch_size(
     common_budget = min(rank_budgets)
     cap = dataset_size if options.max_batch_size is None else min(dataset_size, options.max_batch_size)
 
-    cache, key = None, None
-    if options.probe_cache:
-        cache = ProbeCache(options.probe_cache_dir or default_cache_dir(), warn=log)
-        key = dict(
-            cache_fields or {},
-            seq_len=seq_len,
-            device=device_name(device),
-            budget_bytes=common_budget,
-            rank_budget_bytes=rank_budgets,
-            batch_size_cap=cap,
-            batch_size_rounding=options.batch_size_rounding,
-            batch_size_objective=options.batch_size_objective,
-            throughput_tolerance=options.throughput_tolerance,
-            versions=library_versions(),
+    cache = ProbeCache(options.probe_cache_dir or default_cache_dir(), warn=log) if options.probe_cache else None
+    key = dict(
+        cache_fields or {},
+        seq_len=seq_len,
+        device=device_name(device),
+        budget_bytes=common_budget,
+        rank_budget_bytes=rank_budgets,
+        batch_size_cap=cap,
+        batch_size_rounding=options.batch_size_rounding,
+        batch_size_objective=options.batch_size_objective,
+        throughput_tolerance=options.throughput_tolerance,
+        versions=library_versions(),
+    )
+    cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
+    if cached is not None:
+        report = dict(cached, cache={"hit": True, "path": cache.path(key)})
+        path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
+        log(
+            f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
+            f"{cached['batch_size']}, no probing; probe_cache=False probes again. Details in {path}"
         )
-        cached = ranks.decide_on_main(lambda: cache.load(key))
-        if cached is not None:
-            report = dict(cached, cache={"hit": True, "path": cache.path(key)})
-            path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
-            log(
-                f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
-                f"{cached['batch_size']}, no probing; probe_cache=False probes again. Details in {path}"
-            )
-            return report
+        return report
 
     log(
         f"use_maximum_batch_size: probing up to batch {cap} at seq_len={seq_len} with a "
         f"budget of {format_bytes(budget.budget_bytes)} ({budget.source})."
     )
     steps = dict(
-        train_step=train_step,
-        make_batch=make_batch,
-        model=model,
-        optimizer=optimizer,
-        device=device,
-        snapshot_dir=output_dir,
-        log=log,
+        train_step=train_step, make_batch=make_batch, model=model, optimizer=optimizer, device=device,
+        snapshot_dir=output_dir, log=log,
     )
     lockstep: List[LockstepTrial] = []
 
@@ -323,19 +316,8 @@ def probe_batch_size(
         "ranks": ranks.gather(lockstep[0].report()),
     }
     if options.batch_size_objective == "throughput":
-        # Ranks time the same steps; rank 0's choice holds for all.
-        timed = probe_throughput(
-            max_batch_size=batch_size,
-            tolerance=options.throughput_tolerance,
-            trial_limit=lambda: trial_memory_limit(address_space),
-            **steps,
-        )
-        choice = ranks.broadcast(timed)
+        choice = _fastest(options, batch_size, ranks, lambda: trial_memory_limit(address_space), steps)
         extra["throughput"] = choice.to_dict()
-        log(
-            f"batch_size_objective=throughput: batch {choice.batch_size} is within "
-            f"{choice.tolerance:.0%} of the best {choice.best_samples_per_second:.1f} samples/s."
-        )
         batch_size = choice.batch_size
     report = probe_report(result, batch_size=batch_size, seq_len=seq_len, device=device, budget=budget, extra=extra)
     if cache is not None:
@@ -345,6 +327,21 @@ def probe_batch_size(
     path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
     log(f"use_maximum_batch_size: the batch to use is {batch_size}; details in {path}")
     return report
+
+
+def _fastest(
+    options: ProbeOptions, batch_size: int, ranks: RankGroup, trial_limit: Callable, steps: Dict[str, Any]
+) -> Any:
+    """The throughput objective: ranks time the same steps; rank 0's choice holds for all."""
+    timed = probe_throughput(
+        max_batch_size=batch_size, tolerance=options.throughput_tolerance, trial_limit=trial_limit, **steps
+    )
+    choice = ranks.broadcast(timed)
+    steps["log"](
+        f"batch_size_objective=throughput: batch {choice.batch_size} is within "
+        f"{choice.tolerance:.0%} of the best {choice.best_samples_per_second:.1f} samples/s."
+    )
+    return choice
 
 
 def save_probe_report(
