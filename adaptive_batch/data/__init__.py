@@ -1,0 +1,5 @@
+"""The data side: batch samplers that follow a changing batch, by samples or by tokens.
+
+``samplers`` (``BatchState``, the resizable batch sampler), ``token_budget`` (token-budget
+batches), ``lengths`` (per-sample token counts, cached).
+"""

@@ -1,0 +1,7 @@
+"""Finding the largest batch that fits, with real steps or fake ones.
+
+Entry points: ``service.probe_batch_size`` (recipes and the CLI: budget, cache, ranks, report)
+and ``api.find_max_batch_size`` (a plain PyTorch loop). Beneath them: ``trials`` (real steps,
+measured, state put back by ``snapshot``), ``search`` (the search over trial outcomes),
+``throughput``, ``cache``, ``plot``, and ``plan`` (fake-tensor steps, nothing allocated).
+"""

@@ -55,50 +55,11 @@ class ScriptedProbe:
         return dict(self.report)
 
 
-def test_keys_are_the_sections_fields():
-    keys = AdaptiveBatchOptions.keys()
-    assert {"use_maximum_batch_size", "max_memory", "batch_increase_function", "max_tokens", "lr_scaling"} <= keys
-    assert len(keys) == 26  # + noise_scale_split_step, weight_decay_scaling
-    opts = AdaptiveBatchOptions.from_flat({"max_tokens": 64, "lr_scaling": "sqrt", "plot": False})
-    assert opts.tokens.max_tokens == 64 and opts.lr_scaling.lr_scaling == "sqrt" and opts.probe == ProbeOptions()
-    with pytest.raises(ConfigError, match="unknown adaptive-batch setting 'max_tokenz'"):
-        AdaptiveBatchOptions.from_flat({"max_tokenz": 64})
-
-
-@pytest.mark.parametrize(
-    "kwargs,message",
-    [
-        (dict(batch_size=0), "batch_size=0 must be a positive integer"),
-        (dict(batch_size=2.5), "batch_size=2.5 must be a positive integer"),
-        (dict(batch_size=True), "batch_size=True must be a positive integer"),
-        (dict(accumulation=0), "gradient_accumulation_steps=0 must be a positive integer"),
-        (dict(probe=ProbeOptions(max_memory="100TiB")), "larger than the device"),
-        (dict(probe=ProbeOptions(max_batch_size=4), tokens=TokenBatchOptions(min_batch_size=8)),
-         "min_batch_size=8 is larger than max_batch_size=4"),
-        (dict(tokens=TokenBatchOptions(max_tokens=2048), packed=True), "max_tokens=2048 with dataset.packed=True"),
-        (dict(tokens=TokenBatchOptions(max_tokens=2048), accumulation=2), "gradient_accumulation_steps=2 with max_tokens=2048"),
-        (dict(tokens=TokenBatchOptions(max_tokens=2048), growth=GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch")),
-         "with max_tokens=2048: token-budget batches"),
-        (dict(optimizer_in_bwd=True, growth=GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch")),
-         "with optimizer_in_bwd=True: both split steps"),
-        (dict(optimizer_in_bwd=True), "retry_on_oom=True with optimizer_in_bwd=True"),
-        (dict(probe=ProbeOptions(use_maximum_batch_size=True), seq_len=None), "tokenizer.max_seq_len=null"),
-        (dict(growth=GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch"), seq_len=None),
-         "tokenizer.max_seq_len=null"),
-    ],
-)
-def test_bad_combinations_fail_at_construction(tmp_path, kwargs, message):
-    with pytest.raises(ConfigError) as info:
-        controller(tmp_path, **kwargs)
-    assert message in str(info.value)
-
-
-def test_probing_needs_cpu_or_cuda(tmp_path):
-    with pytest.raises(ConfigError, match="device='meta': the probe measures memory on cpu and cuda only"):
-        AdaptiveBatchController(
-            AdaptiveBatchOptions(probe=ProbeOptions(use_maximum_batch_size=True)),
-            batch_size=1, device=torch.device("meta"), output_dir=str(tmp_path), max_seq_len=8,
-        )
+def test_the_controller_checks_the_settings_against_the_run_before_anything(tmp_path):
+    with pytest.raises(ConfigError, match="max_tokens=2048 with dataset.packed=True"):
+        controller(tmp_path, tokens=TokenBatchOptions(max_tokens=2048), packed=True)
+    with pytest.raises(ConfigError, match="batch_size=0 must be a positive integer"):
+        controller(tmp_path, batch_size=0)
 
 
 def test_fixed_batch_without_probing(tmp_path):

@@ -1,11 +1,9 @@
 import os
-import random
 
 import pytest
 import torch
 
 from adaptive_batch import ConfigError, StepCheckpoints
-from adaptive_batch.rng import rng_state, set_rng_state
 
 
 def test_saves_atomically_keeps_the_last_k_and_finds_the_newest(tmp_path):

@@ -1,0 +1,45 @@
+"""The first batch and the largest micro-batch, from the probe's report and the settings."""
+
+import pytest
+
+from adaptive_batch import ConfigError, ProbeOptions
+from adaptive_batch.run.start import global_batch_plan, starting_batch
+from adaptive_batch.schedule.growth import GrowthOptions
+
+GROW = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch")
+
+
+def start(report=None, probe=ProbeOptions(), growth=GrowthOptions(), batch_size=4, accumulation=1):
+    lines, warnings = [], []
+    got = starting_batch(batch_size=batch_size, gradient_accumulation_steps=accumulation, report=report,
+                         probe=probe, growth=growth, log=lines.append, warn=warnings.append)
+    return got, lines, warnings
+
+
+def test_without_growth_the_probed_batch_is_the_micro_batch():
+    assert start()[0] == (4, 4)
+    assert start(accumulation=3)[0] == (12, 4)
+    (got, lines, _) = start(report={"batch_size": 10, "max_batch_size": 11}, accumulation=2)
+    assert got == (20, 10) and "training with batch_size=10" in lines[0]
+
+
+def test_with_growth_the_largest_fit_rounded_bounds_the_micro_batch_and_the_start():
+    report = {"batch_size": 5, "max_batch_size": 13}
+    rounded = ProbeOptions(batch_size_rounding="power_of_two")
+    assert start(report, rounded, GROW)[0] == (4, 8)
+    (got, _, warnings) = start(report, rounded, GROW, batch_size=16)
+    assert got == (8, 8) and "starting at 8" in warnings[0]
+    with_accumulation = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch",
+                                      grow_with_accumulation=True)
+    assert start(report, rounded, with_accumulation, batch_size=16)[0] == (16, 8)
+
+
+def test_a_global_batch_splits_into_micro_batches_of_at_most_the_probed_one():
+    plan = global_batch_plan(24, world_size=2, dataset_size=100, batch_size=4, report={"batch_size": 5},
+                             throughput_tolerance=0.02)
+    assert plan.per_rank == 12 and plan.micro_batch_limit <= 5
+    unprobed = global_batch_plan(24, world_size=2, dataset_size=100, batch_size=4, report=None,
+                                 throughput_tolerance=0.02)
+    assert unprobed.micro_batch_limit <= 4
+    with pytest.raises(ConfigError, match="more than the 10 samples a rank has"):
+        global_batch_plan(24, world_size=2, dataset_size=10, batch_size=4, report=None, throughput_tolerance=0.02)
