@@ -183,7 +183,6 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
           curve_points: bool = False) -> Dict[str, Any]:
     """One row: probe, fresh-process training at found and found + 1, and the plan."""
     from omegaconf import OmegaConf
-    import torch
 
     import adaptive_batch as ab
     from adaptive_batch.memory.oom import release_memory
