@@ -36,6 +36,7 @@ from adaptive_batch.probe.plan import MemoryPlan, plan_memory
 from adaptive_batch.probe.service import ProbeOptions, probe_batch_size
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
 from adaptive_batch.run.options import AdaptiveBatchOptions
+from adaptive_batch.run.state import RunState
 from adaptive_batch.run.step_checkpoints import StepCheckpoints
 from adaptive_batch.schedule.growth import (
     GrowthStatistics,
@@ -54,6 +55,7 @@ __all__ = [
     "AdaptiveBatchOptions",
     "StepOutcome",
     "BatchState",
+    "RunState",
     "StepCheckpoints",
     "RankGroup",
     # the probe and the plan

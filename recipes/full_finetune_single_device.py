@@ -31,9 +31,9 @@ from adaptive_batch import StepOutcome
 from adaptive_batch.data.lengths import sample_lengths
 from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
 from adaptive_batch.probe.trials import worst_case_text_batch
-from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run import step_checkpoints
-from adaptive_batch.run.step_checkpoints import LR_SCHEDULER_KEY, RNG_KEY
+from adaptive_batch.run.state import RNG_KEY
+from adaptive_batch.run.step_checkpoints import LR_SCHEDULER_KEY
 import adaptive_batch.torchtune as abt
 from adaptive_batch.validation import check_known_keys
 
@@ -114,6 +114,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             warn=log.warning,
         )
         self._ranks = self._batching.ranks
+        # What a checkpoint holds of the batch side, with a fingerprint of what is trained.
+        self._run_state = ab.RunState(self._batching, settings=abt.trained_settings(cfg))
         self._step_checkpoints = ab.StepCheckpoints(
             f"{cfg.output_dir}/{step_checkpoints.DIRNAME}",
             every_n_steps=cfg.get("save_every_n_steps", None),
@@ -217,7 +219,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "Are you sure you passed in the right recipe checkpoint?"
             ) from e
         # A resumed run keeps the batch size its first run probed, and where growth had got to.
-        self._batching.load_state_dict(ckpt_dict)
+        self._run_state.load_state_dict(ckpt_dict)
 
     def setup(self, cfg: DictConfig) -> None:
         """
@@ -336,7 +338,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._dataloader.load_state_dict(state[training.DATALOADER_KEY])
         if self._lr_scheduler is not None and LR_SCHEDULER_KEY in state:
             self._lr_scheduler.load_state_dict(state[LR_SCHEDULER_KEY])
-        set_rng_state(state[RNG_KEY][self._ranks.rank])
+        self._run_state.load_rng_state_dict(state[RNG_KEY])
 
     def _probe_cache_fields(self, cfg: DictConfig) -> Dict[str, Any]:
         """What changes a step's memory, for the probe cache's key."""
@@ -522,7 +524,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             training.TOTAL_EPOCHS_KEY: self.total_epochs,
             training.MAX_STEPS_KEY: self.max_steps_per_epoch,
             training.DATALOADER_KEY: self._dataloader.state_dict(),
-            **self._batching.state_dict(),
+            **self._run_state.state_dict(),
         }
         state[training.OPT_KEY] = self._optimizer_state_dict()
         return state
@@ -546,7 +548,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         state = {**self._recipe_state(), **self._trainable_state_dict()}
         if self._lr_scheduler is not None:
             state[LR_SCHEDULER_KEY] = self._lr_scheduler.state_dict()
-        state[RNG_KEY] = self._ranks.gather(rng_state())
+        state[RNG_KEY] = self._run_state.rng_state_dict()
         if self._ranks.is_main:
             self._step_checkpoints.save(self.global_step, state)
         self._ranks.barrier()

@@ -135,6 +135,7 @@ class AdaptiveBatchController:
         self.batch: Optional[BatchState] = None
         self._batch_state: Optional[Dict[str, Any]] = None
         self._max_steps_per_epoch: Optional[int] = None
+        self.dataset_size: Optional[int] = None  # one rank's samples, once settled
         self._sampler: Any = None
         # Under an address-space limit glibc's cache of freed blocks would count against it.
         if device.type == "cpu" and address_space_limit() is not None:
@@ -215,7 +216,7 @@ class AdaptiveBatchController:
             ConfigError: for a token budget the samples cannot use.
             BatchSizeTooLargeError: when probing finds that batch 1 does not fit.
         """
-        self._max_steps_per_epoch = max_steps_per_epoch
+        self._max_steps_per_epoch, self.dataset_size = max_steps_per_epoch, dataset_size
         options = self.options
         if self.probe_report is not None:
             self.log(f"Resumed run: using the probed batch_size={self.probe_report['batch_size']} from the recipe state.")

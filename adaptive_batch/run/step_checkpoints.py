@@ -21,7 +21,6 @@ import torch
 from adaptive_batch.validation import check_positive_int
 
 DIRNAME = "step_checkpoints"
-RNG_KEY = "rng_state"
 LR_SCHEDULER_KEY = "lr_scheduler"
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _TEMP_PREFIX = ".step_writing_"

@@ -17,6 +17,7 @@ from adaptive_batch.torchtune.config import (
     check_stock_recipe_options,
     load_config,
     recipe_keys,
+    trained_settings,
     TORCHTUNE_KEYS,
 )
 from adaptive_batch.torchtune.data import pydoc_paragraphs, pydoc_text_dataset
@@ -41,5 +42,6 @@ __all__ = [
     "pydoc_paragraphs",
     "pydoc_text_dataset",
     "recipe_keys",
+    "trained_settings",
     "write_random_init_checkpoint",
 ]

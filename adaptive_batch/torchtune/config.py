@@ -8,7 +8,7 @@ keys of torchtune's own recipe, so a typo (``batch_sise=8``) is caught.
 
 import argparse
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Dict, Iterable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -37,6 +37,28 @@ def recipe_keys(extra: Iterable[str] = ()) -> frozenset:
     """Every top-level key a recipe reads: torchtune's, the adaptive ones, the step-checkpoint
     ones, and ``extra``."""
     return TORCHTUNE_KEYS | AdaptiveBatchOptions.keys() | STEP_CHECKPOINT_KEYS | frozenset(extra)
+
+
+# The torchtune keys that change the samples, batches or updates a run trains; a resumed run's
+# must match the checkpoint's. Logging, checkpoint cadence, devices and output paths do not.
+TRAINED_KEYS = (
+    "model", "tokenizer", "dataset", "seed", "shuffle", "batch_size", "epochs", "optimizer", "loss",
+    "lr_scheduler", "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer_in_bwd", "clip_grad_norm",
+    "dtype", "collate_fn",
+)
+# Adaptive keys that change nothing trained: where the probe's plot and cache go.
+UNTRAINED_ADAPTIVE_KEYS = frozenset({"plot", "probe_cache", "probe_cache_dir"})
+
+
+def trained_settings(cfg: DictConfig) -> Dict[str, Any]:
+    """The config's settings that change what is trained, as plain values, for
+    :class:`~adaptive_batch.run.state.RunState`'s fingerprint."""
+    keys = list(TRAINED_KEYS) + sorted(AdaptiveBatchOptions.keys() - UNTRAINED_ADAPTIVE_KEYS)
+    settings = {}
+    for key in keys:
+        value = cfg.get(key, None)
+        settings[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return settings
 
 
 def _increase_function(node: Any) -> Any:

@@ -164,7 +164,7 @@ def test_lora_stopped_mid_epoch_resumes_from_its_adapter_step_checkpoint(tmp_pat
 def test_a_step_checkpoint_of_another_rank_count_is_one_line_before_the_model_is_built(tmp_path):
     from adaptive_batch import StepCheckpoints
     from adaptive_batch.rng import rng_state
-    from adaptive_batch.run.step_checkpoints import RNG_KEY
+    from adaptive_batch.run.state import RNG_KEY
 
     StepCheckpoints(str(tmp_path / "step_checkpoints")).save(3, {RNG_KEY: [rng_state(), rng_state()]})
     proc = run_tune(tmp_path, FIXED, "resume_from_checkpoint=True")

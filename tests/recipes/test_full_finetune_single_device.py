@@ -5,6 +5,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from tests.recipes.conftest import FIXED, read_metric_log, run_tune
 
@@ -239,6 +240,11 @@ def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     found = json.loads((tmp_path / "batch_probe.json").read_text())["batch_size"]
     (tmp_path / "batch_probe.json").unlink()
+    # The epoch checkpoint records the run's shape and a fingerprint of what it trained.
+    (recipe_state,) = tmp_path.glob("**/recipe_state.pt")
+    run = torch.load(recipe_state, weights_only=True)["adaptive_batch_run"]
+    assert run["world_size"] == 1 and run["seq_len"] == 256 and run["dataset_size"] > 0
+    assert run["fingerprint"]["max_memory"] == '"512MiB"' and "probe_cache_dir" not in run["fingerprint"]
     # A smaller budget on resume would find a smaller batch: the recipe state wins, no probing.
     resumed = run_tune(
         tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2",

@@ -1,0 +1,74 @@
+"""The one object a checkpoint holds for the run's batch: what a resume needs beyond weights.
+
+:class:`RunState` gathers the controller's state (the batch state, the probe result, the noise
+scale's averages), the run's shape (world size, dataset size, sequence length) and a fingerprint
+of the settings that change what is trained, and captures every rank's random generators for a
+step checkpoint. The fingerprint is recorded with each checkpoint so that a resumed run can be
+compared with the one that wrote it (:meth:`RunState.changed_settings`).
+"""
+
+import json
+from typing import Any, Dict, List, Mapping, Optional
+
+from adaptive_batch.rng import rng_state, set_rng_state
+from adaptive_batch.run.controller import AdaptiveBatchController
+
+RUN_STATE_KEY = "adaptive_batch_run"
+RNG_KEY = "rng_state"
+VERSION = 1
+
+
+def fingerprint(settings: Mapping[str, Any]) -> Dict[str, str]:
+    """Each setting as canonical JSON, so that two runs' settings compare key by key and a
+    difference can be shown as it was written."""
+    return {key: json.dumps(value, sort_keys=True, default=str) for key, value in sorted(settings.items())}
+
+
+class RunState:
+    """What a resumed run needs of the batch side, as one stateful object.
+
+    Args:
+        controller: the run's controller (batch state, probe result, noise scale).
+        settings: the settings that change what is trained (see
+            :func:`adaptive_batch.torchtune.config.trained_settings`), fingerprinted.
+    """
+
+    def __init__(self, controller: AdaptiveBatchController, *, settings: Mapping[str, Any]) -> None:
+        self.controller = controller
+        self.fingerprint = fingerprint(settings)
+        self.saved: Optional[Dict[str, Any]] = None  # what the checkpoint resumed from recorded
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The controller's state under its keys, and the run's shape and fingerprint."""
+        controller = self.controller
+        return {
+            **controller.state_dict(),
+            RUN_STATE_KEY: {
+                "version": VERSION,
+                "world_size": controller.ranks.world_size,
+                "dataset_size": controller.dataset_size,
+                "seq_len": controller.max_seq_len,
+                "fingerprint": dict(self.fingerprint),
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Takes the controller's state and keeps the recorded shape and fingerprint."""
+        self.controller.load_state_dict(dict(state))
+        self.saved = state.get(RUN_STATE_KEY)
+
+    def changed_settings(self) -> List[str]:
+        """The settings whose fingerprint differs from the checkpoint's (empty when it recorded
+        none)."""
+        if not self.saved:
+            return []
+        before = self.saved.get("fingerprint", {})
+        return sorted(key for key in set(before) | set(self.fingerprint) if before.get(key) != self.fingerprint.get(key))
+
+    def rng_state_dict(self) -> List[Dict[str, Any]]:
+        """Every rank's random generators, gathered (each rank calls it; rank 0 saves them)."""
+        return self.controller.ranks.gather(rng_state())
+
+    def load_rng_state_dict(self, states: List[Dict[str, Any]]) -> None:
+        """This rank's generators from what :meth:`rng_state_dict` gathered."""
+        set_rng_state(states[self.controller.ranks.rank])

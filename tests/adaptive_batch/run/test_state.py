@@ -1,0 +1,54 @@
+"""The run state: the controller's state, the run's shape and a fingerprint, as one object."""
+
+import random
+
+import torch
+
+from adaptive_batch import AdaptiveBatchController, AdaptiveBatchOptions, RunState
+from adaptive_batch.run.state import fingerprint, RUN_STATE_KEY
+
+CPU = torch.device("cpu")
+
+
+def run_state(tmp_path, **settings):
+    controller = AdaptiveBatchController(AdaptiveBatchOptions(), batch_size=4, device=CPU, output_dir=str(tmp_path),
+                                         max_seq_len=32, log=lambda line: None)
+    controller.settle(dataset_size=100)
+    return RunState(controller, settings={"batch_size": 4, "model": {"num_layers": 2}, **settings})
+
+
+def test_the_state_holds_the_batch_state_the_shape_and_the_fingerprint(tmp_path):
+    state = run_state(tmp_path).state_dict()
+    recorded = state[RUN_STATE_KEY]
+    assert recorded["world_size"] == 1 and recorded["dataset_size"] == 100 and recorded["seq_len"] == 32
+    assert recorded["fingerprint"] == {"batch_size": "4", "model": '{"num_layers": 2}'}
+    assert "adaptive_batch_state" in state
+
+
+def test_a_resumed_run_knows_which_trained_settings_changed(tmp_path):
+    saved = run_state(tmp_path).state_dict()
+    same = run_state(tmp_path)
+    same.load_state_dict(saved)
+    assert same.changed_settings() == []
+    other = run_state(tmp_path, batch_size=8, max_tokens=1024)
+    other.load_state_dict(saved)
+    assert other.changed_settings() == ["batch_size", "max_tokens"]
+    unrecorded = run_state(tmp_path)
+    unrecorded.load_state_dict({k: v for k, v in saved.items() if k != RUN_STATE_KEY})
+    assert unrecorded.changed_settings() == []  # an older checkpoint recorded none
+
+
+def test_fingerprints_are_canonical():
+    assert fingerprint({"b": {"y": 1, "x": [1, 2]}, "a": None}) == {"a": "null", "b": '{"x": [1, 2], "y": 1}'}
+
+
+def test_every_ranks_generators_round_trip(tmp_path):
+    state = run_state(tmp_path)
+    torch.manual_seed(5)
+    random.seed(5)
+    saved = state.rng_state_dict()
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(6)
+    random.seed(6)
+    state.load_rng_state_dict(saved)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
