@@ -5,10 +5,11 @@ The core imports torch alone; :mod:`adaptive_batch.torchtune` holds the torchtun
 repository's ``recipes/`` folder (installed as ``adaptive_batch_recipes``) the recipes. The
 subpackages, in the order they import each other (each imports only those before it):
 
-- :mod:`~adaptive_batch.validation`, :mod:`~adaptive_batch.errors`: value checks, every error.
+- :mod:`~adaptive_batch.errors`, :mod:`~adaptive_batch.validation`, :mod:`~adaptive_batch.rng`: every
+  error, value checks, the one RNG capture.
 - :mod:`~adaptive_batch.memory`: what a device holds, measuring a step, recognising OOM.
-- :mod:`~adaptive_batch.schedule`: pure policy: how the batch, LR and weight decay change.
 - :mod:`~adaptive_batch.distributed`: what data-parallel ranks agree on.
+- :mod:`~adaptive_batch.schedule`: pure policy: how the batch, LR and weight decay change.
 - :mod:`~adaptive_batch.probe`: real trial steps, the search, the plan, the probe's two
   entry points (:func:`find_max_batch_size` and :func:`probe_batch_size`).
 - :mod:`~adaptive_batch.data`: batch samplers, fixed-sample and token-budget.

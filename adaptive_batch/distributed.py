@@ -7,48 +7,19 @@ agreements the recipes need: a maximum, sums, an "any rank", a broadcast from ra
 ``torch.distributed`` (one process) every agreement is the value itself, so the single-device
 recipes run the same code.
 
-:meth:`RankGroup.lockstep_trial` wraps a probe's trial so that all ranks see one outcome: each
-rank measures its own peak against its own budget, the ranks all-reduce the largest overshoot,
-and every rank hands the search ``common budget + largest overshoot`` (or an out-of-memory
-error if any rank ran out). The search then takes identical branches on every rank and ends at
-the largest batch that fits on all of them: the minimum over ranks.
+:mod:`adaptive_batch.probe.lockstep` builds the probe's agreement on these.
 """
 
-from dataclasses import asdict, dataclass
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
+from typing import Any, Callable, List, Mapping, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
-from adaptive_batch.errors import ConfigError, PeerOutOfMemoryError
+from adaptive_batch.errors import ConfigError
 from adaptive_batch.memory.device import parse_memory
-from adaptive_batch.memory.oom import catch_oom, release_memory
-from adaptive_batch.memory.tracker import STEP_PHASES, StepMemory
-from adaptive_batch.schedule.growth import (
-    BatchIncreaseFunction,
-    GrowthStatistics,
-    call_batch_increase_function,
-    function_name,
-)
 
 MAX_MEMORY_ENV = "ADAPTIVE_BATCH_MAX_MEMORY"
-
-# Marks a rank that ran out of memory in the all-reduced overshoot (far above any real peak),
-# and a phase a rank did not measure (far below).
-_OUT_OF_MEMORY = 1 << 62
-_NOT_MEASURED = -(1 << 62)
-
-
-@dataclass
-class RankTrial:
-    """One probe trial as this rank saw it."""
-
-    batch_size: int
-    peak_bytes: Optional[int]
-    oom: bool
-    fits_here: bool
-
 
 def rank_max_memory(
     config_value: Any, *, capacity_bytes: Optional[int] = None, env: Optional[Mapping[str, str]] = None
@@ -191,95 +162,3 @@ class RankGroup:
             if message is not None:
                 raise ConfigError(f"rank {rank}: {message}" if self.distributed else message)
         return result
-
-    def lockstep_trial(
-        self, run_trial: Callable[[int], int], *, budget_bytes: int, common_budget_bytes: int
-    ) -> "LockstepTrial":
-        """Wraps ``run_trial`` so every rank's search sees the same outcome; see the module."""
-        return LockstepTrial(self, run_trial, budget_bytes=budget_bytes, common_budget_bytes=common_budget_bytes)
-
-
-class LockstepTrial:
-    """A probe trial run on every rank, whose outcome all ranks agree on.
-
-    Call it as the search's ``run_trial``: it returns ``common_budget_bytes`` plus the largest
-    overshoot of any rank's peak over that rank's own budget, so the search's "fits" (peak
-    within the common budget) means "fits on every rank". If any rank ran out of memory,
-    every rank raises :class:`PeerOutOfMemoryError`. ``trials`` keeps what this rank measured.
-    """
-
-    def __init__(
-        self, ranks: RankGroup, run_trial: Callable[[int], int], *, budget_bytes: int, common_budget_bytes: int
-    ) -> None:
-        self.ranks = ranks
-        self.run_trial = run_trial
-        self.budget_bytes = budget_bytes
-        self.common_budget_bytes = common_budget_bytes
-        self.trials: List[RankTrial] = []
-
-    def __call__(self, batch_size: int) -> Union[int, Dict[str, int], StepMemory]:
-        """Runs the trial on this rank; returns the peak every rank agrees on.
-
-        That is ``common_budget_bytes`` plus the largest overshoot of any rank over its own
-        budget (for the step, and for each phase when phases are measured): not a peak any
-        rank measured, but one that is within the common budget exactly when the step fits
-        on every rank.
-
-        Raises:
-            PeerOutOfMemoryError: on every rank, when any rank ran out of memory.
-        """
-        measured, failure = catch_oom(lambda: self.run_trial(batch_size))
-        if failure is not None:
-            release_memory()
-        if isinstance(measured, StepMemory):
-            if not self.ranks.distributed:
-                self.trials.append(RankTrial(batch_size, measured.peak_bytes, False, measured.peak_bytes <= self.budget_bytes))
-                return measured  # one rank: its own measurement, timeline and all
-            measured = measured.phase_peak_bytes  # ranks agree on phases; each has its own timeline
-        phases = dict(measured) if isinstance(measured, Mapping) else {}
-        peak = None if measured is None else (max(phases.values()) if phases else int(measured))
-        if peak is None:
-            overshoots = [_OUT_OF_MEMORY] * (1 + len(STEP_PHASES))
-        else:
-            overshoots = [peak - self.budget_bytes] + [
-                phases[name] - self.budget_bytes if name in phases else _NOT_MEASURED for name in STEP_PHASES
-            ]
-        self.trials.append(RankTrial(batch_size, peak, failure is not None, peak is not None and overshoots[0] <= 0))
-        worst = self.ranks.max_each(overshoots)
-        if worst[0] >= _OUT_OF_MEMORY:
-            here = f"this rank: {failure}" if failure is not None else "another rank"
-            raise PeerOutOfMemoryError(f"batch_size={batch_size} ran out of memory ({here})")
-        if not phases:
-            return self.common_budget_bytes + worst[0]
-        return {
-            name: self.common_budget_bytes + w for name, w in zip(STEP_PHASES, worst[1:]) if w > _NOT_MEASURED
-        }
-
-    def report(self) -> Dict[str, Any]:
-        """This rank's budget and trials, for the probe report."""
-        peaks = [t.peak_bytes for t in self.trials if t.peak_bytes is not None]
-        return {
-            "rank": self.ranks.rank,
-            "budget_bytes": self.budget_bytes,
-            # The largest peak this rank measured, as a multiple of its own budget.
-            "max_overshoot": max(peaks) / self.budget_bytes if peaks else None,
-            "trials": [asdict(t) for t in self.trials],
-        }
-
-
-
-def per_rank_increase(fn: Optional[BatchIncreaseFunction], world_size: int) -> Optional[BatchIncreaseFunction]:
-    """``fn`` seen from one rank: the user's function gets and returns global batch sizes
-    (per-rank batch x ``world_size``); each rank grows by its share, rounded down so every
-    rank keeps the same batch."""
-    if fn is None or world_size == 1:
-        return fn
-
-    def per_rank(epoch: int, current_batch_size: int, *, stats: Optional[GrowthStatistics] = None) -> int:
-        increment = call_batch_increase_function(fn, epoch, current_batch_size * world_size, stats=stats)
-        return increment // world_size
-
-    per_rank.needs_gradient_noise_scale = getattr(fn, "needs_gradient_noise_scale", False)
-
-    per_rank.__qualname__ = function_name(fn)
-    return per_rank

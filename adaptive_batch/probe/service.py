@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 import torch
 from torch import nn
 
-from adaptive_batch.distributed import LockstepTrial, RankGroup
+from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.memory.device import (
     DeviceCapacity,
@@ -27,6 +27,7 @@ from adaptive_batch.memory.device import (
     return_freed_memory_to_os,
 )
 from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_versions
+from adaptive_batch.probe.lockstep import LockstepTrial
 from adaptive_batch.probe.search import MAX_TRIAL_OVERSHOOT, ROUNDING_MODES, round_batch_size
 from adaptive_batch.probe.throughput import OBJECTIVES, probe_throughput
 from adaptive_batch.probe.trials import (
@@ -294,7 +295,7 @@ def probe_batch_size(
     lockstep: List[LockstepTrial] = []
 
     def agree_on_outcomes(run_trial: Callable[[int], int]) -> LockstepTrial:
-        lockstep.append(ranks.lockstep_trial(run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget))
+        lockstep.append(LockstepTrial(ranks, run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget))
         return lockstep[-1]
 
     address_space = trial_address_space(budget, capacity, device=device, model=model, optimizer=optimizer)

@@ -17,6 +17,7 @@ from torch import nn
 
 from adaptive_batch.rng import rng_state, set_rng_state
 
+
 class TrainingStateSnapshot:
     """Saves model, optimizer, LR scheduler and RNG state on entry and restores it on exit.
 

@@ -170,7 +170,7 @@ def probe_max_batch_size(
         snapshot_dir: where the temporary snapshot file goes.
         log: called with one line per trial.
         wrap_trial: wraps the measured trial before the search calls it, e.g.
-            :meth:`RankGroup.lockstep_trial` so data-parallel ranks agree on every outcome.
+            :class:`~adaptive_batch.probe.lockstep.LockstepTrial` so data-parallel ranks agree on every outcome.
         trial_limit: a context the trials (not the snapshot's save and restore) run in, e.g.
             :func:`adaptive_batch.probe.service.trial_memory_limit`.
 

@@ -8,9 +8,15 @@ and folds each step's micro-batch gradients into the gradient noise scale when a
 from typing import Any, Callable, Dict, Optional
 
 from adaptive_batch.data.samplers import BatchState
-from adaptive_batch.distributed import RankGroup, per_rank_increase
+from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import BatchIncreaseFunctionError
-from adaptive_batch.schedule.growth import GrowthOptions, GrowthStatistics
+from adaptive_batch.schedule.growth import (
+    BatchIncreaseFunction,
+    GrowthOptions,
+    GrowthStatistics,
+    call_batch_increase_function,
+    function_name,
+)
 from adaptive_batch.schedule.noise_scale import (
     GradientNoiseScale,
     MicroBatchGradients,
@@ -160,3 +166,20 @@ class Grower:
         value = self.noise_scale.value
         ratio = self._samples_per_token
         return None if value is None or ratio is None else value * ratio
+
+
+def per_rank_increase(fn: Optional[BatchIncreaseFunction], world_size: int) -> Optional[BatchIncreaseFunction]:
+    """``fn`` seen from one rank: the user's function gets and returns global batch sizes
+    (per-rank batch x ``world_size``); each rank grows by its share, rounded down so every
+    rank keeps the same batch."""
+    if fn is None or world_size == 1:
+        return fn
+
+    def per_rank(epoch: int, current_batch_size: int, *, stats: Optional[GrowthStatistics] = None) -> int:
+        increment = call_batch_increase_function(fn, epoch, current_batch_size * world_size, stats=stats)
+        return increment // world_size
+
+    per_rank.needs_gradient_noise_scale = getattr(fn, "needs_gradient_noise_scale", False)
+
+    per_rank.__qualname__ = function_name(fn)
+    return per_rank

@@ -5,24 +5,24 @@ Importing :mod:`adaptive_batch` does not import this sub-package (nor torchtune)
 the ``adaptive-batch`` command do.
 """
 
-from adaptive_batch.torchtune.checks import build, check_run_settings, check_writable_dir, check_writable_file
 from adaptive_batch.torchtune.checkpoint import (
     epoch_checkpoint_step,
     initial_checkpoint_filename,
     write_random_init_checkpoint,
 )
+from adaptive_batch.torchtune.checks import build, check_run_settings, check_writable_dir, check_writable_file
 from adaptive_batch.torchtune.config import (
+    TORCHTUNE_KEYS,
     adaptive_options,
     check_profiler,
     check_stock_recipe_options,
     load_config,
     recipe_keys,
     trained_settings,
-    TORCHTUNE_KEYS,
 )
 from adaptive_batch.torchtune.data import pydoc_paragraphs, pydoc_text_dataset
 from adaptive_batch.torchtune.loss import next_token_loss
-from adaptive_batch.torchtune.tokenizer import byte_tokenizer, ByteTokenizer
+from adaptive_batch.torchtune.tokenizer import ByteTokenizer, byte_tokenizer
 
 __all__ = [
     "ByteTokenizer",

@@ -4,8 +4,8 @@ import contextlib
 from typing import ContextManager, Dict, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+import torch.nn.functional as F
 
 
 def next_token_loss(

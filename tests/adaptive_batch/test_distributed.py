@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from adaptive_batch import BatchIncreaseFunctionError, PeerOutOfMemoryError, RankGroup
-from adaptive_batch.distributed import MAX_MEMORY_ENV, per_rank_increase, rank_max_memory
+from adaptive_batch import PeerOutOfMemoryError, RankGroup
+from adaptive_batch.distributed import MAX_MEMORY_ENV, rank_max_memory
+from adaptive_batch.probe.lockstep import LockstepTrial
 from adaptive_batch.probe.search import search_max_batch_size
 from adaptive_batch.run.step import accumulate_gradients
-from adaptive_batch.schedule.growth import grow_batch_size
 
 MiB = 2**20
 
@@ -47,45 +47,19 @@ def test_one_process_agrees_with_itself():
 
 def test_a_lockstep_trial_of_one_process_is_the_trial():
     ranks = RankGroup(torch.device("cpu"))
-    trial = ranks.lockstep_trial(lambda b: 100 + 10 * b, budget_bytes=150, common_budget_bytes=150)
+    trial = LockstepTrial(ranks, lambda b: 100 + 10 * b, budget_bytes=150, common_budget_bytes=150)
     assert trial(2) == 120 and trial(6) == 160
 
     def out_of_memory(b):
         torch.empty(1 << 62, dtype=torch.uint8)  # a real allocator failure
 
-    failing = ranks.lockstep_trial(out_of_memory, budget_bytes=150, common_budget_bytes=150)
+    failing = LockstepTrial(ranks, out_of_memory, budget_bytes=150, common_budget_bytes=150)
     with pytest.raises(PeerOutOfMemoryError, match="batch_size=3 ran out of memory \\(this rank: .*DefaultCPUAllocator"):
         failing(3)
     assert trial.report()["trials"][1] == {"batch_size": 6, "peak_bytes": 160, "oom": False, "fits_here": False}
     assert failing.trials[0].oom and failing.trials[0].peak_bytes is None
 
 
-def double(epoch, current_batch_size):
-    return current_batch_size
-
-
-def test_per_rank_increase_shows_the_function_global_batches():
-    assert per_rank_increase(double, 1) is double and per_rank_increase(None, 4) is None
-    seen = []
-
-    def add_six(epoch, current_batch_size):
-        seen.append(current_batch_size)
-        return 6
-
-    grow = per_rank_increase(add_six, 4)
-    assert grow(0, 2) == 1  # 6 over 4 ranks, rounded down so every rank keeps the same batch
-    assert seen == [8]
-    assert per_rank_increase(double, 2)(1, 3) == 3
-
-    def broken(epoch, current_batch_size):
-        return 1.5
-
-    with pytest.raises(BatchIncreaseFunctionError, match="broken at epoch=1, current_batch_size=6"):
-        per_rank_increase(broken, 2)(1, 3)
-
-
-# Two real processes over gloo. Rank 1 has the smaller budget and runs out of memory (a real
-# allocator failure) from batch 8 on; rank 0 never does.
 BUDGETS = {0: 400 * MiB, 1: 200 * MiB}
 
 
@@ -102,7 +76,7 @@ def _lockstep_search(rank, out_dir):
         return _peak(batch_size)
 
     common = min(ranks.gather(BUDGETS[rank]))
-    trial = ranks.lockstep_trial(run_trial, budget_bytes=BUDGETS[rank], common_budget_bytes=common)
+    trial = LockstepTrial(ranks, run_trial, budget_bytes=BUDGETS[rank], common_budget_bytes=common)
     result = search_max_batch_size(trial, budget_bytes=trial.common_budget_bytes, max_batch_size=64)
     return {"max": result.max_batch_size, "tried": [t.batch_size for t in result.trials], "mine": trial.report()}
 
@@ -179,24 +153,3 @@ def test_an_out_of_memory_error_on_one_rank_splits_the_step_on_both(tmp_path):
     assert "another rank" in rank0["messages"][0] and "DefaultCPUAllocator" in rank1["messages"][0]
     assert rank0["grad_matches"] and rank1["grad_matches"]
 
-
-def test_per_rank_increase_errors_name_the_user_function_once():
-    def stop(epoch, current_batch_size):
-        raise RuntimeError("preempted")
-
-    with pytest.raises(BatchIncreaseFunctionError) as info:
-        grow_batch_size(per_rank_increase(stop, 2), epoch=2, current_batch_size=4, bound=16)
-    assert str(info.value).startswith("batch_increase_function ") and str(info.value).count("batch_increase_function") == 1
-    assert "stop at epoch=2, current_batch_size=8 raised RuntimeError: preempted" in str(info.value)
-
-
-def test_per_rank_increase_passes_statistics_and_the_noise_scale_mark_on():
-    from adaptive_batch import GrowthStatistics, noise_scale_growth
-    from adaptive_batch.schedule.growth import call_batch_increase_function
-
-    stats = GrowthStatistics(global_step=1, samples_seen=8, tokens_seen=80, gradient_noise_scale=24.0,
-                             max_batch_size=64)
-    per_rank = per_rank_increase(noise_scale_growth(max_factor=4), 2)
-    assert per_rank.needs_gradient_noise_scale
-    # 2 ranks x 4 = global 8, toward 24: +16 globally, +8 a rank
-    assert call_batch_increase_function(per_rank, 1, 4, stats=stats) == 8
