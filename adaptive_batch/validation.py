@@ -53,6 +53,15 @@ def check_fraction(key: str, value: Any, example: str) -> float:
     return float(value)
 
 
+def check_safety_margin(value: Any, key: str = "memory_safety_margin") -> float:
+    """The one check of a safety margin, wherever one comes in (config, CLI, library call).
+
+    Raises:
+        ConfigError: unless ``value`` is a number in ``[0, 1)``.
+    """
+    return check_fraction(key, value, "0.05 keeps 5% of the budget back")
+
+
 def check_positive_number(key: str, value: Any, fix: str) -> float:
     """Raises:
     ConfigError: unless ``value`` is a finite number above zero (NaN and infinity are not)."""

@@ -28,7 +28,7 @@ from torch import nn
 
 from adaptive_batch.probe.service import MemorySpec, ProbeOptions, step_budget, trial_address_space, trial_memory_limit
 from adaptive_batch.probe.trials import probe_max_batch_size
-from adaptive_batch.validation import check_fraction
+from adaptive_batch.validation import check_safety_margin
 
 
 def find_max_batch_size(
@@ -70,7 +70,7 @@ def find_max_batch_size(
         BatchSizeTooLargeError: when batch 1 does not fit.
     """
     if safety_margin is not None:
-        check_fraction("safety_margin", safety_margin, "0.05 keeps 5% of the budget back")
+        check_safety_margin(safety_margin, key="safety_margin")
     options = ProbeOptions(max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size)
     if device is None:
         device = next(model.parameters()).device

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.memory.estimator import LinearMemoryEstimate
 from adaptive_batch.probe.search import powers_of_two, search_max_batch_size
+from adaptive_batch.validation import check_safety_margin
 
 # MemTracker's categories, as the table names them; temporaries of backward count as activations.
 CATEGORIES = {
@@ -296,8 +297,7 @@ def plan_memory(
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be at least 1.")
-    if not 0 <= safety_margin < 1:
-        raise ValueError(f"safety_margin={safety_margin} must be in [0, 1).")
+    check_safety_margin(safety_margin, key="safety_margin")
     if world_size > 1 and shard is None:
         raise ValueError(f"world_size={world_size} needs shard, the function that applies FSDP2.")
     with _fake_process_group(world_size) as mesh:

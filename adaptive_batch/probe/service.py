@@ -40,7 +40,7 @@ from adaptive_batch.probe.trials import (
     training_state_bytes,
     write_probe_report,
 )
-from adaptive_batch.validation import check_bool, check_choice, check_fraction, check_positive_int
+from adaptive_batch.validation import check_bool, check_choice, check_fraction, check_positive_int, check_safety_margin
 
 MemorySpec = Union[None, int, float, str]
 _ANY_CAPACITY = 1 << 62
@@ -97,7 +97,7 @@ class ProbeOptions:
         # The form only: fractions and the device's size are checked by max_memory_bytes.
         self.max_memory_bytes(_ANY_CAPACITY)
         if self.memory_safety_margin is not None:
-            check_fraction("memory_safety_margin", self.memory_safety_margin, "0.05 keeps 5% of the budget back")
+            check_safety_margin(self.memory_safety_margin)
         check_choice(
             "batch_size_rounding", self.batch_size_rounding, ROUNDING_MODES, "use batch_size_rounding=none to keep the exact size."
         )

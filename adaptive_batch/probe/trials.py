@@ -27,6 +27,7 @@ from adaptive_batch.memory.oom import release_memory
 from adaptive_batch.memory.tracker import StepMemory, live_tensor_bytes, measure_phase_peaks
 from adaptive_batch.probe.search import SearchResult, search_max_batch_size
 from adaptive_batch.probe.snapshot import TrainingStateSnapshot
+from adaptive_batch.validation import check_safety_margin
 
 PROBE_FILENAME = "batch_probe.json"
 # Key of the probe result in the recipe state (recipe_state.pt), so a resumed run does not probe.
@@ -77,10 +78,7 @@ def memory_budget(
     Raises:
         ValueError: if ``safety_margin`` is outside ``[0, 1)``.
     """
-    if not 0 <= safety_margin < 1:
-        raise ValueError(
-            f"memory_safety_margin={safety_margin!r} must be in [0, 1): e.g. 0.05 keeps 5% back."
-        )
+    check_safety_margin(safety_margin)
     device_limit = live_bytes + capacity.headroom_bytes
     if max_memory_bytes is not None and max_memory_bytes <= device_limit:
         limit, source = max_memory_bytes, "max_memory"

@@ -21,7 +21,7 @@ from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 from adaptive_batch.memory.device import device_capacity, format_bytes, parse_memory
 from adaptive_batch.probe.plan import CATEGORY_ORDER, MemoryPlan
 from adaptive_batch.probe.service import default_safety_margin
-from adaptive_batch.validation import check_fraction
+from adaptive_batch.validation import check_safety_margin
 
 # The repository's `recipes/` folder, installed as this package (see pyproject.toml).
 RECIPES_PACKAGE = "adaptive_batch_recipes"
@@ -98,7 +98,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         margin = cfg.get("memory_safety_margin", None)
     if margin is None:
         margin = default_safety_margin(device_type)
-    check_fraction("--safety-margin" if args.safety_margin is not None else "memory_safety_margin", margin, "0.05")
+    check_safety_margin(margin, key="--safety-margin" if args.safety_margin is not None else "memory_safety_margin")
     plan = plan_from_config(
         cfg,
         device_memory_bytes=memory,

@@ -56,3 +56,30 @@ def test_choice():
     assert check_choice("k", "a", ("a", "b"), "use a.") == "a"
     with pytest.raises(ConfigError, match=r"k='c' is not one of \['a', 'b'\]: use a."):
         check_choice("k", "c", ("a", "b"), "use a.")
+
+
+def test_the_safety_margin_is_checked_by_one_function_at_every_entry():
+    import torch
+
+    from adaptive_batch import find_max_batch_size, plan_memory, ProbeOptions
+    from adaptive_batch.memory.device import DeviceCapacity
+    from adaptive_batch.probe.trials import memory_budget
+    from adaptive_batch.validation import check_safety_margin
+
+    assert check_safety_margin(0.05) == 0.05
+    model = torch.nn.Linear(2, 2)
+    capacity = DeviceCapacity(device="cpu", headroom_bytes=2**30, source="test", hard_limit=True)
+    entries = {
+        "memory_safety_margin": lambda: ProbeOptions(memory_safety_margin=1.0),
+        "safety_margin": lambda: find_max_batch_size(lambda b: None, make_batch=lambda b: b, model=model,
+                                                     safety_margin=1.0),
+        "memory_safety_margin ": lambda: memory_budget(max_memory_bytes=None, capacity=capacity, live_bytes=0,
+                                                      safety_margin=1.0),
+        "safety_margin ": lambda: plan_memory(build_model=lambda: model, build_optimizer=lambda p: None,
+                                              forward_backward=lambda m, b: None, seq_len=8, device_memory_bytes=2**30,
+                                              safety_margin=1.0),
+    }
+    for key, call in entries.items():
+        with pytest.raises(ConfigError, match=rf"^{key.strip()}=1.0 must be a number in \[0, 1\): e.g. "
+                                              rf"{key.strip()}=0.05 keeps 5% of the budget back\.$"):
+            call()
