@@ -286,23 +286,11 @@ def address_space_limit_at(limit_bytes: int) -> Iterator[Optional[int]]:
     if soft != resource.RLIM_INFINITY and soft <= wanted:
         yield int(soft)
         return
-    start_thread_pool()
     resource.setrlimit(resource.RLIMIT_AS, (wanted, hard))
     try:
         yield wanted
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
-
-def start_thread_pool() -> None:
-    """Starts torch's intra-op (OpenMP) threads, if a parallel operator has not yet.
-
-    Each thread reserves its stack (8 MiB) of address space when it starts. Started for the
-    first time inside a tight ``RLIMIT_AS``, they cannot be created, and libgomp then ends the
-    process ("Thread creation failed") instead of raising an error anyone can catch.
-    """
-    if torch.get_num_threads() > 1:
-        torch.ones(1 << 20).sum()  # large enough for at::parallel_for to use every thread
 
 
 _M_MMAP_THRESHOLD = -3
