@@ -103,6 +103,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._batching = ab.AdaptiveBatchController(
             abt.adaptive_options(cfg),
             batch_size=cfg.batch_size,
+            input_key="tokens",
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             device=self._device,
             output_dir=cfg.output_dir,
@@ -120,11 +121,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             f"{cfg.output_dir}/{step_checkpoints.DIRNAME}",
             every_n_steps=cfg.get("save_every_n_steps", None),
             keep_last=cfg.get("keep_last_n_checkpoints", 2),
+            ranks=self._ranks,
             log=log.info,
         )
         self._resume_step_state: Optional[Dict[str, Any]] = None
-        if self._batching.probe_cache_dir is not None:
-            abt.check_writable_dir("probe_cache_dir", self._batching.probe_cache_dir)
+        if self._batching.options.probe_cache_dir is not None:
+            abt.check_writable_dir("probe_cache_dir", self._batching.options.probe_cache_dir)
         if cfg.get("plot", False):
             abt.check_writable_file(
                 "plot=True draws to", f"{cfg.output_dir}/batch_probe.png", fix="move it away, or set plot=False"
@@ -159,7 +161,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         the last epoch's is newer; a step checkpoint replaces the weights and optimizer too.
         """
         if self._resume_from_checkpoint:
-            self._resume_step_state = self._newer_step_checkpoint(cfg_checkpointer)
+            epoch_step = abt.epoch_checkpoint_step(
+                cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"), warn=log.warning
+            )
+            self._resume_step_state = self._step_checkpoints.resume_state(epoch_step)
         self._checkpointer = config.instantiate(
             cfg_checkpointer,
             should_load_recipe_state=self._resume_from_checkpoint and self._resume_step_state is None,
@@ -171,35 +176,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._resume_from_checkpoint:
             self._update_recipe_state(checkpoint_dict)
         return checkpoint_dict
-
-    def _newer_step_checkpoint(self, cfg_checkpointer: DictConfig) -> Optional[Dict[str, Any]]:
-        """The newest step checkpoint's state, unless the epoch checkpoint is newer.
-
-        Raises:
-            ConfigError: when it was written by another number of ranks.
-        """
-        latest = self._step_checkpoints.latest()
-        if latest is None:
-            return None
-        step, path = latest
-        epoch_step = abt.epoch_checkpoint_step(
-            cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"), warn=log.warning
-        )
-        # At the same step both hold the same state; the step checkpoint also holds the weights.
-        if step < epoch_step:
-            log.info(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is older.")
-            return None
-        since = f"the epoch checkpoint is at step {epoch_step}" if epoch_step >= 0 else "no epoch checkpoint yet"
-        log.info(f"Resuming from the step checkpoint {path} (step {step}; {since}).")
-        state = ab.StepCheckpoints.load(path)
-        # Before the model is built: the data shards and RNGs are per rank.
-        ranks = len(state[RNG_KEY])
-        if ranks != self._ranks.world_size:
-            raise ab.ConfigError(
-                f"resume_from_checkpoint=True: the step checkpoint {path} was written by {ranks} ranks and this "
-                f"run has {self._ranks.world_size}; resume with --nproc_per_node {ranks}."
-            )
-        return state
 
     def _update_recipe_state(self, ckpt_dict: Dict[str, Any]) -> None:
         """
@@ -279,9 +255,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         log.info("Loss is initialized.")
 
         lengths = None
-        if self._batching.uses_token_budget:
+        if self._batching.mode.uses_token_budget:
             lengths = sample_lengths(
                 dataset,
+                input_key="tokens",
                 cache_dir=f"{self._output_dir}/seqlen_cache",
                 key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
                 log=log.info,
@@ -327,18 +304,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         optimizer = self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper
         self._batching.attach_lr(self._optimizer, self._lr_scheduler, read_lr=partial(get_lr, optimizer))
+        # A step checkpoint holds the trainable weights and recipe state, and the position.
+        self._step_checkpoints.attach(
+            lambda: {**self._recipe_state(), **self._trainable_state_dict()},
+            {training.DATALOADER_KEY: self._dataloader, LR_SCHEDULER_KEY: self._lr_scheduler, RNG_KEY: self._run_state.rng},
+        )
         if self._resume_step_state is not None:
-            self._restore_step_position(self._resume_step_state)
+            self._step_checkpoints.restore_position(self._resume_step_state)
             self._resume_step_state = None
         self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
-
-    def _restore_step_position(self, state: Dict[str, Any]) -> None:
-        """Where a step checkpoint left off: the dataloader inside its epoch, the LR
-        scheduler, and this rank's random generators."""
-        self._dataloader.load_state_dict(state[training.DATALOADER_KEY])
-        if self._lr_scheduler is not None and LR_SCHEDULER_KEY in state:
-            self._lr_scheduler.load_state_dict(state[LR_SCHEDULER_KEY])
-        self._run_state.load_rng_state_dict(state[RNG_KEY])
 
     def _probe_cache_fields(self, cfg: DictConfig) -> Dict[str, Any]:
         """What changes a step's memory, for the probe cache's key."""
@@ -541,18 +515,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """The weights a step checkpoint holds: all of them here (the LoRA recipe: adapters)."""
         return {training.MODEL_KEY: self._model_state_dict()}
 
-    def save_step_checkpoint(self) -> None:
-        """Everything the next step depends on, written by rank 0 as
-        ``<output_dir>/step_checkpoints/step_<N>.pt`` (atomically, the last few kept)."""
-        # Every rank takes part in gathering the state and its RNG; rank 0 writes.
-        state = {**self._recipe_state(), **self._trainable_state_dict()}
-        if self._lr_scheduler is not None:
-            state[LR_SCHEDULER_KEY] = self._lr_scheduler.state_dict()
-        state[RNG_KEY] = self._run_state.rng_state_dict()
-        if self._ranks.is_main:
-            self._step_checkpoints.save(self.global_step, state)
-        self._ranks.barrier()
-
     def save_checkpoint(self, epoch: int) -> None:
         """
         Save state dict to file. The recipe save_checkpoint method is responsible for
@@ -647,8 +609,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 if self.global_step % self._log_every_n_steps == 0 and self._ranks.is_main:
                     self._log_step(step, seconds=time.perf_counter() - t0)
                 self._record_memory_history(curr_epoch, idx, before_step=False)
-                if self._step_checkpoints.due(self.global_step):
-                    self.save_step_checkpoint()
+                self._step_checkpoints.after_step(self.global_step)
                 t0 = time.perf_counter()
                 self._profiler.step()
             self.epochs_run += 1

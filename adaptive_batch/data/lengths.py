@@ -13,10 +13,10 @@ import tempfile
 from typing import Any, Callable, List, Optional, Sequence
 
 
-def _fingerprint(dataset: Sequence[Any], key: Any) -> str:
+def _fingerprint(dataset: Sequence[Any], key: Any, input_key: str) -> str:
     # The config of dataset and tokenizer, the size, and the tokens of the first and last
     # samples: a changed file, tokenizer or filter gives another key.
-    probe = [list(dataset[0]["tokens"]), list(dataset[len(dataset) - 1]["tokens"])] if len(dataset) else []
+    probe = [list(dataset[0][input_key]), list(dataset[len(dataset) - 1][input_key])] if len(dataset) else []
     text = json.dumps({"key": key, "size": len(dataset), "probe": probe}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -24,15 +24,17 @@ def _fingerprint(dataset: Sequence[Any], key: Any) -> str:
 def sample_lengths(
     dataset: Sequence[Any],
     *,
+    input_key: str,
     cache_dir: Optional[str] = None,
     key: Any = None,
     log: Optional[Callable[[str], None]] = None,
     warn: Optional[Callable[[str], None]] = None,
 ) -> List[int]:
-    """``len(dataset[i]["tokens"])`` for every sample, read from the cache when it is there.
+    """``len(dataset[i][input_key])`` for every sample, read from the cache when it is there.
 
     Args:
-        dataset: a map-style dataset of ``{"tokens": [...]}`` samples.
+        dataset: a map-style dataset of dict samples.
+        input_key: the samples' token list (torchtune: ``"tokens"``).
         cache_dir: where ``seqlen_<key>.json`` files go; ``None`` disables the cache.
         key: anything JSON-serialisable that identifies the dataset and tokenizer (their
             config); it is hashed with the dataset's size and first and last samples.
@@ -45,16 +47,16 @@ def sample_lengths(
     warn = warn or log
     path = None
     if cache_dir is not None:
-        path = os.path.join(cache_dir, f"seqlen_{_fingerprint(dataset, key)}.json")
+        path = os.path.join(cache_dir, f"seqlen_{_fingerprint(dataset, key, input_key)}.json")
         if os.path.exists(path):
-            cached, problem = _read_lengths(path, dataset)
+            cached, problem = _read_lengths(path, dataset, input_key)
             if cached is not None:
                 if log:
                     log(f"sample lengths read from {path}")
                 return cached
             if warn:
                 warn(f"sample length cache {path} ignored ({problem}); computing the lengths again.")
-    lengths = [len(dataset[i]["tokens"]) for i in range(len(dataset))]
+    lengths = [len(dataset[i][input_key]) for i in range(len(dataset))]
     if path is not None:
         os.makedirs(cache_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".seqlen_", suffix=".json", dir=cache_dir)
@@ -69,7 +71,7 @@ def sample_lengths(
 SPOT_CHECKS = 16
 
 
-def _read_lengths(path: str, dataset: Sequence[Any]) -> "tuple[Optional[List[int]], str]":
+def _read_lengths(path: str, dataset: Sequence[Any], input_key: str) -> "tuple[Optional[List[int]], str]":
     """The cached lengths if they are sound for ``dataset``, else ``None`` and why not."""
     try:
         with open(path) as f:
@@ -83,7 +85,7 @@ def _read_lengths(path: str, dataset: Sequence[Any]) -> "tuple[Optional[List[int
         return None, "not all lengths are positive integers"
     n = len(dataset)
     for i in sorted({0, n - 1, *(k * n // SPOT_CHECKS for k in range(SPOT_CHECKS))}):
-        actual = len(dataset[i]["tokens"])
+        actual = len(dataset[i][input_key])
         if lengths[i] != actual:
             return None, f"sample {i} has {actual} tokens, the file says {lengths[i]}"
     return lengths, ""

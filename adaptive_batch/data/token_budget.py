@@ -256,23 +256,21 @@ class TokenBudgetExceededError(ConfigError):
     from were not the samples' (e.g. an edited sequence-length cache)."""
 
 
-def truncating_collate(collate_fn: Any, max_len: int) -> Any:
+def truncating_collate(collate_fn: Any, max_len: int, input_key: str) -> Any:
     """Wraps a collate function so that no sample is longer than ``max_len`` tokens, and no
     batch holds more than ``max_len`` padded tokens.
 
-    Used with ``long_sample_policy: truncate``: a sample longer than ``max_tokens`` keeps its
-    first ``max_len`` tokens and labels.
+    Used with ``long_sample_policy: truncate``: a sample longer than ``max_tokens`` keeps the
+    first ``max_len`` entries of ``sample[input_key]`` and of every sequence as long as it
+    (labels, masks).
 
     Raises:
         TokenBudgetExceededError: from the returned function, for a batch over the budget.
     """
 
     def collate(samples: List[Dict[str, Any]]) -> Any:
-        cut = [
-            {k: (v[:max_len] if k in ("tokens", "labels") else v) for k, v in s.items()}
-            for s in samples
-        ]
-        padded = len(cut) * max((len(s["tokens"]) for s in cut), default=0)
+        cut = [_truncated(s, input_key, max_len) for s in samples]
+        padded = len(cut) * max((len(s[input_key]) for s in cut), default=0)
         if padded > max_len:
             raise TokenBudgetExceededError(
                 f"a token batch of {len(cut)} samples padded to {padded} tokens is over max_tokens={max_len}: "
@@ -282,3 +280,10 @@ def truncating_collate(collate_fn: Any, max_len: int) -> Any:
         return collate_fn(cut)
 
     return collate
+
+
+def _truncated(sample: Dict[str, Any], input_key: str, max_len: int) -> Dict[str, Any]:
+    length = len(sample[input_key])
+    if length <= max_len:
+        return sample
+    return {k: (v[:max_len] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == length else v) for k, v in sample.items()}

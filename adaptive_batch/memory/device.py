@@ -322,6 +322,19 @@ def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
+def prepare_allocator(
+    device: torch.device, *, probing: bool, log: Callable[[str], None], warn: Callable[[str], None]
+) -> None:
+    """The allocator settings a run's batch needs to hold from step to step: under an
+    address-space limit glibc's cache of freed blocks would count against it
+    (:func:`return_freed_memory_to_os`); on CUDA, when probing, the caching allocator's split
+    blocks would make the probed batch fail its second step (:func:`use_expandable_segments`)."""
+    if device.type == "cpu" and address_space_limit() is not None:
+        return_freed_memory_to_os()
+    if device.type == "cuda" and probing:
+        use_expandable_segments(log=log, warn=warn)
+
+
 def use_expandable_segments(log: Callable[[str], None], warn: Callable[[str], None]) -> bool:
     """Turns on the CUDA caching allocator's expandable segments, unless the user chose.
 

@@ -229,6 +229,7 @@ def probe_batch_size(
     ranks: Optional[RankGroup] = None,
     cache_fields: Optional[Dict[str, Any]] = None,
     log: Callable[[str], None] = print,
+    save_report: bool = True,
 ) -> Dict[str, Any]:
     """Finds the batch to train with (or reuses a cached result) and writes the report.
 
@@ -246,6 +247,8 @@ def probe_batch_size(
         cache_fields: what changes a step's memory (model, optimizer, dtype, ...), for the
             cache key; the budget, device, caps and versions are added here.
         log: where progress lines go.
+        save_report: write ``batch_probe.json`` (and the plot); ``False`` when the caller
+            writes it once after adding to it (the controller).
 
     Returns:
         The report: what ``batch_probe.json`` holds (``batch_size`` is the one to use).
@@ -277,7 +280,7 @@ def probe_batch_size(
     cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
     if cached is not None:
         report = dict(cached, cache={"hit": True, "path": cache.path(key)})
-        path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
+        path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log) if save_report else _report_path(output_dir)
         log(
             f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
             f"{cached['batch_size']}, no probing; probe_cache=False probes again. Details in {path}"
@@ -325,7 +328,7 @@ def probe_batch_size(
         stored = ranks.decide_on_main(lambda: cache.store(key, report))
         report["cache"] = {"hit": False, "path": stored}
     log(describe_result(result, budget))
-    path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
+    path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log) if save_report else _report_path(output_dir)
     log(f"use_maximum_batch_size: the batch to use is {batch_size}; details in {path}")
     return report
 
@@ -355,10 +358,14 @@ def save_probe_report(
 ) -> str:
     """Rank 0 writes ``batch_probe.json`` (and the plot when asked); returns its path."""
     if not ranks.is_main:
-        return f"{output_dir}/{PROBE_FILENAME}"
+        return _report_path(output_dir)
     path = write_probe_report(report, output_dir)
     if plot:
         from adaptive_batch.probe.plot import plot_probe_report
 
         log(f"plot: memory against batch size in {plot_probe_report(report, f'{output_dir}/batch_probe.png')}")
     return path
+
+
+def _report_path(output_dir: str) -> str:
+    return f"{output_dir}/{PROBE_FILENAME}"

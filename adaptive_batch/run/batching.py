@@ -103,8 +103,8 @@ class TokenBatches:
     uses_token_budget = True
     counts_lr_in_samples = False
 
-    def __init__(self, options: TokenBatchOptions, max_batch_size: Optional[int]) -> None:
-        self.options = options
+    def __init__(self, options: TokenBatchOptions, max_batch_size: Optional[int], input_key: str) -> None:
+        self.options, self.input_key = options, input_key
         self.max_tokens: int = options.max_tokens
         self.max_batch_size = max_batch_size
         self.lengths: List[int] = []
@@ -164,7 +164,7 @@ class TokenBatches:
         )
 
     def collate(self, collate_fn: Callable) -> Callable:
-        return truncating_collate(collate_fn, self.max_tokens)
+        return truncating_collate(collate_fn, self.max_tokens, self.input_key)
 
     def lr_schedule_steps(self, epochs: int, batch: BatchState, steps_per_epoch: int) -> float:
         return epochs * steps_per_epoch

@@ -15,6 +15,7 @@ import torch
 from adaptive_batch.data.token_budget import TokenBatchOptions
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.memory.device import device_capacity
+from adaptive_batch.probe.cache import default_cache_dir
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.schedule.global_batch import KEY as GLOBAL_KEY
 from adaptive_batch.schedule.global_batch import GlobalBatchOptions, check_global_batch
@@ -101,6 +102,13 @@ class AdaptiveBatchOptions:
     def needs_probe(self) -> bool:
         """Probing is asked for, or growth has no other bound than what fits."""
         return self.probe.use_maximum_batch_size or (self.growing and self.probe.max_batch_size is None)
+
+    @property
+    def probe_cache_dir(self) -> Optional[str]:
+        """The directory the probe cache is read and written in, or ``None`` when unused."""
+        if not (self.needs_probe and self.probe.probe_cache):
+            return None
+        return self.probe.probe_cache_dir or default_cache_dir()
 
     def validate(self, context: RunContext) -> None:
         """Checks the settings against the run, before anything expensive.

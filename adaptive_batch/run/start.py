@@ -9,9 +9,42 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.search import round_batch_size
 from adaptive_batch.probe.service import ProbeOptions
+from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.schedule.global_batch import KEY as GLOBAL_KEY
 from adaptive_batch.schedule.global_batch import MicroBatchPlan, fastest_split, split_global_batch
 from adaptive_batch.schedule.growth import GrowthOptions
+
+
+def first_batch(
+    options: AdaptiveBatchOptions,
+    *,
+    batch_size: int,
+    gradient_accumulation_steps: int,
+    world_size: int,
+    dataset_size: int,
+    report: Optional[Dict[str, Any]],
+    log: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> Tuple[int, int, Optional[MicroBatchPlan]]:
+    """The first step's samples per rank, the largest micro-batch, and the plan of a fixed
+    ``global_batch_size`` (``None`` without one).
+
+    Raises:
+        ConfigError: when a rank's share of the global batch is more than its samples.
+    """
+    global_batch = options.global_batch.global_batch_size
+    if global_batch is None:
+        start, micro = starting_batch(
+            batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, report=report,
+            probe=options.probe, growth=options.growth, log=log, warn=warn,
+        )
+        return start, micro, None
+    plan = global_batch_plan(
+        global_batch, world_size=world_size, dataset_size=dataset_size, batch_size=batch_size, report=report,
+        throughput_tolerance=options.probe.throughput_tolerance,
+    )
+    log(plan.describe() + "; the global batch and the LR stay, an out-of-memory error halves the micro-batch.")
+    return global_batch // world_size, plan.micro_batch_limit, plan
 
 
 def starting_batch(

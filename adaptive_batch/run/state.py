@@ -10,6 +10,7 @@ compared with the one that wrote it (:meth:`RunState.changed_settings`).
 import json
 from typing import Any, Dict, List, Mapping, Optional
 
+from adaptive_batch.distributed import RankGroup
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.controller import AdaptiveBatchController
 
@@ -65,10 +66,28 @@ class RunState:
         before = self.saved.get("fingerprint", {})
         return sorted(key for key in set(before) | set(self.fingerprint) if before.get(key) != self.fingerprint.get(key))
 
-    def rng_state_dict(self) -> List[Dict[str, Any]]:
-        """Every rank's random generators, gathered (each rank calls it; rank 0 saves them)."""
-        return self.controller.ranks.gather(rng_state())
+    @property
+    def rng(self) -> "RanksRNG":
+        """Every rank's random generators, as a stateful object of their own (a step
+        checkpoint's position; an epoch checkpoint starts its next epoch from the seed)."""
+        return RanksRNG(self.controller.ranks)
 
-    def load_rng_state_dict(self, states: List[Dict[str, Any]]) -> None:
-        """This rank's generators from what :meth:`rng_state_dict` gathered."""
-        set_rng_state(states[self.controller.ranks.rank])
+
+class RanksRNG:
+    """The random generators of every rank (Python, NumPy, torch, CUDA), one capture
+    (:func:`adaptive_batch.rng.rng_state`) per rank.
+
+    Args:
+        ranks: the data-parallel ranks.
+    """
+
+    def __init__(self, ranks: RankGroup) -> None:
+        self.ranks = ranks
+
+    def state_dict(self) -> List[Dict[str, Any]]:
+        """Every rank's generators, gathered (each rank calls it; rank 0 saves them)."""
+        return self.ranks.gather(rng_state())
+
+    def load_state_dict(self, states: List[Dict[str, Any]]) -> None:
+        """This rank's generators from what :meth:`state_dict` gathered."""
+        set_rng_state(states[self.ranks.rank])

@@ -37,18 +37,18 @@ def micro_batch_sizes(batch_size: int, micro_batch_limit: int, min_micro_batches
 
 
 def split_batch(batch: Batch, sizes: List[int]) -> List[Batch]:
-    """Splits every tensor with a leading batch dimension into ``sizes`` rows each; other
-    values are shared by all pieces.
+    """Splits every tensor whose first dimension is the batch's ``sum(sizes)`` rows into
+    ``sizes`` rows each; other values are shared by all pieces.
 
     Raises:
-        ValueError: if ``sizes`` does not add up to the batch's rows.
+        ValueError: if no tensor has ``sum(sizes)`` rows.
     """
-    rows = batch_rows(batch)
-    if sum(sizes) != rows:
-        raise ValueError(f"micro-batch sizes {sizes} add up to {sum(sizes)}, not the batch's {rows} rows.")
+    rows = sum(sizes)
+    if not any(_has_rows(value, rows) for value in batch.values()):
+        raise ValueError(f"micro-batch sizes {sizes} add up to {rows}, and no tensor of the batch has {rows} rows.")
     pieces: List[Batch] = [{} for _ in sizes]
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+        if _has_rows(value, rows):
             for piece, part in zip(pieces, torch.split(value, sizes)):
                 piece[key] = part
         else:
@@ -57,9 +57,8 @@ def split_batch(batch: Batch, sizes: List[int]) -> List[Batch]:
     return pieces
 
 
-def batch_rows(batch: Batch) -> int:
-    """The number of samples in a collated batch (rows of ``tokens``)."""
-    return int(batch["tokens"].shape[0])
+def _has_rows(value: Any, rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
 
 
 @dataclass
@@ -87,6 +86,7 @@ def accumulate_gradients(
     forward_backward: ForwardBackward,
     batch: Batch,
     *,
+    rows: int,
     micro_batch_limit: int,
     zero_grad: Callable[[], None],
     retry_on_oom: bool = True,
@@ -102,6 +102,7 @@ def accumulate_gradients(
         forward_backward: runs one micro-batch's forward and backward; returns its summed
             loss (per-token loss x tokens) and token count.
         batch: the whole step's collated batch.
+        rows: its samples (every tensor with this first dimension is split).
         micro_batch_limit: the most rows one micro-batch may have.
         zero_grad: drops the gradients, to restart a step that ran out of memory.
         retry_on_oom: restart the step in smaller micro-batches after an out-of-memory error;
@@ -127,7 +128,6 @@ def accumulate_gradients(
         RuntimeError: any other error of ``forward_backward``, or an out-of-memory error
             when ``retry_on_oom`` is ``False``.
     """
-    rows = batch_rows(batch)
     limit = micro_batch_limit
     messages: List[str] = []
     while True:
@@ -178,3 +178,49 @@ def _run_micro_batches(
         loss_sum = loss if loss_sum is None else loss_sum + loss
         num_tokens = tokens if num_tokens is None else num_tokens + tokens
     return loss_sum, num_tokens
+
+
+@dataclass
+class StepOutcome:
+    """One optimizer step's forward and backward, summed over ranks.
+
+    Attributes:
+        accumulated: what ran on this rank (micro-batches, retries).
+        samples: this rank's samples.
+        global_samples: the samples of all ranks.
+        num_tokens: the tokens that carry a loss, all ranks.
+        padded_tokens: the batch's padded size in tokens, all ranks.
+        loss: the mean loss per counted token, all ranks.
+        interval: the growth boundary whose batch the step ran (the epoch, per epoch).
+        noise_scale: the gradient noise scale in samples after this step, when measured.
+        lr: the LR the optimizer step used (NaN without an attached LR).
+        grad_norm: what the optimizer step returned (the clipped gradients' norm, or ``None``).
+        global_step: optimizer steps taken, this one included.
+    """
+
+    accumulated: AccumulatedStep
+    samples: int
+    global_samples: int
+    num_tokens: float
+    padded_tokens: float
+    loss: float
+    interval: int = 0
+    noise_scale: Optional[float] = None
+    lr: float = float("nan")
+    grad_norm: Any = None
+    global_step: int = 0
+
+    def metrics(self, *, samples_seen: int, tokens_seen: int, world_size: int, seconds: float) -> Dict[str, float]:
+        """The batch's per-step metrics, for the metric logger (keys as the recipes log them)."""
+        return {
+            "batch_size": self.global_samples,
+            "micro_batch_size": max(self.accumulated.micro_batch_sizes),
+            "grad_accum_steps": len(self.accumulated.micro_batch_sizes),
+            "samples_seen": samples_seen,
+            "tokens_seen": tokens_seen,
+            "oom_retries": self.accumulated.oom_retries,
+            "tokens_per_second_per_gpu": self.num_tokens / world_size / seconds,
+            "real_tokens": int(self.num_tokens),
+            "padded_tokens": int(self.padded_tokens),
+            "padding_fraction": 1 - self.num_tokens / self.padded_tokens,
+        }

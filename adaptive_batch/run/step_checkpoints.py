@@ -6,6 +6,12 @@ the LR scheduler, the dataloader's position inside the epoch (fixed-size or toke
 batches), the batch state and every rank's RNG. A run resumed from it takes the same steps
 the uninterrupted run would have taken.
 
+The checkpoint is handed what it saves (:meth:`StepCheckpoints.attach`): a function giving the
+weights, optimizer and recipe keys, and the stateful objects of the position (dataloader, LR
+scheduler, random generators), which it restores itself; it decides when a save is due
+(:meth:`StepCheckpoints.after_step`) and which saved one a resume starts from
+(:meth:`StepCheckpoints.resume_state`).
+
 Files are ``<directory>/step_<N>.pt``, written to a temporary name, flushed to disk and renamed,
 so a crash mid-write leaves the previous checkpoints and no partial file; only the last
 ``keep_last`` are kept.
@@ -14,16 +20,25 @@ so a crash mid-write leaves the previous checkpoints and no partial file; only t
 import os
 import re
 import tempfile
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
+from adaptive_batch.distributed import RankGroup
+from adaptive_batch.errors import ConfigError
 from adaptive_batch.validation import check_positive_int
 
 DIRNAME = "step_checkpoints"
 LR_SCHEDULER_KEY = "lr_scheduler"
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _TEMP_PREFIX = ".step_writing_"
+RANKS_KEY = "world_size"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Dict[str, Any]: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
 
 
 class StepCheckpoints:
@@ -34,6 +49,7 @@ class StepCheckpoints:
         every_n_steps: save after every this many optimizer steps; ``None`` never saves (a
             resume still finds what an earlier run saved).
         keep_last: how many to keep; older ones are removed after a new one is written.
+        ranks: the data-parallel ranks: every one gathers the state, rank 0 writes.
         log: where each save is reported.
 
     Raises:
@@ -46,6 +62,7 @@ class StepCheckpoints:
         *,
         every_n_steps: Optional[int] = None,
         keep_last: int = 2,
+        ranks: Optional[RankGroup] = None,
         log: Callable[[str], None] = print,
     ) -> None:
         check_positive_int("save_every_n_steps", every_n_steps, allow_none=True)
@@ -53,7 +70,73 @@ class StepCheckpoints:
         self.directory = directory
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
+        self.ranks = ranks or RankGroup(torch.device("cpu"))
         self.log = log
+        self._state: Callable[[], Dict[str, Any]] = dict
+        self._position: Dict[str, Stateful] = {}
+
+    def attach(self, state: Callable[[], Dict[str, Any]], position: Mapping[str, Optional[Stateful]]) -> None:
+        """What a checkpoint holds: ``state()`` (weights, optimizer, recipe keys; called on every
+        rank) and each object of ``position`` under its name (``None`` ones are left out)."""
+        self._state = state
+        self._position = {name: obj for name, obj in position.items() if obj is not None}
+
+    def after_step(self, global_step: int) -> Optional[str]:
+        """Saves when one is due after ``global_step`` steps (every rank calls it); returns the
+        path written, on rank 0."""
+        if not self.due(global_step):
+            return None
+        state = {**self._state(), **{name: obj.state_dict() for name, obj in self._position.items()}}
+        state[RANKS_KEY] = self.ranks.world_size
+        path = self.save(global_step, state) if self.ranks.is_main else None
+        self.ranks.barrier()
+        return path
+
+    def resume_state(self, epoch_step: int) -> Optional[Dict[str, Any]]:
+        """The newest step checkpoint's state, when it is newer than the epoch checkpoint's
+        ``epoch_step`` (-1: none); ``None`` when the epoch checkpoint is the one to resume.
+
+        Raises:
+            ConfigError: when it was written by another number of ranks.
+        """
+        latest = self.latest()
+        if latest is None:
+            return None
+        step, path = latest
+        # At the same step both hold the same state; the step checkpoint also holds the weights.
+        if step < epoch_step:
+            self.log(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is older.")
+            return None
+        since = f"the epoch checkpoint is at step {epoch_step}" if epoch_step >= 0 else "no epoch checkpoint yet"
+        self.log(f"Resuming from the step checkpoint {path} (step {step}; {since}).")
+        state = self.load(path)
+        if RANKS_KEY not in state:
+            raise ConfigError(
+                f"resume_from_checkpoint=True: the step checkpoint {path} was written by an older adaptive-batch; "
+                f"delete {self.directory} to resume from the epoch checkpoint, or start a new output_dir."
+            )
+        # Before the model is built: the data shards and RNGs are per rank.
+        ranks = state[RANKS_KEY]
+        if ranks != self.ranks.world_size:
+            raise ConfigError(
+                f"resume_from_checkpoint=True: the step checkpoint {path} was written by {ranks} ranks and this "
+                f"run has {self.ranks.world_size}; resume with --nproc_per_node {ranks}."
+            )
+        return state
+
+    def restore_position(self, state: Mapping[str, Any]) -> None:
+        """Loads each attached position object from ``state`` (a checkpoint's).
+
+        Raises:
+            ConfigError: when the checkpoint has no state for one (e.g. an LR scheduler added).
+        """
+        for name, obj in self._position.items():
+            if name not in state:
+                raise ConfigError(
+                    f"resume_from_checkpoint=True: the step checkpoint has no {name!r} state and this run has one; "
+                    f"resume with the settings it was written with, or start a new output_dir."
+                )
+            obj.load_state_dict(state[name])
 
     def due(self, global_step: int) -> bool:
         """Whether a checkpoint is due after ``global_step`` steps."""

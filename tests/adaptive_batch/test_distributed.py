@@ -102,7 +102,7 @@ def _retry_together(rank, out_dir):
     setup = Linear(rank)
     batch = {"tokens": torch.arange(24, dtype=torch.float32).reshape(6, 4) + rank}
     step = accumulate_gradients(
-        setup.forward_backward, batch, micro_batch_limit=6, zero_grad=lambda: setup.model.zero_grad(set_to_none=True),
+        setup.forward_backward, batch, rows=6, micro_batch_limit=6, zero_grad=lambda: setup.model.zero_grad(set_to_none=True),
         agree_on_oom=ranks.any,
     )
     reference = torch.nn.Linear(4, 1)

@@ -165,8 +165,9 @@ def test_a_step_checkpoint_of_another_rank_count_is_one_line_before_the_model_is
     from adaptive_batch import StepCheckpoints
     from adaptive_batch.rng import rng_state
     from adaptive_batch.run.state import RNG_KEY
+    from adaptive_batch.run.step_checkpoints import RANKS_KEY
 
-    StepCheckpoints(str(tmp_path / "step_checkpoints")).save(3, {RNG_KEY: [rng_state(), rng_state()]})
+    StepCheckpoints(str(tmp_path / "step_checkpoints")).save(3, {RNG_KEY: [rng_state(), rng_state()], RANKS_KEY: 2})
     proc = run_tune(tmp_path, FIXED, "resume_from_checkpoint=True")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "error: resume_from_checkpoint=True: the step checkpoint" in proc.stderr

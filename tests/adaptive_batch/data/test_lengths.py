@@ -15,31 +15,31 @@ class DS:
 
     def __getitem__(self, i):
         self.reads += 1
-        return {"tokens": list(range(self.lengths[i]))}
+        return {"input_ids": list(range(self.lengths[i]))}
 
 
 def test_computed_once_then_read_from_the_cache(tmp_path):
     ds = DS([3, 5, 7, 9])
-    assert sample_lengths(ds, cache_dir=str(tmp_path), key={"tok": "bytes"}) == [3, 5, 7, 9]
+    assert sample_lengths(ds, input_key="input_ids", cache_dir=str(tmp_path), key={"tok": "bytes"}) == [3, 5, 7, 9]
     first_reads = ds.reads
-    assert sample_lengths(ds, cache_dir=str(tmp_path), key={"tok": "bytes"}) == [3, 5, 7, 9]
+    assert sample_lengths(ds, input_key="input_ids", cache_dir=str(tmp_path), key={"tok": "bytes"}) == [3, 5, 7, 9]
     # the fingerprint's first and last samples, then the spot check (all 4 samples here)
     assert ds.reads - first_reads == 2 + 4
 
 
 def test_changed_tokenizer_or_data_recomputes(tmp_path):
-    sample_lengths(DS([3, 5, 7]), cache_dir=str(tmp_path), key={"tok": "a"})
-    assert sample_lengths(DS([3, 5, 7]), cache_dir=str(tmp_path), key={"tok": "b"}) == [3, 5, 7]
-    assert sample_lengths(DS([3, 6, 7, 8]), cache_dir=str(tmp_path), key={"tok": "a"}) == [3, 6, 7, 8]
+    sample_lengths(DS([3, 5, 7]), input_key="input_ids", cache_dir=str(tmp_path), key={"tok": "a"})
+    assert sample_lengths(DS([3, 5, 7]), input_key="input_ids", cache_dir=str(tmp_path), key={"tok": "b"}) == [3, 5, 7]
+    assert sample_lengths(DS([3, 6, 7, 8]), input_key="input_ids", cache_dir=str(tmp_path), key={"tok": "a"}) == [3, 6, 7, 8]
     assert len(list(tmp_path.glob("seqlen_*.json"))) == 3
 
 
 def test_corrupt_cache_is_ignored(tmp_path):
     ds = DS([3, 5])
-    sample_lengths(ds, cache_dir=str(tmp_path), key=1)
+    sample_lengths(ds, input_key="input_ids", cache_dir=str(tmp_path), key=1)
     (path,) = tmp_path.glob("seqlen_*.json")
     path.write_text("{not json")
-    assert sample_lengths(ds, cache_dir=str(tmp_path), key=1) == [3, 5]
+    assert sample_lengths(ds, input_key="input_ids", cache_dir=str(tmp_path), key=1) == [3, 5]
 
 
 def _poison(tmp_path, lengths):
@@ -61,12 +61,12 @@ def _poison(tmp_path, lengths):
 )
 def test_a_bad_length_cache_is_recomputed_with_a_warning(tmp_path, poison, reason):
     ds = DS([3, 5, 7, 9])
-    sample_lengths(ds, cache_dir=str(tmp_path), key=1)
+    sample_lengths(ds, input_key="input_ids", cache_dir=str(tmp_path), key=1)
     _poison(tmp_path, poison)
     warnings = []
-    assert sample_lengths(ds, cache_dir=str(tmp_path), key=1, warn=warnings.append) == [3, 5, 7, 9]
+    assert sample_lengths(ds, input_key="input_ids", cache_dir=str(tmp_path), key=1, warn=warnings.append) == [3, 5, 7, 9]
     (line,) = warnings
     assert reason in line and "computing the lengths again" in line
     # and the file is good again
-    assert sample_lengths(ds, cache_dir=str(tmp_path), key=1, warn=warnings.append) == [3, 5, 7, 9]
+    assert sample_lengths(ds, input_key="input_ids", cache_dir=str(tmp_path), key=1, warn=warnings.append) == [3, 5, 7, 9]
     assert len(warnings) == 1

@@ -99,14 +99,14 @@ def test_max_batch_size_closes_a_batch_early():
 
 def test_long_samples_count_as_the_budget_and_are_truncated_by_the_collate():
     assert pack_by_tokens([10, 500, 10], [0, 1, 2], max_tokens=100) == [[0], [1], [2]]
-    collate = truncating_collate(lambda samples: [len(s["tokens"]) for s in samples], 100)
+    collate = truncating_collate(lambda samples: [len(s["tokens"]) for s in samples], 100, "tokens")
     assert collate([{"tokens": list(range(500)), "labels": list(range(500))}]) == [100]
     assert collate([{"tokens": [1] * 50, "labels": [1] * 50}, {"tokens": [1, 2], "labels": [1, 2]}]) == [50, 2]
 
 
 def test_a_batch_over_the_token_budget_is_an_error_not_a_silent_overrun():
     # What lengths that are not the samples' (a hand-edited cache) would cut: 2 x 60 > 100.
-    collate = truncating_collate(lambda samples: samples, 100)
+    collate = truncating_collate(lambda samples: samples, 100, "tokens")
     with pytest.raises(TokenBudgetExceededError, match="padded to 120 tokens is over max_tokens=100"):
         collate([{"tokens": [1] * 60, "labels": [1] * 60}, {"tokens": [1] * 3, "labels": [1] * 3}])
 

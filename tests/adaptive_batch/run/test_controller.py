@@ -31,6 +31,7 @@ def controller(tmp_path, *, batch_size=4, accumulation=1, packed=False, optimize
     ctl = AdaptiveBatchController(
         AdaptiveBatchOptions(**sections),
         batch_size=batch_size,
+        input_key="input_ids",  # not torchtune's "tokens": the key is the caller's
         gradient_accumulation_steps=accumulation,
         device=CPU,
         output_dir=str(tmp_path),
@@ -64,7 +65,7 @@ def test_the_controller_checks_the_settings_against_the_run_before_anything(tmp_
 
 def test_fixed_batch_without_probing(tmp_path):
     ctl = controller(tmp_path, batch_size=3, accumulation=2)
-    assert isinstance(ctl.mode, SampleBatches) and not ctl.needs_probe
+    assert isinstance(ctl.mode, SampleBatches) and not ctl.options.needs_probe
     batch = ctl.settle(dataset_size=100, probe=None)
     assert (batch.batch_size, batch.max_micro_batch_size, batch.samples_per_epoch) == (6, 3, 100)
     assert ctl.probe_report is None
@@ -90,7 +91,7 @@ def test_probed_batch_is_the_micro_batch(tmp_path):
 def test_growth_without_bound_probes_and_bounds_by_the_rounded_maximum(tmp_path):
     growth = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch")
     ctl = controller(tmp_path, batch_size=4, growth=growth, probe=ProbeOptions(batch_size_rounding="power_of_two"))
-    assert ctl.needs_probe
+    assert ctl.options.needs_probe
     batch = ctl.settle(dataset_size=500, probe=ScriptedProbe(19))
     assert (batch.batch_size, batch.max_micro_batch_size) == (4, 16)
 
@@ -98,7 +99,7 @@ def test_growth_without_bound_probes_and_bounds_by_the_rounded_maximum(tmp_path)
 def test_growth_start_over_the_bound_is_clamped_with_a_warning(tmp_path):
     growth = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch")
     ctl = controller(tmp_path, batch_size=10, accumulation=2, growth=growth, probe=ProbeOptions(max_batch_size=8))
-    assert not ctl.needs_probe
+    assert not ctl.options.needs_probe
     batch = ctl.settle(dataset_size=500)
     assert (batch.batch_size, batch.max_micro_batch_size) == (8, 8)
     assert any("is over the largest batch that fits, 8: starting at 8" in line for line in ctl.lines)
@@ -112,7 +113,7 @@ def test_growth_with_accumulation_keeps_the_start(tmp_path):
 
 def test_token_budget_from_the_probe(tmp_path):
     ctl = controller(tmp_path, seq_len=32, probe=ProbeOptions(use_maximum_batch_size=True), tokens=TokenBatchOptions(max_tokens=64))
-    assert isinstance(ctl.mode, TokenBatches) and ctl.uses_token_budget
+    assert isinstance(ctl.mode, TokenBatches) and ctl.mode.uses_token_budget
     batch = ctl.settle(dataset_size=10, probe=ScriptedProbe(5), lengths=[20] * 10)
     assert ctl.probe_report["max_tokens"] == 160 == ctl.mode.max_tokens
     # the report on disk has the budget too, and a token batch runs whole unless it runs out
@@ -166,7 +167,7 @@ def _linear_step_parts():
 
     def forward_backward(batch):
         tokens = batch["labels"].numel()
-        loss = (model(batch["tokens"].float()).squeeze(-1) - batch["labels"].float().sum(-1)).pow(2).mean() * tokens
+        loss = (model(batch["input_ids"].float()).squeeze(-1) - batch["labels"].float().sum(-1)).pow(2).mean() * tokens
         loss.backward()
         return loss.detach(), torch.tensor(tokens)
 
@@ -174,7 +175,7 @@ def _linear_step_parts():
 
 
 def _batch(rows):
-    return {"tokens": torch.ones(rows, 4, dtype=torch.long), "labels": torch.zeros(rows, 4, dtype=torch.long)}
+    return {"input_ids": torch.ones(rows, 4, dtype=torch.long), "labels": torch.zeros(rows, 4, dtype=torch.long)}
 
 
 def test_a_step_in_micro_batches_with_the_lr_counted_in_samples_and_scaled(tmp_path):
@@ -291,12 +292,12 @@ def test_growth_by_tokens_counts_the_tokens_that_carry_a_loss(tmp_path):
 def test_expandable_segments_before_probing_on_cuda(tmp_path, monkeypatch, device, probing, expected):
     """The probed batch failed its second CUDA step on fixed segments (H200, 152K vocabulary)."""
     calls = []
-    monkeypatch.setattr("adaptive_batch.run.controller.use_expandable_segments", lambda **kw: calls.append(kw))
+    monkeypatch.setattr("adaptive_batch.memory.device.use_expandable_segments", lambda **kw: calls.append(kw))
     monkeypatch.setattr(
         "adaptive_batch.run.options.device_capacity", lambda d: DeviceCapacity(device=str(d), headroom_bytes=2**30, source="test", hard_limit=True)
     )
     AdaptiveBatchController(
         AdaptiveBatchOptions(probe=ProbeOptions(use_maximum_batch_size=probing)),
-        batch_size=1, device=torch.device(device), output_dir=str(tmp_path), max_seq_len=8,
+        batch_size=1, input_key="tokens", device=torch.device(device), output_dir=str(tmp_path), max_seq_len=8,
     )
     assert len(calls) == expected

@@ -11,7 +11,7 @@ CPU = torch.device("cpu")
 
 
 def run_state(tmp_path, **settings):
-    controller = AdaptiveBatchController(AdaptiveBatchOptions(), batch_size=4, device=CPU, output_dir=str(tmp_path),
+    controller = AdaptiveBatchController(AdaptiveBatchOptions(), batch_size=4, input_key="tokens", device=CPU, output_dir=str(tmp_path),
                                          max_seq_len=32, log=lambda line: None)
     controller.settle(dataset_size=100)
     return RunState(controller, settings={"batch_size": 4, "model": {"num_layers": 2}, **settings})
@@ -46,9 +46,9 @@ def test_every_ranks_generators_round_trip(tmp_path):
     state = run_state(tmp_path)
     torch.manual_seed(5)
     random.seed(5)
-    saved = state.rng_state_dict()
+    saved = state.rng.state_dict()
     expected = (torch.rand(3), random.random())
     torch.manual_seed(6)
     random.seed(6)
-    state.load_rng_state_dict(saved)
+    state.rng.load_state_dict(saved)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]

@@ -71,8 +71,8 @@ def make_batch(rows=10, seq=7):
 
 def test_accumulated_micro_batches_give_the_big_batch_gradient():
     whole, split = Setup(), Setup()
-    a = accumulate_gradients(whole.forward_backward, make_batch(), micro_batch_limit=10, zero_grad=whole.zero_grad)
-    b = accumulate_gradients(split.forward_backward, make_batch(), micro_batch_limit=3, zero_grad=split.zero_grad)
+    a = accumulate_gradients(whole.forward_backward, make_batch(), rows=10, micro_batch_limit=10, zero_grad=whole.zero_grad)
+    b = accumulate_gradients(split.forward_backward, make_batch(), rows=10, micro_batch_limit=3, zero_grad=split.zero_grad)
     assert a.micro_batch_sizes == [10] and b.micro_batch_sizes == [3, 3, 2, 2]
     assert int(a.num_tokens) == int(b.num_tokens)
     assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-5)
@@ -82,7 +82,7 @@ def test_accumulated_micro_batches_give_the_big_batch_gradient():
 
 def test_out_of_memory_retries_the_same_rows_smaller():
     reference, setup = Setup(), Setup()
-    accumulate_gradients(reference.forward_backward, make_batch(), micro_batch_limit=10, zero_grad=reference.zero_grad)
+    accumulate_gradients(reference.forward_backward, make_batch(), rows=10, micro_batch_limit=10, zero_grad=reference.zero_grad)
     inner = setup.forward_backward
 
     def fails_over_three(batch):
@@ -93,7 +93,7 @@ def test_out_of_memory_retries_the_same_rows_smaller():
 
     messages = []
     step = accumulate_gradients(
-        fails_over_three, make_batch(), micro_batch_limit=10, zero_grad=setup.zero_grad, log=messages.append
+        fails_over_three, make_batch(), rows=10, micro_batch_limit=10, zero_grad=setup.zero_grad, log=messages.append
     )
     assert step.oom_retries == 2 and step.micro_batch_limit == 2  # 10 -> 5 -> 2
     assert step.micro_batch_sizes == [2] * 5
@@ -110,15 +110,15 @@ def test_other_errors_and_retry_off_propagate():
         raise RuntimeError("shape mismatch")
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        accumulate_gradients(broken, make_batch(), micro_batch_limit=4, zero_grad=setup.zero_grad)
+        accumulate_gradients(broken, make_batch(), rows=10, micro_batch_limit=4, zero_grad=setup.zero_grad)
 
     def oom(batch):
         raise RuntimeError(CPU_OOM)
 
     with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
-        accumulate_gradients(oom, make_batch(), micro_batch_limit=4, zero_grad=setup.zero_grad, retry_on_oom=False)
+        accumulate_gradients(oom, make_batch(), rows=10, micro_batch_limit=4, zero_grad=setup.zero_grad, retry_on_oom=False)
     with pytest.raises(MicroBatchOutOfMemoryError, match="micro-batches of 1 sample"):
-        accumulate_gradients(oom, make_batch(rows=3), micro_batch_limit=4, zero_grad=setup.zero_grad)
+        accumulate_gradients(oom, make_batch(rows=3), rows=3, micro_batch_limit=4, zero_grad=setup.zero_grad)
 
 
 def test_real_out_of_memory_under_an_address_space_limit(limited_address_space):
@@ -141,7 +141,7 @@ def test_real_out_of_memory_under_an_address_space_limit(limited_address_space):
     batch = {"tokens": torch.zeros(rows, 1), "x": torch.randn(rows, 2048, 256) * 0.01}
     with limited_address_space(rows * row_bytes // 2):
         step = accumulate_gradients(
-            forward_backward, batch, micro_batch_limit=rows, zero_grad=lambda: setattr(weight, "grad", None)
+            forward_backward, batch, rows=rows, micro_batch_limit=rows, zero_grad=lambda: setattr(weight, "grad", None)
         )
     assert step.oom_retries >= 1 and "DefaultCPUAllocator" in step.oom_messages[0]
     assert max(step.micro_batch_sizes) < rows and sum(step.micro_batch_sizes) == rows

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from adaptive_batch import ConfigError, StepCheckpoints
+from adaptive_batch.run.step_checkpoints import RANKS_KEY
 
 
 def test_saves_atomically_keeps_the_last_k_and_finds_the_newest(tmp_path):
@@ -50,3 +51,49 @@ def test_bad_settings_name_the_key(tmp_path, kwargs, message):
         StepCheckpoints(str(tmp_path), **kwargs)
 
 
+
+
+class Counter:
+    """A stateful position object (as a dataloader or an LR scheduler is)."""
+
+    def __init__(self, n=0):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def test_the_checkpoint_decides_when_to_save_and_restores_what_it_was_handed(tmp_path):
+    ckpts = StepCheckpoints(str(tmp_path), every_n_steps=3, log=lambda line: None)
+    position = Counter()
+    ckpts.attach(lambda: {"model": {"w": torch.ones(1) * position.n}}, {"data": position, "lr_scheduler": None})
+    saved = []
+    for step in range(1, 8):
+        position.n = step
+        saved.append(ckpts.after_step(step))
+    assert [p is not None for p in saved] == [False, False, True, False, False, True, False]
+    state = ckpts.resume_state(epoch_step=-1)
+    assert state["model"]["w"].item() == 6 and state["data"] == {"n": 6} and "lr_scheduler" not in state
+    ckpts.restore_position(state)
+    assert position.n == 6
+    assert ckpts.resume_state(epoch_step=7) is None  # the epoch checkpoint is newer
+
+
+def test_a_checkpoint_of_another_rank_count_or_an_older_version_is_refused_in_one_line(tmp_path):
+    ckpts = StepCheckpoints(str(tmp_path), log=lambda line: None)
+    ckpts.save(3, {RANKS_KEY: 2})
+    with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1; resume with --nproc_per_node 2"):
+        ckpts.resume_state(epoch_step=-1)
+    ckpts.save(4, {"rng_state": []})  # written before the checkpoint recorded its ranks
+    with pytest.raises(ConfigError, match="written by an older adaptive-batch; delete .* or start a new output_dir"):
+        ckpts.resume_state(epoch_step=-1)
+
+
+def test_a_position_the_checkpoint_lacks_is_refused(tmp_path):
+    ckpts = StepCheckpoints(str(tmp_path), every_n_steps=1, log=lambda line: None)
+    ckpts.attach(dict, {"lr_scheduler": Counter()})
+    with pytest.raises(ConfigError, match="no 'lr_scheduler' state and this run has one"):
+        ckpts.restore_position({RANKS_KEY: 1})

@@ -48,7 +48,7 @@ def controller(tmp_path, global_batch, *, batch_size=4, accumulation=1, **sectio
     lines = []
     ctl = AdaptiveBatchController(
         AdaptiveBatchOptions(global_batch=GlobalBatchOptions(global_batch_size=global_batch), **sections),
-        batch_size=batch_size, gradient_accumulation_steps=accumulation, device=CPU,
+        batch_size=batch_size, input_key="tokens", gradient_accumulation_steps=accumulation, device=CPU,
         output_dir=str(tmp_path), max_seq_len=16, log=lines.append,
     )
     ctl.lines = lines

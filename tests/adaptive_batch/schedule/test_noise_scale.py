@@ -85,7 +85,7 @@ def test_the_controller_measures_it_from_micro_batches_and_keeps_it_across_a_res
     def make():
         return AdaptiveBatchController(
             AdaptiveBatchOptions(noise=NoiseScaleOptions(measure_noise_scale=True, noise_scale_ema=0.5)),
-            batch_size=3, gradient_accumulation_steps=2, device=torch.device("cpu"), output_dir=str(tmp_path),
+            batch_size=3, input_key="tokens", gradient_accumulation_steps=2, device=torch.device("cpu"), output_dir=str(tmp_path),
             max_seq_len=4,
         )
 
@@ -114,14 +114,14 @@ def test_the_controller_measures_it_from_micro_batches_and_keeps_it_across_a_res
     step_mean = sum(g * n for g, n in parts) / sum(n for _, n in parts)
     by_hand = estimate_noise([float(g.pow(2).sum()) for g, _ in parts], [n for _, n in parts],
                              float(step_mean.pow(2).sum()), sum(n for _, n in parts))
-    assert ctl.noise_scale.trace == pytest.approx(by_hand.trace, rel=1e-5)
-    assert ctl.noise_scale.gradient_sq == pytest.approx(by_hand.gradient_sq, rel=1e-5)
+    assert ctl.grower.noise_scale.trace == pytest.approx(by_hand.trace, rel=1e-5)
+    assert ctl.grower.noise_scale.gradient_sq == pytest.approx(by_hand.gradient_sq, rel=1e-5)
     assert by_hand.gradient_sq > 0  # so a value exists: in samples, x 6 samples / 17 tokens
     assert step.noise_scale == pytest.approx(by_hand.trace / by_hand.gradient_sq * 6 / 17, rel=1e-5)
     state = ctl.state_dict()
     resumed = make()
     resumed.load_state_dict(state)
-    assert resumed.noise_scale.state_dict() == state[NOISE_SCALE_STATE_KEY] == ctl.noise_scale.state_dict()
+    assert resumed.grower.noise_scale.state_dict() == state[NOISE_SCALE_STATE_KEY] == ctl.grower.noise_scale.state_dict()
 
 
 def _stats(noise, bound=None):
@@ -179,7 +179,7 @@ def _controller(tmp_path, noise, max_batch_size=None, **growth):
     ctl = AdaptiveBatchController(
         AdaptiveBatchOptions(noise=NoiseScaleOptions(**noise), growth=GrowthOptions(**growth),
                              probe=ProbeOptions(max_batch_size=max_batch_size)),
-        batch_size=4, device=torch.device("cpu"), output_dir=str(tmp_path), max_seq_len=4, log=lines.append,
+        batch_size=4, input_key="tokens", device=torch.device("cpu"), output_dir=str(tmp_path), max_seq_len=4, log=lines.append,
     )
     ctl.lines = lines
     return ctl
@@ -223,7 +223,7 @@ def test_split_step_measures_one_micro_batch_steps_with_the_same_gradient(tmp_pa
         ctl.after_optimizer_step(step)
         grads[split] = model.weight.grad.clone()
         assert step.accumulated.micro_batch_sizes == ([2, 2] if split else [4])
-        assert ctl.noise_scale.updates == (1 if split else 0)  # one estimate folded in
+        assert ctl.grower.noise_scale.updates == (1 if split else 0)  # one estimate folded in
         assert ctl.batch.max_micro_batch_size == 4  # the split is the step's, not kept as a limit
     torch.testing.assert_close(grads[True], grads[False])
 
