@@ -1,5 +1,6 @@
 """The controller's decisions, in-process: settling the batch, growth, steps, LR coupling, state."""
 
+import json
 import math
 from typing import Any, Dict, List
 
@@ -20,6 +21,7 @@ from adaptive_batch.data.token_budget import TokenBatchOptions
 from adaptive_batch.memory.device import DeviceCapacity
 from adaptive_batch.probe.trials import PROBE_STATE_KEY
 from adaptive_batch.run.batching import SampleBatches, TokenBatches
+from adaptive_batch.schedule.global_batch import GlobalBatchOptions
 from adaptive_batch.schedule.growth import GrowthOptions
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 
@@ -86,6 +88,19 @@ def test_probed_batch_is_the_micro_batch(tmp_path):
     assert call["dataset_size"] == 500 and call["options"].use_maximum_batch_size and call["output_dir"] == str(tmp_path)
     assert ctl.probe_report["batch_size"] == 19
     assert "use_maximum_batch_size: training with batch_size=19" in ctl.lines
+    # The report is written once, by the controller, after the settling it adds to it.
+    assert call["save_report"] is False
+    assert json.loads((tmp_path / "batch_probe.json").read_text())["batch_size"] == 19
+
+
+def test_a_global_batch_is_added_to_the_report_written_once(tmp_path, monkeypatch):
+    from adaptive_batch.run import controller as module
+
+    writes = []
+    monkeypatch.setattr(module, "save_probe_report", lambda report, *a, **k: writes.append(dict(report)))
+    ctl = controller(tmp_path, global_batch=GlobalBatchOptions(global_batch_size=32), probe=ProbeOptions(use_maximum_batch_size=True))
+    ctl.settle(dataset_size=500, probe=ScriptedProbe(12))
+    assert len(writes) == 1 and writes[0]["global_batch"]["per_rank"] == 32
 
 
 def test_growth_without_bound_probes_and_bounds_by_the_rounded_maximum(tmp_path):
