@@ -9,7 +9,8 @@ from torchtune import config, modules, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.probe.plan import KnownStateOptimizer, MemoryPlan, plan_memory
+from adaptive_batch.probe.fake_step import KnownStateOptimizer
+from adaptive_batch.probe.plan import MemoryPlan, plan_memory
 from adaptive_batch.torchtune.loss import next_token_loss
 
 # The sequence length planned when a config leaves tokenizer.max_seq_len open (torchtune's

@@ -6,7 +6,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from adaptive_batch import MemoryPlan, plan_memory
 from adaptive_batch.memory.tracker import measure_peak_bytes
-from adaptive_batch.probe.plan import CATEGORY_ORDER, PlanRow
+from adaptive_batch.probe.fake_step import CATEGORY_ORDER, PlanRow
 from adaptive_batch.torchtune import next_token_loss
 
 SEQ = 128
@@ -204,7 +204,7 @@ def test_optimizer_in_backward_frees_each_gradient_and_plans_lower():
 
 
 def test_known_state_optimizer_creates_its_stated_bytes():
-    from adaptive_batch.probe.plan import KnownStateOptimizer
+    from adaptive_batch.probe.fake_step import KnownStateOptimizer
 
     big, small = torch.nn.Parameter(torch.zeros(10_000)), torch.nn.Parameter(torch.zeros(100))
     optimizer = KnownStateOptimizer([big, small], bytes_per_element=2.5, small_bytes_per_element=8, small_numel=4096)
