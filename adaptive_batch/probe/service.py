@@ -266,15 +266,9 @@ def probe_batch_size(
 
     cache = ProbeCache(options.probe_cache_dir or default_cache_dir(), warn=log) if options.probe_cache else None
     key = dict(
-        cache_fields or {},
-        seq_len=seq_len,
-        device=device_name(device),
-        budget_bytes=common_budget,
-        rank_budget_bytes=rank_budgets,
-        batch_size_cap=cap,
-        batch_size_rounding=options.batch_size_rounding,
-        batch_size_objective=options.batch_size_objective,
-        throughput_tolerance=options.throughput_tolerance,
+        cache_fields or {}, seq_len=seq_len, device=device_name(device), budget_bytes=common_budget,
+        rank_budget_bytes=rank_budgets, batch_size_cap=cap, batch_size_rounding=options.batch_size_rounding,
+        batch_size_objective=options.batch_size_objective, throughput_tolerance=options.throughput_tolerance,
         versions=library_versions(),
     )
     cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
@@ -311,11 +305,8 @@ def probe_batch_size(
     )
     batch_size = round_batch_size(result.max_batch_size, options.batch_size_rounding)
     extra: Dict[str, Any] = {
-        "capacity": capacity.to_dict(),
-        "trial_address_space_limit": address_space,
-        "batch_size_cap": cap,
-        "batch_size_objective": options.batch_size_objective,
-        "world_size": ranks.world_size,
+        "capacity": capacity.to_dict(), "trial_address_space_limit": address_space, "batch_size_cap": cap,
+        "batch_size_objective": options.batch_size_objective, "world_size": ranks.world_size,
         # What every rank measured against its own budget; the batch is what fits on all.
         "ranks": ranks.gather(lockstep[0].report()),
     }
