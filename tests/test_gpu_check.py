@@ -22,7 +22,7 @@ def test_without_cuda_it_says_so_and_exits_cleanly():
 
 @pytest.mark.slow
 def test_the_same_checks_run_on_the_cpu(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--small-only", "--steps", "2", "--small-memory", "256MiB",
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--small-only", "--steps", "2", "--small-memory", "128MiB",
            "--rows", "tiny", "--curve", "--out", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -31,7 +31,7 @@ def test_the_same_checks_run_on_the_cpu(tmp_path):
     assert cells["vocab"] == "259" and int(cells["found"]) >= 2 and cells["trains (steps)"] == "yes (2)"
     assert cells["found+1 fresh"] == "n/a (no CUDA)"
     # The row's JSON holds the trials and the curve, and the table can be made again from it.
-    row = json.loads((tmp_path / "tiny_256MiB.json").read_text())
+    row = json.loads((tmp_path / "tiny_128MiB.json").read_text())
     assert row["found"] == int(cells["found"]) and len(row["search"]["trials"]) == int(cells["trial steps"])
     assert [p["batch_size"] for p in row["curve"]][:2] == [1, 2] and row["curve"][-1]["batch_size"] == row["found"]
     again = subprocess.run([sys.executable, str(SCRIPT), "--table-from", str(tmp_path)], capture_output=True, text=True)

@@ -22,7 +22,8 @@ def cli(*args):
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe")
-    proc = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=512MiB")
+    # A small budget: the same decisions as a large one, with a fraction of the trial compute.
+    proc = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=192MiB")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc, json.loads((out / "batch_probe.json").read_text())
 
@@ -37,11 +38,11 @@ def test_probe_only_prints_trials_and_writes_the_report_without_training(probed)
 
 def test_plan_agrees_with_the_probes_measured_peaks(probed):
     _, _, report = probed
-    proc = cli("plan", "--config", TINY, "--device-memory", "512MiB", "--json")
+    proc = cli("plan", "--config", TINY, "--device-memory", "192MiB", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads(proc.stdout)
     assert {"max_batch_size", "device_memory_bytes", "rows"} <= set(plan)
-    assert plan["device_memory_bytes"] == 512 * 2**20
+    assert plan["device_memory_bytes"] == 192 * 2**20
     assert abs(plan["max_batch_size"] - report["max_batch_size"]) <= 1
     line = plan["estimate"]
     for trial in report["trials"]:
@@ -90,27 +91,27 @@ def test_unknown_option_is_a_usage_error():
 def test_cache_hit_miss_and_invalidation(probed):
     out, first, report = probed
     assert report["cache"]["hit"] is False
-    again = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=512MiB")
+    again = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=192MiB")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "probe cache hit" in again.stderr and "probe trial" not in again.stderr
     assert "from the probe cache" in again.stdout
     cached = json.loads((out / "batch_probe.json").read_text())
     assert cached["cache"]["hit"] is True and cached["max_batch_size"] == report["max_batch_size"]
     # --no-cache, a different budget: probe again
-    forced = cli("probe", "--config", TINY, f"output_dir={out}", "--no-cache", "max_memory=512MiB")  # any order
+    forced = cli("probe", "--config", TINY, f"output_dir={out}", "--no-cache", "max_memory=192MiB")  # any order
     assert "probe trial 1" in forced.stderr and "probe cache hit" not in forced.stderr
-    other = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=384MiB")
+    other = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=160MiB")
     assert "probe trial 1" in other.stderr
     # a corrupt entry is never trusted
     Path(report["cache"]["path"]).write_text("{not json")
-    broken = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=512MiB")
+    broken = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=192MiB")
     assert broken.returncode == 0 and "ignoring unreadable entry" in broken.stderr and "probe trial 1" in broken.stderr
 
 
 def test_throughput_objective_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     proc = cli(
-        "probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=256MiB", "batch_size_objective=throughput",
+        "probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=128MiB", "batch_size_objective=throughput",
         "throughput_tolerance=0.5", "--plot", str(tmp_path / "cli.png"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -126,7 +127,7 @@ def test_throughput_objective_and_plot(tmp_path):
 
 def test_recipe_plot_key_writes_the_png(tmp_path):
     pytest.importorskip("matplotlib")
-    proc = cli("probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=256MiB", "plot=True")
+    proc = cli("probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=128MiB", "plot=True")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "batch_probe.png").read_bytes()[:4] == b"\x89PNG"
 
