@@ -42,7 +42,6 @@ from adaptive_batch.probe.search import powers_of_two, search_max_batch_size
 from adaptive_batch.validation import check_safety_margin
 
 
-
 @dataclass
 class MemoryPlan:
     """What :func:`plan_memory` predicts.

@@ -100,7 +100,6 @@ class AdaptiveBatchController:
     def global_step(self) -> int:
         return 0 if self.batch is None else self.batch.global_step
 
-
     def state_dict(self) -> Dict[str, Any]:
         """The batch state, the probe result and the noise scale, under their recipe-state keys."""
         state: Dict[str, Any] = {BATCH_STATE_KEY: self.batch.state_dict()}
@@ -118,8 +117,6 @@ class AdaptiveBatchController:
         self.grower.load_state_dict(state.get(NOISE_SCALE_STATE_KEY))
         if self.batch is not None and self._batch_state is not None:
             self.batch.load_state_dict(self._batch_state)
-
-    # ------------------------------------------------------------------ setup
 
     def settle(
         self,
@@ -244,23 +241,17 @@ class AdaptiveBatchController:
         optimizer_step: Callable[[float], Any],
         zero_grad: Callable[[], None],
     ) -> StepOutcome:
-        """:meth:`run_step`, the LR set around ``optimizer_step(tokens of all ranks)``, then
-        :meth:`after_optimizer_step`.
+        """One optimizer step of ``batch``: forward and backward in micro-batches that fit,
+        rerun in halves after an out-of-memory error (``retry_on_oom``); the LR scaled for the
+        step's batch around ``optimizer_step(tokens of all ranks)``, which returns the gradient
+        norm or ``None``; then the step counted and the batch grown at the boundaries it reached.
 
-        Raises:
-            MicroBatchOutOfMemoryError: when one-sample micro-batches run out of memory.
-        """
-        outcome = self.run_step(forward_backward, batch, zero_grad=zero_grad)
-        outcome.lr = self.before_optimizer_step(outcome)
-        outcome.grad_norm = optimizer_step(outcome.num_tokens)
-        self.after_optimizer_step(outcome)
-        outcome.global_step = self.global_step
-        return outcome
-
-    def run_step(self, forward_backward: Callable, batch: Dict[str, torch.Tensor], *, zero_grad: Callable[[], None]) -> StepOutcome:
-        """Forward and backward of ``batch`` in micro-batches that fit, rerun in halves after an
-        out-of-memory error (``retry_on_oom``); ``forward_backward(micro_batch)`` returns its
-        summed loss and counted tokens.
+        Args:
+            batch: the step's collated batch on the device.
+            forward_backward: one micro-batch's forward and backward; returns its summed loss
+                and its tokens that carry a loss.
+            optimizer_step: scales the gradients by the tokens, steps and zeroes them.
+            zero_grad: drops the gradients, to restart a step.
 
         Raises:
             MicroBatchOutOfMemoryError: when one-sample micro-batches run out of memory.
@@ -268,39 +259,32 @@ class AdaptiveBatchController:
         samples, padded = batch[self.input_key].shape[0], batch[self.input_key].numel()
         if self.lr is not None:
             self.lr.start_step()
-        step = accumulate_gradients(
-            forward_backward,
-            batch,
-            rows=samples,
-            micro_batch_limit=self.batch.max_micro_batch_size,
-            zero_grad=zero_grad,
-            retry_on_oom=self.options.growth.retry_on_oom,
-            device=self.device,
-            log=self.warn,
-            agree_on_oom=self.ranks.any if self.ranks.distributed else None,
-            observer=self.grower.gradients,
+        accumulated = accumulate_gradients(
+            forward_backward, batch, rows=samples, micro_batch_limit=self.batch.max_micro_batch_size,
+            zero_grad=zero_grad, retry_on_oom=self.options.growth.retry_on_oom, device=self.device, log=self.warn,
+            agree_on_oom=self.ranks.any if self.ranks.distributed else None, observer=self.grower.gradients,
             min_micro_batches=2 if self.options.noise.noise_scale_split_step else 1,
         )
-        global_samples, tokens, padded, loss_sum = self.ranks.sums(samples, step.num_tokens, padded, step.loss_sum)
-        interval = self.batch.intervals_done - 1
-        noise = self.grower.measure_noise(global_samples)
-        return StepOutcome(step, samples, int(global_samples), tokens, padded, loss_sum / tokens, interval, noise)
-
-    def before_optimizer_step(self, step: StepOutcome) -> float:
-        """Scales the LR for the step's batch; returns it (NaN without an attached LR)."""
-        return float("nan") if self.lr is None else self.lr.before_optimizer_step(step.global_samples, step.num_tokens)
-
-    def after_optimizer_step(self, step: StepOutcome) -> None:
-        """Puts the LR back, counts the step, and grows the batch at the boundaries it reached."""
+        global_samples, tokens, padded, loss_sum = self.ranks.sums(samples, accumulated.num_tokens, padded, accumulated.loss_sum)
+        outcome = StepOutcome(
+            accumulated, samples, int(global_samples), tokens, padded, loss_sum / tokens,
+            interval=self.batch.intervals_done - 1, noise_scale=self.grower.measure_noise(global_samples),
+        )
+        if self.lr is not None:
+            outcome.lr = self.lr.before_optimizer_step(outcome.global_samples, outcome.num_tokens)
+        outcome.grad_norm = optimizer_step(outcome.num_tokens)
         if self.lr is not None:
             self.lr.after_optimizer_step()
+        self._count(outcome)
+        outcome.global_step = self.global_step
+        return outcome
+
+    def _count(self, step: StepOutcome) -> None:
+        """Records the step in the batch state and grows the batch at the boundaries it reached."""
         accumulated = step.accumulated
         self.batch.record_step(
-            samples=step.samples,
-            micro_batch_limit=accumulated.micro_batch_limit,
-            oom_retries=accumulated.oom_retries,
-            global_samples=step.global_samples,
-            tokens=int(step.num_tokens),
+            samples=step.samples, micro_batch_limit=accumulated.micro_batch_limit, oom_retries=accumulated.oom_retries,
+            global_samples=step.global_samples, tokens=int(step.num_tokens),
         )
         if accumulated.oom_retries:
             self.warn(

@@ -202,18 +202,22 @@ def test_a_step_in_micro_batches_with_the_lr_counted_in_samples_and_scaled(tmp_p
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     ctl.attach_lr(optimizer, scheduler, read_lr=lambda: optimizer.param_groups[0]["lr"])
     ctl.batch.batch_size = 4  # as growth would have set it
-    step = ctl.run_step(forward_backward, _batch(4), zero_grad=optimizer.zero_grad)
+    lrs = []
+
+    def optimizer_step(tokens):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+
+    step = ctl.step(_batch(4), forward_backward=forward_backward, optimizer_step=optimizer_step, zero_grad=optimizer.zero_grad)
     assert step.accumulated.micro_batch_sizes == [2, 2] and step.global_samples == 4 and step.num_tokens == 16
-    assert ctl.before_optimizer_step(step) == 2.0  # LR 1.0 at 0 samples, x 4/2 samples (linear)
-    optimizer.step()
-    ctl.after_optimizer_step(step)
+    assert step.lr == lrs[0] == 2.0  # LR 1.0 at 0 samples, x 4/2 samples (linear)
     assert optimizer.param_groups[0]["lr"] == 1.0  # unscaled again
-    assert (ctl.global_step, ctl.batch.samples_seen) == (1, 4)
-    ctl.run_step(forward_backward, _batch(4), zero_grad=optimizer.zero_grad)
-    assert optimizer.param_groups[0]["lr"] == 0.25  # 4 samples = 2 schedule steps
+    assert (step.global_step, ctl.global_step, ctl.batch.samples_seen) == (1, 1, 4)
     metrics = ctl.step_metrics(step, seconds=2.0)
     assert metrics["batch_size"] == 4 and metrics["micro_batch_size"] == 2 and metrics["grad_accum_steps"] == 2
     assert metrics["samples_seen"] == 4 and metrics["tokens_per_second_per_gpu"] == 8.0 and metrics["padding_fraction"] == 0.0
+    second = ctl.step(_batch(4), forward_backward=forward_backward, optimizer_step=optimizer_step, zero_grad=optimizer.zero_grad)
+    assert second.lr == lrs[1] == 0.5  # 4 samples = 2 schedule steps: 0.25, x 4/2
 
 
 def test_token_batches_step_the_scheduler(tmp_path):
@@ -223,10 +227,9 @@ def test_token_batches_step_the_scheduler(tmp_path):
     assert ctl.lr_schedule_steps(epochs=3, num_batches=5) == 15 and ctl.lr_last_epoch() == -1
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     ctl.attach_lr(optimizer, scheduler, read_lr=lambda: optimizer.param_groups[0]["lr"])
-    step = ctl.run_step(forward_backward, _batch(4), zero_grad=optimizer.zero_grad)
-    assert ctl.before_optimizer_step(step) == 1.0
-    optimizer.step()
-    ctl.after_optimizer_step(step)
+    step = ctl.step(_batch(4), forward_backward=forward_backward, optimizer_step=lambda tokens: optimizer.step(),
+                    zero_grad=optimizer.zero_grad)
+    assert step.lr == 1.0
     assert optimizer.param_groups[0]["lr"] == 0.5
 
 
@@ -271,8 +274,8 @@ def test_growth_by_samples_after_the_step_that_crossed_each_boundary(tmp_path):
     assert ctl.start_epoch(0, loader) == 10 and calls == [(0, 4)]
     sizes, intervals = [], []
     for indices in loader:
-        step = ctl.run_step(forward_backward, _batch(len(indices)), zero_grad=optimizer.zero_grad)
-        ctl.after_optimizer_step(step)
+        step = ctl.step(_batch(len(indices)), forward_backward=forward_backward, optimizer_step=lambda tokens: None,
+                        zero_grad=optimizer.zero_grad)
         sizes.append(len(indices))
         intervals.append(ctl.step_metrics(step, seconds=1.0)["growth_interval"])
     # 4 (4 seen) | 4 (8: boundary 1) | 6 (14: 2) | 8 (22: 3, 4) | 9, clamped (31: 5, 6) | 9 (40: 7, 8)
@@ -296,8 +299,8 @@ def test_growth_by_tokens_counts_the_tokens_that_carry_a_loss(tmp_path):
     ctl.start_epoch(0, loader)
     sizes = []
     for indices in loader:
-        step = ctl.run_step(forward_backward, _batch(len(indices)), zero_grad=optimizer.zero_grad)
-        ctl.after_optimizer_step(step)
+        ctl.step(_batch(len(indices)), forward_backward=forward_backward, optimizer_step=lambda tokens: None,
+                 zero_grad=optimizer.zero_grad)
         sizes.append(len(indices))
     # 4 tokens a sample: 8 a step at 2 (40 tokens after 5 steps), then 4 a step, 8, 16
     assert sizes[:8] == [2, 2, 2, 2, 2, 4, 4, 4] and ctl.batch.tokens_seen == 160

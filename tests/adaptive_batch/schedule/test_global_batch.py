@@ -97,9 +97,9 @@ def test_probed_micro_batch_and_constant_lr_through_an_out_of_memory_error(tmp_p
         return loss.detach(), torch.tensor(rows * 4)
 
     rows = {"tokens": torch.ones(24, 4), "labels": torch.zeros(24, 4)}
-    step = ctl.run_step(forward_backward, rows, zero_grad=optimizer.zero_grad)
-    assert ctl.before_optimizer_step(step) == 1.0  # the reference is the global batch: no scaling
-    ctl.after_optimizer_step(step)
+    step = ctl.step(rows, forward_backward=forward_backward, optimizer_step=lambda tokens: optimizer.step(),
+                    zero_grad=optimizer.zero_grad)
+    assert step.lr == 1.0  # the reference is the global batch: no scaling
     # 8 ran out: halved to 4, six micro-batches; the step still held all 24 samples
     assert step.accumulated.micro_batch_sizes == [4] * 6 and step.global_samples == 24
     assert (ctl.batch.batch_size, ctl.batch.max_micro_batch_size) == (24, 4)

@@ -103,7 +103,8 @@ def test_the_controller_measures_it_from_micro_batches_and_keeps_it_across_a_res
     ctl = make()
     ctl.track_gradients(model.parameters())
     ctl.settle(dataset_size=60)
-    step = ctl.run_step(forward_backward, batch, zero_grad=lambda: model.zero_grad(set_to_none=True))
+    step = ctl.step(batch, forward_backward=forward_backward, optimizer_step=lambda tokens: None,
+                    zero_grad=lambda: model.zero_grad(set_to_none=True))
     # the same estimate from each micro-batch's own per-token mean gradient, by hand
     parts = []
     for rows in (slice(0, 3), slice(3, 6)):
@@ -219,8 +220,7 @@ def test_split_step_measures_one_micro_batch_steps_with_the_same_gradient(tmp_pa
         ctl.track_gradients(model.parameters())
         ctl.settle(dataset_size=60)
         model.zero_grad(set_to_none=True)
-        step = ctl.run_step(_step_parts(model), batch, zero_grad=lambda: model.zero_grad(set_to_none=True))
-        ctl.after_optimizer_step(step)
+        step = ctl.step(batch, forward_backward=_step_parts(model), optimizer_step=lambda tokens: None, zero_grad=lambda: model.zero_grad(set_to_none=True))
         grads[split] = model.weight.grad.clone()
         assert step.accumulated.micro_batch_sizes == ([2, 2] if split else [4])
         assert ctl.grower.noise_scale.updates == (1 if split else 0)  # one estimate folded in
@@ -243,8 +243,7 @@ def test_noise_scale_growth_waits_for_a_measurement_and_says_so_once(tmp_path):
     loader = StatefulDataLoader(rows, batch_sampler=ctl.batch_sampler(rows, shuffle=False), collate_fn=list)
     ctl.start_epoch(0, loader)
     for seed, indices in zip(range(3), loader):
-        step = ctl.run_step(_step_parts(model), _linear_batch(len(indices), seed), zero_grad=lambda: None)
-        model.zero_grad(set_to_none=True)
-        ctl.after_optimizer_step(step)
+        ctl.step(_linear_batch(len(indices), seed), forward_backward=_step_parts(model),
+                 optimizer_step=lambda tokens: model.zero_grad(set_to_none=True), zero_grad=lambda: None)
     assert ctl.batch.batch_size == 4
     assert sum("no gradient noise scale yet" in line and "noise_scale_split_step=True" in line for line in ctl.lines) == 1
