@@ -18,7 +18,10 @@
 
 The guarantees are the recipes': every trial is a real step on a batch of the caller's worst
 case, the answer fitted and the size above it did not, and the model, optimizer, scheduler and
-RNG come out as they went in.
+RNG come out as they went in. The answer is then run once more as the caller's loop will run
+it, after the probe has put everything back, under the limits in place: what the probe itself
+left mapped (it can be tens of MiB under a process limit) counts, and the answer steps down
+until a step fits.
 """
 
 from typing import Any, Callable, Optional
@@ -26,7 +29,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.probe.service import MemorySpec, ProbeOptions, step_budget, trial_address_space, trial_memory_limit
+from adaptive_batch.probe.snapshot import TrainingStateSnapshot
 from adaptive_batch.probe.trials import probe_max_batch_size
 from adaptive_batch.validation import check_safety_margin
 
@@ -63,7 +68,8 @@ def find_max_batch_size(
         log: called with one line per trial.
 
     Returns:
-        The largest batch size that ran a real step within the budget.
+        The largest batch size that ran a real step within the budget, and then a step in
+        this process as it stands after the probe.
 
     Raises:
         ConfigError: for a bad ``max_memory``, ``safety_margin`` or ``max_batch_size``.
@@ -89,4 +95,31 @@ def find_max_batch_size(
         log=log,
         trial_limit=lambda: trial_memory_limit(address_space, log=log),
     )
-    return result.max_batch_size
+    state = dict(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, directory=snapshot_dir, log=log)
+    return _trains_after_the_probe(result.max_batch_size, train_step, make_batch, device, state, log)
+
+
+# How far the answer steps down after a failed check: a few sizes of a large batch at once.
+STEP_DOWN = 0.02
+
+
+def _trains_after_the_probe(
+    batch_size: int,
+    train_step: Callable[[Any], None],
+    make_batch: Callable[[int], Any],
+    device: torch.device,
+    state: dict,
+    log: Optional[Callable[[str], None]],
+) -> int:
+    """The largest of ``batch_size`` and the sizes below it (2% at a time) whose real step fits
+    now, with the state put back after each try."""
+    while True:
+        with TrainingStateSnapshot(**state):
+            _, failure = catch_oom(lambda: train_step(make_batch(batch_size)))
+        release_memory(device)
+        if failure is None or batch_size == 1:
+            return batch_size
+        lower = max(1, min(batch_size - 1, int(batch_size * (1 - STEP_DOWN))))
+        if log is not None:
+            log(f"probe: batch {batch_size} ran out of memory after the probe ({failure}); checking {lower}.")
+        batch_size = lower
