@@ -29,7 +29,7 @@ def probe_report(output_dir):
 def test_no_trial_on_any_rank_goes_past_the_overshoot_bound(tmp_path):
     # Under FSDP2 the peak is nearly flat at batch 1-2: the line predicted 59 and that trial
     # took 2.8x the budget. Now the search grows from the largest fit within 1.25x.
-    proc = run_tune(tmp_path, "use_maximum_batch_size=True", "max_memory=512MiB", FIXED, "max_steps_per_epoch=1", **DIST)
+    proc = run_tune(tmp_path, "use_maximum_batch_size=True", "max_memory=256MiB", FIXED, "max_steps_per_epoch=1", **DIST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = probe_report(tmp_path)
     assert report["max_overshoot"] <= 1.25
@@ -46,7 +46,7 @@ def test_no_trial_on_any_rank_goes_past_the_overshoot_bound(tmp_path):
     from tests.recipes.conftest import run_in_process
 
     plan = run_in_process(main, ["adaptive-batch", "plan", "--config", DIST["config"], "--world-size", "2", "--json",
-                                 "--device-memory", "512MiB", "--safety-margin", "0.01"])
+                                 "--device-memory", "256MiB", "--safety-margin", "0.01"])
     assert plan.returncode == 0, plan.stderr[-3000:]
     planned = json.loads(plan.stdout)
     assert planned["world_size"] == 2 and abs(planned["max_batch_size"] - found) <= 1
