@@ -129,17 +129,24 @@ def test_stopped_and_resumed_run_matches_the_uninterrupted_one(tmp_path, schedul
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-6)
 
 
-# Two launches prove the wiring on ranks: a recipe check every rank makes, and a value only rank
-# 1 rejects (rank 0 stops with rank 1's line instead of waiting for it). The checks themselves
-# (a list of the wrong length, an unparsable or non-finite value) are unit tests:
-# tests/adaptive_batch/test_distributed.py and the single-device recipe's bad-input table.
-@pytest.mark.parametrize("override,env,expected", [
-    ("fsdp_cpu_offload=True", {}, "error: fsdp_cpu_offload=True"),
-    ("use_maximum_batch_size=True", {"ADAPTIVE_BATCH_MAX_MEMORY": "1GiB,lots"},
-     "error: rank 1: ADAPTIVE_BATCH_MAX_MEMORY (this rank's value of '1GiB,lots')='lots' cannot be parsed"),
-], ids=["cpu-offload", "env-value-one-rank"])
-def test_bad_input_stops_every_rank_with_one_line(tmp_path, override, env, expected):
-    proc = run_tune(tmp_path, override, env=env, **DIST)
+# One launch proves the wiring on ranks: a value only rank 1 rejects, and rank 0 stops with
+# rank 1's line instead of waiting for it. The checks themselves (a list of the wrong length, an
+# unparsable or non-finite value) are unit tests: tests/adaptive_batch/test_distributed.py and
+# the single-device recipe's bad-input table.
+def test_bad_input_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    proc = run_tune(tmp_path, "use_maximum_batch_size=True", env={"ADAPTIVE_BATCH_MAX_MEMORY": "1GiB,lots"}, **DIST)
     assert proc.returncode != 0
+    expected = "error: rank 1: ADAPTIVE_BATCH_MAX_MEMORY (this rank's value of '1GiB,lots')='lots' cannot be parsed"
     assert proc.stderr.count(expected) == 2, proc.stderr[-3000:]
+    assert not (tmp_path / "batch_probe.json").exists()
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("fsdp_cpu_offload=True", "error: fsdp_cpu_offload=True: offloaded parameters live in CPU memory"),
+    ("optimizer_in_bwd=True", "error: optimizer_in_bwd=True: the distributed recipe scales gradients"),
+])
+def test_settings_the_distributed_recipe_refuses_stop_before_any_process_group(tmp_path, override, expected):
+    # Checked before the process group is set up: each rank stops alike, so one process shows it.
+    proc = run_tune(tmp_path, override, recipe=DIST["recipe"], config=DIST["config"])
+    assert proc.returncode == 1 and expected in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "batch_probe.json").exists()
