@@ -213,18 +213,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         log.info("Tokenizer is initialized from file.")
         dataset, packed = self._setup_dataset(cfg.dataset)
 
-        if cfg.checkpointer.get("checkpoint_files", None) is None:
-            # No weights given: a seeded random initialisation, loaded by the real checkpointer.
-            if self._ranks.is_main:
-                abt.write_random_init_checkpoint(
-                    lambda: config.instantiate(cfg.model),
-                    cfg.checkpointer.checkpoint_dir,
-                    self.seed,
-                    keep=self._is_base_weight,
-                )
-            self._ranks.barrier()
-            cfg.checkpointer.checkpoint_files = [abt.initial_checkpoint_filename(self.seed)]
-            log.info(f"No checkpoint_files given: initialised the model randomly with seed {self.seed}.")
+        self._ensure_weights(cfg)
         ckpt_dict = self.load_checkpoint(cfg.checkpointer)
 
         self._compile = cfg.compile
@@ -254,40 +243,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         log.info("Loss is initialized.")
 
-        lengths = None
-        if self._batching.mode.uses_token_budget:
-            lengths = sample_lengths(
-                dataset,
-                input_key="tokens",
-                cache_dir=f"{self._output_dir}/seqlen_cache",
-                key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
-                log=log.info,
-                warn=log.warning,
-            )
-
-        # measure_noise_scale's gradient copy exists before the probe, which counts it.
-        self._batching.track_gradients(self._model.parameters())
-        # The batch (probed, resumed or configured) is settled before the dataloader is built
-        # with it. Each rank trains on its share of the data (the sampler pads it to equal shares).
-        self._batching.settle(
-            dataset_size=math.ceil(len(dataset) / self._ranks.world_size),
-            max_steps_per_epoch=self.max_steps_per_epoch,
-            probe=partial(
-                ab.probe_batch_size,
-                train_step=self._probe_step,
-                make_batch=partial(
-                    worst_case_text_batch,
-                    seq_len=self._tokenizer.max_seq_len,
-                    vocab_size=self._model.tok_embeddings.num_embeddings,
-                    device=self._device,
-                ),
-                model=self._model,
-                optimizer=self._optimizer,
-                seq_len=self._tokenizer.max_seq_len,
-                cache_fields=self._probe_cache_fields(cfg),
-            ),
-            lengths=lengths,
-        )
+        # The batch (probed, resumed or configured) is settled before the dataloader is built with it.
+        self._settle_batch(cfg, dataset)
         self.global_step = self._batching.global_step
 
         self._dataloader = self._setup_dataloader(
@@ -313,6 +270,46 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._step_checkpoints.restore_position(self._resume_step_state)
             self._resume_step_state = None
         self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
+
+    def _ensure_weights(self, cfg: DictConfig) -> None:
+        """With no ``checkpoint_files``, a seeded random initialisation written for the real
+        checkpointer to load (rank 0 writes it)."""
+        if cfg.checkpointer.get("checkpoint_files", None) is not None:
+            return
+        if self._ranks.is_main:
+            abt.write_random_init_checkpoint(
+                lambda: config.instantiate(cfg.model), cfg.checkpointer.checkpoint_dir, self.seed,
+                keep=self._is_base_weight,
+            )
+        self._ranks.barrier()
+        cfg.checkpointer.checkpoint_files = [abt.initial_checkpoint_filename(self.seed)]
+        log.info(f"No checkpoint_files given: initialised the model randomly with seed {self.seed}.")
+
+    def _settle_batch(self, cfg: DictConfig, dataset: Any) -> None:
+        """Has the controller settle the batch: probed (real training steps on worst-case
+        batches), resumed or configured. Each rank trains on its share of the data (the sampler
+        pads it to equal shares)."""
+        lengths = None
+        if self._batching.mode.uses_token_budget:
+            lengths = sample_lengths(
+                dataset, input_key="tokens", cache_dir=f"{self._output_dir}/seqlen_cache",
+                key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
+                log=log.info, warn=log.warning,
+            )
+        # measure_noise_scale's gradient copy exists before the probe, which counts it.
+        self._batching.track_gradients(self._model.parameters())
+        make_batch = partial(
+            worst_case_text_batch, seq_len=self._tokenizer.max_seq_len,
+            vocab_size=self._model.tok_embeddings.num_embeddings, device=self._device,
+        )
+        probe = partial(
+            ab.probe_batch_size, train_step=self._probe_step, make_batch=make_batch, model=self._model,
+            optimizer=self._optimizer, seq_len=self._tokenizer.max_seq_len, cache_fields=self._probe_cache_fields(cfg),
+        )
+        self._batching.settle(
+            dataset_size=math.ceil(len(dataset) / self._ranks.world_size), max_steps_per_epoch=self.max_steps_per_epoch,
+            probe=probe, lengths=lengths,
+        )
 
     def _probe_cache_fields(self, cfg: DictConfig) -> Dict[str, Any]:
         """What changes a step's memory, for the probe cache's key."""
