@@ -179,8 +179,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _update_recipe_state(self, ckpt_dict: Dict[str, Any]) -> None:
         """
-        Updates the recipe state from checkpoint.
+        Updates the recipe state from checkpoint; a run whose trained settings differ from the
+        ones that wrote it is refused (``RunState.check_resume``).
         """
+        # A resumed run keeps the batch size its first run probed, and where growth had got to.
+        self._run_state.load_state_dict(ckpt_dict)
+        self._run_state.check_resume()
         try:
             self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
             if self.seed != ckpt_dict[training.SEED_KEY]:
@@ -194,8 +198,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "Checkpoint does not contain the required keys needed for updating recipe state. "
                 "Are you sure you passed in the right recipe checkpoint?"
             ) from e
-        # A resumed run keeps the batch size its first run probed, and where growth had got to.
-        self._run_state.load_state_dict(ckpt_dict)
 
     def setup(self, cfg: DictConfig) -> None:
         """

@@ -3,14 +3,16 @@
 :class:`RunState` gathers the controller's state (the batch state, the probe result, the noise
 scale's averages), the run's shape (world size, dataset size, sequence length) and a fingerprint
 of the settings that change what is trained, and captures every rank's random generators for a
-step checkpoint. The fingerprint is recorded with each checkpoint so that a resumed run can be
-compared with the one that wrote it (:meth:`RunState.changed_settings`).
+step checkpoint. The fingerprint is recorded with each checkpoint, and a resumed run whose
+trained settings differ from the ones that wrote it is refused (:meth:`RunState.check_resume`):
+it would train something other than what it logs.
 """
 
 import json
 from typing import Any, Dict, List, Mapping, Optional
 
 from adaptive_batch.distributed import RankGroup
+from adaptive_batch.errors import ConfigError
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.controller import AdaptiveBatchController
 
@@ -65,6 +67,32 @@ class RunState:
             return []
         before = self.saved.get("fingerprint", {})
         return sorted(key for key in set(before) | set(self.fingerprint) if before.get(key) != self.fingerprint.get(key))
+
+    def check_resume(self) -> None:
+        """Refuses a resumed run that would train something else than the run that wrote the
+        checkpoint: another number of ranks, or a changed trained setting (the first, by name).
+        A checkpoint that recorded no fingerprint (written before it was kept) is not checked.
+
+        Raises:
+            ConfigError: naming the setting, its saved and its new value, and the fix.
+        """
+        if not self.saved:
+            return
+        world = self.controller.ranks.world_size
+        if self.saved.get("world_size", world) != world:
+            raise ConfigError(
+                f"resume_from_checkpoint=True: the checkpoint was written by {self.saved['world_size']} ranks and this "
+                f"run has {world}; resume with --nproc_per_node {self.saved['world_size']}, or start a new output_dir."
+            )
+        changed = self.changed_settings()
+        if changed:
+            key, before = changed[0], self.saved.get("fingerprint", {})
+            more = f" (and {', '.join(changed[1:])})" if len(changed) > 1 else ""
+            raise ConfigError(
+                f"resume_from_checkpoint=True: {key} was {before.get(key, 'unset')} in the run that wrote the "
+                f"checkpoint and is {self.fingerprint.get(key, 'unset')} now{more}; it changes what is trained: "
+                f"put it back to resume, or start a new output_dir."
+            )
 
     @property
     def rng(self) -> "RanksRNG":

@@ -245,12 +245,19 @@ def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     run = torch.load(recipe_state, weights_only=True)["adaptive_batch_run"]
     assert run["world_size"] == 1 and run["seq_len"] == 256 and run["dataset_size"] > 0
     assert run["fingerprint"]["max_memory"] == '"512MiB"' and "probe_cache_dir" not in run["fingerprint"]
-    # A smaller budget on resume would find a smaller batch: the recipe state wins, no probing.
+    # torchtune 0.6.1 resumes from files named relative to output_dir
+    resume = ["resume_from_checkpoint=True", "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]"]
+    # A smaller budget would find a smaller batch and train something else than the checkpoint's
+    # run: refused in one line, before the model is built.
+    refused = run_tune(
+        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2", "max_steps_per_epoch=1", *resume
+    )
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr and "Model is initialized" not in refused.stderr
+    assert ('error: resume_from_checkpoint=True: max_memory was "512MiB" in the run that wrote the checkpoint and is '
+            '"256MiB" now; it changes what is trained: put it back to resume, or start a new output_dir.') in refused.stderr
+    # The same settings resume with the recipe state's batch, no probing.
     resumed = run_tune(
-        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2",
-        "max_steps_per_epoch=1", "resume_from_checkpoint=True",
-        # torchtune 0.6.1 resumes from files named relative to output_dir
-        "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]",
+        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "epochs=2", "max_steps_per_epoch=1", *resume
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"using the probed batch_size={found} from the recipe state" in resumed.stderr

@@ -2,10 +2,16 @@
 
 import random
 
+import pytest
 import torch
 
-from adaptive_batch import AdaptiveBatchController, AdaptiveBatchOptions, RunState
-from adaptive_batch.run.state import fingerprint, RUN_STATE_KEY
+from adaptive_batch import (
+    AdaptiveBatchController,
+    AdaptiveBatchOptions,
+    ConfigError,
+    RunState,
+)
+from adaptive_batch.run.state import RUN_STATE_KEY, fingerprint
 
 CPU = torch.device("cpu")
 
@@ -52,3 +58,24 @@ def test_every_ranks_generators_round_trip(tmp_path):
     random.seed(6)
     state.rng.load_state_dict(saved)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def test_a_resume_that_would_train_something_else_is_refused_in_one_line(tmp_path):
+    saved = run_state(tmp_path, max_memory="512MiB").state_dict()
+    same = run_state(tmp_path, max_memory="512MiB")
+    same.load_state_dict(saved)
+    same.check_resume()
+    other = run_state(tmp_path, max_memory="256MiB", max_tokens=1024)
+    other.load_state_dict(saved)
+    with pytest.raises(ConfigError, match=(
+        r'max_memory was "512MiB" in the run that wrote the checkpoint and is "256MiB" now \(and max_tokens\); '
+        r"it changes what is trained: put it back to resume, or start a new output_dir"
+    )):
+        other.check_resume()
+    ranks = run_state(tmp_path, max_memory="512MiB")
+    ranks.load_state_dict({**saved, RUN_STATE_KEY: {**saved[RUN_STATE_KEY], "world_size": 2}})
+    with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1; resume with --nproc_per_node 2"):
+        ranks.check_resume()
+    older = run_state(tmp_path, max_memory="256MiB")
+    older.load_state_dict({k: v for k, v in saved.items() if k != RUN_STATE_KEY})
+    older.check_resume()  # recorded nothing to compare with
