@@ -165,6 +165,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"), warn=log.warning
             )
             self._resume_step_state = self._step_checkpoints.resume_state(epoch_step)
+            if self._resume_step_state is None and epoch_step < 0:
+                raise ab.ConfigError(
+                    f"resume_from_checkpoint=True: {cfg_checkpointer.output_dir} holds no checkpoint to resume (no "
+                    "readable step checkpoint, no epoch checkpoint's recipe_state.pt): set resume_from_checkpoint=False "
+                    "to start the run, or point output_dir at the run to resume."
+                )
         self._checkpointer = config.instantiate(
             cfg_checkpointer,
             should_load_recipe_state=self._resume_from_checkpoint and self._resume_step_state is None,

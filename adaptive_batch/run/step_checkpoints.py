@@ -93,23 +93,35 @@ class StepCheckpoints:
         return path
 
     def resume_state(self, epoch_step: int) -> Optional[Dict[str, Any]]:
-        """The newest step checkpoint's state, when it is newer than the epoch checkpoint's
-        ``epoch_step`` (-1: none); ``None`` when the epoch checkpoint is the one to resume.
+        """The newest readable step checkpoint's state, when it is newer than the epoch
+        checkpoint's ``epoch_step`` (-1: none); ``None`` when the epoch checkpoint is the one to
+        resume. An unreadable one (corrupt, cut short, empty) is reported and the one before it
+        tried.
 
         Raises:
             ConfigError: when it was written by another number of ranks.
         """
-        latest = self.latest()
-        if latest is None:
-            return None
-        step, path = latest
-        # At the same step both hold the same state; the step checkpoint also holds the weights.
-        if step < epoch_step:
-            self.log(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is older.")
-            return None
-        since = f"the epoch checkpoint is at step {epoch_step}" if epoch_step >= 0 else "no epoch checkpoint yet"
-        self.log(f"Resuming from the step checkpoint {path} (step {step}; {since}).")
-        state = self.load(path)
+        for step, path in reversed(self.saved()):
+            # At the same step both hold the same state; the step checkpoint also holds the weights.
+            if step < epoch_step:
+                self.log(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is older.")
+                return None
+            try:
+                state = self.load(path)
+            except Exception as e:  # a truncated zip, an empty file, bytes that are no pickle
+                self.log(f"The step checkpoint {path} cannot be read ({type(e).__name__}: {e}); trying the one before it.")
+                continue
+            since = f"the epoch checkpoint is at step {epoch_step}" if epoch_step >= 0 else "no epoch checkpoint yet"
+            self.log(f"Resuming from the step checkpoint {path} (step {step}; {since}).")
+            return self._checked(state, path)
+        return None
+
+    def _checked(self, state: Dict[str, Any], path: str) -> Dict[str, Any]:
+        """``state`` when it was written by this run's number of ranks.
+
+        Raises:
+            ConfigError: otherwise, or when it did not record them.
+        """
         if RANKS_KEY not in state:
             raise ConfigError(
                 f"resume_from_checkpoint=True: the step checkpoint {path} was written by an older adaptive-batch; "

@@ -129,6 +129,14 @@ def test_two_ranks_killed_mid_epoch_and_resumed_equal_the_uninterrupted_run(tmp_
     assert all(math.isfinite(r["gradient_noise_scale"]) and r["gradient_noise_scale"] > 0 for r in rows)
 
 
+def test_resume_with_nothing_saved_is_one_line(tmp_path):
+    # torchtune's checkpointer answered a TypeError from a path join.
+    proc = run_tune(tmp_path, FIXED, "resume_from_checkpoint=True", "max_steps_per_epoch=1")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"error: resume_from_checkpoint=True: {tmp_path} holds no checkpoint to resume" in proc.stderr
+    assert "set resume_from_checkpoint=False to start the run" in proc.stderr and "Model is initialized" not in proc.stderr
+
+
 def test_noise_scale_is_logged_every_step_of_accumulated_micro_batches(tmp_path):
     proc = run_tune(tmp_path, FIXED, "batch_size=4", "gradient_accumulation_steps=2", "measure_noise_scale=True",
                     "max_steps_per_epoch=6")

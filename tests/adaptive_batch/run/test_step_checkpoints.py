@@ -97,3 +97,18 @@ def test_a_position_the_checkpoint_lacks_is_refused(tmp_path):
     ckpts.attach(dict, {"lr_scheduler": Counter()})
     with pytest.raises(ConfigError, match="no 'lr_scheduler' state and this run has one"):
         ckpts.restore_position({RANKS_KEY: 1})
+
+
+@pytest.mark.parametrize("damage", [b"", b"not a checkpoint", None], ids=["empty", "garbage", "truncated"])
+def test_an_unreadable_newest_checkpoint_gives_way_to_the_one_before(tmp_path, damage):
+    lines = []
+    ckpts = StepCheckpoints(str(tmp_path), keep_last=3, log=lines.append)
+    for step in (3, 4):
+        ckpts.save(step, {RANKS_KEY: 1, "w": torch.full((64,), float(step))})
+    newest = tmp_path / "step_4.pt"
+    newest.write_bytes(newest.read_bytes()[:200] if damage is None else damage)
+    state = ckpts.resume_state(epoch_step=-1)
+    assert state["w"][0].item() == 3.0
+    assert any("step_4.pt cannot be read" in line and "trying the one before it" in line for line in lines)
+    (tmp_path / "step_3.pt").write_bytes(b"")
+    assert ckpts.resume_state(epoch_step=-1) is None  # none readable: the epoch checkpoint, if any
