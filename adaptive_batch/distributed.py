@@ -57,6 +57,20 @@ def rank_max_memory(
     return value
 
 
+def check_same_world_size(written_by: int, world_size: int, what: str) -> None:
+    """Refuses to resume ``what`` (a checkpoint's path or name) written by another number of
+    ranks: the data shards and random generators are per rank.
+
+    Raises:
+        ConfigError: naming both counts and the launch that resumes it.
+    """
+    if written_by != world_size:
+        raise ConfigError(
+            f"resume_from_checkpoint=True: {what} was written by {written_by} ranks and this run has {world_size}; "
+            f"resume with --nproc_per_node {written_by}, or start a new output_dir."
+        )
+
+
 class RankGroup:
     """The data-parallel ranks of a run (the default process group), or this process alone.
 

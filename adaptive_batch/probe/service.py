@@ -271,10 +271,15 @@ def probe_batch_size(
         batch_size_objective=options.batch_size_objective, throughput_tolerance=options.throughput_tolerance,
         versions=library_versions(),
     )
+    def publish(report: Dict[str, Any]) -> str:
+        if not save_report:
+            return _report_path(output_dir)
+        return save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
+
     cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
     if cached is not None:
         report = dict(cached, cache={"hit": True, "path": cache.path(key)})
-        path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log) if save_report else _report_path(output_dir)
+        path = publish(report)
         log(
             f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
             f"{cached['batch_size']}, no probing; probe_cache=False probes again. Details in {path}"
@@ -319,7 +324,7 @@ def probe_batch_size(
         stored = ranks.decide_on_main(lambda: cache.store(key, report))
         report["cache"] = {"hit": False, "path": stored}
     log(describe_result(result, budget))
-    path = save_probe_report(report, output_dir, ranks, plot=options.plot, log=log) if save_report else _report_path(output_dir)
+    path = publish(report)
     log(f"use_maximum_batch_size: the batch to use is {batch_size}; details in {path}")
     return report
 

@@ -11,7 +11,7 @@ it would train something other than what it logs.
 import json
 from typing import Any, Dict, List, Mapping, Optional
 
-from adaptive_batch.distributed import RankGroup
+from adaptive_batch.distributed import RankGroup, check_same_world_size
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.controller import AdaptiveBatchController
@@ -79,11 +79,7 @@ class RunState:
         if not self.saved:
             return
         world = self.controller.ranks.world_size
-        if self.saved.get("world_size", world) != world:
-            raise ConfigError(
-                f"resume_from_checkpoint=True: the checkpoint was written by {self.saved['world_size']} ranks and this "
-                f"run has {world}; resume with --nproc_per_node {self.saved['world_size']}, or start a new output_dir."
-            )
+        check_same_world_size(self.saved.get("world_size", world), world, "the checkpoint")
         changed = self.changed_settings()
         if changed:
             key, before = changed[0], self.saved.get("fingerprint", {})

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
-from adaptive_batch.distributed import RankGroup
+from adaptive_batch.distributed import RankGroup, check_same_world_size
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.validation import check_positive_int
 
@@ -127,13 +127,7 @@ class StepCheckpoints:
                 f"resume_from_checkpoint=True: the step checkpoint {path} was written by an older adaptive-batch; "
                 f"delete {self.directory} to resume from the epoch checkpoint, or start a new output_dir."
             )
-        # Before the model is built: the data shards and RNGs are per rank.
-        ranks = state[RANKS_KEY]
-        if ranks != self.ranks.world_size:
-            raise ConfigError(
-                f"resume_from_checkpoint=True: the step checkpoint {path} was written by {ranks} ranks and this "
-                f"run has {self.ranks.world_size}; resume with --nproc_per_node {ranks}."
-            )
+        check_same_world_size(state[RANKS_KEY], self.ranks.world_size, f"the step checkpoint {path}")
         return state
 
     def restore_position(self, state: Mapping[str, Any]) -> None:

@@ -179,7 +179,7 @@ def test_a_step_checkpoint_of_another_rank_count_is_one_line_before_the_model_is
     proc = run_tune(tmp_path, FIXED, "resume_from_checkpoint=True")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "error: resume_from_checkpoint=True: the step checkpoint" in proc.stderr
-    assert "was written by 2 ranks and this run has 1; resume with --nproc_per_node 2." in proc.stderr
+    assert "was written by 2 ranks and this run has 1; resume with --nproc_per_node 2, or start a new output_dir." in proc.stderr
     assert "Model is initialized" not in proc.stderr
 
 

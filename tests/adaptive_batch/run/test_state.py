@@ -74,7 +74,7 @@ def test_a_resume_that_would_train_something_else_is_refused_in_one_line(tmp_pat
         other.check_resume()
     ranks = run_state(tmp_path, max_memory="512MiB")
     ranks.load_state_dict({**saved, RUN_STATE_KEY: {**saved[RUN_STATE_KEY], "world_size": 2}})
-    with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1; resume with --nproc_per_node 2"):
+    with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1; resume with --nproc_per_node 2, or start a new output_dir"):
         ranks.check_resume()
     older = run_state(tmp_path, max_memory="256MiB")
     older.load_state_dict({k: v for k, v in saved.items() if k != RUN_STATE_KEY})

@@ -85,7 +85,7 @@ def test_the_checkpoint_decides_when_to_save_and_restores_what_it_was_handed(tmp
 def test_a_checkpoint_of_another_rank_count_or_an_older_version_is_refused_in_one_line(tmp_path):
     ckpts = StepCheckpoints(str(tmp_path), log=lambda line: None)
     ckpts.save(3, {RANKS_KEY: 2})
-    with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1; resume with --nproc_per_node 2"):
+    with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1; resume with --nproc_per_node 2, or start a new output_dir"):
         ckpts.resume_state(epoch_step=-1)
     ckpts.save(4, {"rng_state": []})  # written before the checkpoint recorded its ranks
     with pytest.raises(ConfigError, match="written by an older adaptive-batch; delete .* or start a new output_dir"):
