@@ -29,9 +29,11 @@ run-distributed: $(STAMP)
 	$(BIN)/tune run --nproc_per_node $(or $(NPROC),2) recipes/full_finetune_distributed.py \
 		--config configs/tiny/full_distributed.yaml use_maximum_batch_size=True max_memory=512MiB epochs=3 $(ARGS)
 
-# Everything, as CI runs it (.ci/run).
+# Everything, as CI runs it (.ci/run): one pytest worker a core (pytest-xdist), a test file to a
+# worker (its module-scoped runs are shared by its tests). TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Without the tests that need processes of their own (real memory limits, torchrun, an install).
 test-fast: $(STAMP)

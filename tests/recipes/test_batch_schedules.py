@@ -114,21 +114,6 @@ def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_token_ba
     _resume_and_compare(tmp_path, common, kill_after="step_5.pt")
 
 
-@pytest.mark.slow
-def test_two_ranks_killed_mid_epoch_and_resumed_equal_the_uninterrupted_run(tmp_path):
-    # a global batch of 8: 4 a rank, in 2 micro-batches of batch_size=2 (no probe); the noise
-    # scale is measured from them, and its moving averages resume with the run
-    common = [FIXED, "batch_size=2", "global_batch_size=8", "epochs=2", "max_steps_per_epoch=3",
-              "save_every_n_steps=1", "keep_last_n_checkpoints=2", "measure_noise_scale=True", *COSINE]
-    _resume_and_compare(
-        tmp_path, common, kill_after="step_4.pt", nproc=2,
-        recipe="recipes/full_finetune_distributed.py", config="configs/tiny/full_distributed.yaml",
-    )
-    rows = read_metric_log(tmp_path / "whole")
-    assert all(r["batch_size"] == 8 and r["grad_accum_steps"] == 2 and r["micro_batch_size"] == 2 for r in rows)
-    assert all(math.isfinite(r["gradient_noise_scale"]) and r["gradient_noise_scale"] > 0 for r in rows)
-
-
 def test_resume_with_nothing_saved_is_one_line(tmp_path):
     # torchtune's checkpointer answered a TypeError from a path join.
     proc = run_tune(tmp_path, FIXED, "resume_from_checkpoint=True", "max_steps_per_epoch=1")

@@ -139,7 +139,9 @@ def test_real_out_of_memory_under_an_address_space_limit(limited_address_space):
 
     rows = 24
     batch = {"tokens": torch.zeros(rows, 1), "x": torch.randn(rows, 2048, 256) * 0.01}
-    with limited_address_space(rows * row_bytes // 2):
+    # A quarter of the whole batch's activations: the whole batch cannot fit however much freed
+    # memory the allocator kept, and a quarter of the batch leaves room for a micro-batch.
+    with limited_address_space(rows * row_bytes // 4):
         step = accumulate_gradients(
             forward_backward, batch, rows=rows, micro_batch_limit=rows, zero_grad=lambda: setattr(weight, "grad", None)
         )
