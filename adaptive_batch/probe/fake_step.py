@@ -175,6 +175,17 @@ def fake_step_phases(
     return StepPhases(backward, _tracked_peak(model, optimizers, step_and_zero))
 
 
+def create_optimizer_state(model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> None:
+    """Each optimizer's state as its first step creates it, from zero gradients: a fake step
+    measured after this is the steady state, with no forward and backward spent on getting there."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def extrapolate_row(a: PlanRow, b: PlanRow, at_a: int, at_b: int, to: int) -> PlanRow:
     """The line through ``a`` (at ``at_a``) and ``b`` (at ``at_b``), peak and categories, at ``to``."""
 

@@ -32,6 +32,7 @@ from adaptive_batch.probe.fake_step import (
     PlanRow,
     StepPhases,
     build_fake_model,
+    create_optimizer_state,
     extrapolate_row,
     fake_process_group,
     fake_step_phases,
@@ -213,8 +214,8 @@ def _plan(
         return _adjusted(whole.peak(b), adjust_bytes)
 
     with fake_mode:
-        # The first step creates the optimizer state: later steps are the steady state.
-        step(1)
+        for model, optimizers in steppers.values():
+            create_optimizer_state(model, optimizers)
         measured = {b: step(b) for b in (1, 2)}
     estimate = LinearMemoryEstimate.fit([(r.batch_size, r.peak_bytes) for r in measured.values()])
 

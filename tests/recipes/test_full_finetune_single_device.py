@@ -196,19 +196,19 @@ def test_found_batch_trains_under_a_real_limit_ten_percent_more_crashes_or_is_sp
     headroom = 1024**3
     probe_out = tmp_path / "probe"
     proc = run_tune(
-        probe_out, FIXED, "use_maximum_batch_size=True", "max_steps_per_epoch=3", headroom_bytes=headroom
+        probe_out, FIXED, "use_maximum_batch_size=True", "max_steps_per_epoch=2", headroom_bytes=headroom
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((probe_out / "batch_probe.json").read_text())
     found = report["batch_size"]
     assert report["budget"]["source"] == "RLIMIT_AS"
-    assert len(read_metric_log(probe_out)) == 3  # trained to the end under the limit
+    assert len(read_metric_log(probe_out)) == 2  # trained to the end under the limit
 
     larger = math.ceil(found * 1.1)
     if larger == found:
         larger += 1
     proc = run_tune(
-        tmp_path / "larger", FIXED, f"batch_size={larger}", "max_steps_per_epoch=3", "retry_on_oom=False",
+        tmp_path / "larger", FIXED, f"batch_size={larger}", "max_steps_per_epoch=2", "retry_on_oom=False",
         headroom_bytes=headroom,
     )
     assert proc.returncode != 0
@@ -217,16 +217,16 @@ def test_found_batch_trains_under_a_real_limit_ten_percent_more_crashes_or_is_sp
     # With retry_on_oom (the default) the same run recovers: the step that ran out of memory is
     # rerun in halves, nothing lost, and later steps keep the smaller micro-batch.
     retried_out = tmp_path / "retried"
-    proc = run_tune(retried_out, FIXED, f"batch_size={larger}", "max_steps_per_epoch=3", headroom_bytes=headroom)
+    proc = run_tune(retried_out, FIXED, f"batch_size={larger}", "max_steps_per_epoch=2", headroom_bytes=headroom)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "out of memory in a step of" in proc.stderr and "recovered from out of memory" in proc.stderr
     retried = read_metric_log(retried_out)
-    assert len(retried) == 3 and all(r["batch_size"] == larger for r in retried)
+    assert len(retried) == 2 and all(r["batch_size"] == larger for r in retried)
     assert retried[0]["oom_retries"] >= 1 and sum(r["oom_retries"] for r in retried[1:]) == 0
     assert all(r["grad_accum_steps"] >= 2 and r["micro_batch_size"] < larger for r in retried)
     # the same updates as the unsplit batch run without a limit, to float tolerance
     reference_out = tmp_path / "reference"
-    proc = run_tune(reference_out, FIXED, f"batch_size={larger}", "max_steps_per_epoch=3")
+    proc = run_tune(reference_out, FIXED, f"batch_size={larger}", "max_steps_per_epoch=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = read_metric_log(reference_out)
     assert all(r["grad_accum_steps"] == 1 for r in reference)

@@ -233,3 +233,16 @@ def test_rows_between_measured_steps_use_the_nearest_ones_not_batch_1_and_2():
     with pytest.raises(ValueError, match="two measured batch sizes"):
         MemoryPlan(seq_len=8, measured=[_row(1, 100)], estimate=None, device_memory_bytes=None, budget_bytes=None,
                    max_batch_size=None).row_at(3)
+
+
+def test_optimizer_state_is_made_from_zero_gradients_without_a_forward():
+    from adaptive_batch.probe.fake_step import create_optimizer_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)  # frozen: no state
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    create_optimizer_state(model, [optimizer])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(optimizer.state) == len(trainable) == 3
+    assert all(set(optimizer.state[p]) >= {"exp_avg", "exp_avg_sq"} for p in trainable)
+    assert all(p.grad is None for p in model.parameters())
