@@ -137,7 +137,7 @@ def test_bad_input_through_the_real_cli_exits_nonzero_with_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def probed_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("probed")
-    proc = run_tune(out, FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "max_steps_per_epoch=3")
+    proc = run_tune(out, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "max_steps_per_epoch=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -148,8 +148,8 @@ def test_probe_result_is_logged_written_and_used(probed_run):
     found = report["max_batch_size"]
     assert found >= 2 and report["batch_size"] == found
     assert report["seq_len"] == 256 and report["device"] == "cpu"
-    assert report["budget"]["limit_bytes"] == 512 * 1024**2
-    assert report["budget_bytes"] == int(512 * 1024**2 * (1 - 0.01))
+    assert report["budget"]["limit_bytes"] == 256 * 1024**2
+    assert report["budget_bytes"] == int(256 * 1024**2 * (1 - 0.01))
     trials = {t["batch_size"]: t for t in report["trials"] if t["phase"] != "warmup"}
     assert trials[found]["fits"] and trials[found]["peak_bytes"] <= report["budget_bytes"]
     # one over: measured over the budget, or stopped by the probe's own address-space limit
@@ -235,7 +235,7 @@ def test_found_batch_trains_under_a_real_limit_ten_percent_more_crashes_or_is_sp
 
 def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     first = run_tune(
-        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "epochs=2", "max_steps_per_epoch=1"
+        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2", "max_steps_per_epoch=1"
     )
     assert first.returncode == 0, first.stderr[-3000:]
     found = json.loads((tmp_path / "batch_probe.json").read_text())["batch_size"]
@@ -244,20 +244,20 @@ def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     (recipe_state,) = tmp_path.glob("**/recipe_state.pt")
     run = torch.load(recipe_state, weights_only=True)["adaptive_batch_run"]
     assert run["world_size"] == 1 and run["seq_len"] == 256 and run["dataset_size"] > 0
-    assert run["fingerprint"]["max_memory"] == '"512MiB"' and "probe_cache_dir" not in run["fingerprint"]
+    assert run["fingerprint"]["max_memory"] == '"256MiB"' and "probe_cache_dir" not in run["fingerprint"]
     # torchtune 0.6.1 resumes from files named relative to output_dir
     resume = ["resume_from_checkpoint=True", "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]"]
     # A smaller budget would find a smaller batch and train something else than the checkpoint's
     # run: refused in one line, before the model is built.
     refused = run_tune(
-        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2", "max_steps_per_epoch=1", *resume
+        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=192MiB", "epochs=2", "max_steps_per_epoch=1", *resume
     )
     assert refused.returncode == 1 and "Traceback" not in refused.stderr and "Model is initialized" not in refused.stderr
-    assert ('error: resume_from_checkpoint=True: max_memory was "512MiB" in the run that wrote the checkpoint and is '
-            '"256MiB" now; it changes what is trained: put it back to resume, or start a new output_dir.') in refused.stderr
+    assert ('error: resume_from_checkpoint=True: max_memory was "256MiB" in the run that wrote the checkpoint and is '
+            '"192MiB" now; it changes what is trained: put it back to resume, or start a new output_dir.') in refused.stderr
     # The same settings resume with the recipe state's batch, no probing.
     resumed = run_tune(
-        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "epochs=2", "max_steps_per_epoch=1", *resume
+        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2", "max_steps_per_epoch=1", *resume
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"using the probed batch_size={found} from the recipe state" in resumed.stderr

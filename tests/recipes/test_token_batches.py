@@ -29,8 +29,8 @@ def test_batches_packed_to_the_budget_with_linear_lr(tmp_path):
 
 def test_probe_finds_max_tokens_and_sqrt_scaling_follows_the_found_batch(tmp_path):
     proc = run_tune(
-        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "max_tokens=4096",
-        "lr_scaling=sqrt", "max_steps_per_epoch=3",
+        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "max_tokens=4096",
+        "lr_scaling=sqrt", "max_steps_per_epoch=2",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "batch_probe.json").read_text())
@@ -40,8 +40,8 @@ def test_probe_finds_max_tokens_and_sqrt_scaling_follows_the_found_batch(tmp_pat
         assert r["lr"] == pytest.approx(LR * (r["batch_size"] / 4) ** 0.5)
     # From the probe cache (stored before max_tokens was known), the same budget follows.
     again = run_tune(
-        tmp_path / "again", FIXED, "use_maximum_batch_size=True", "max_memory=512MiB", "max_tokens=4096",
-        "lr_scaling=sqrt", "max_steps_per_epoch=3", f"probe_cache_dir={tmp_path}/probe_cache",
+        tmp_path / "again", FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "max_tokens=4096",
+        "lr_scaling=sqrt", "max_steps_per_epoch=2", f"probe_cache_dir={tmp_path}/probe_cache",
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "probe cache hit" in again.stderr
