@@ -12,7 +12,7 @@ CONFIG = "configs/tiny/lora_single_device.yaml"
 
 def test_probe_bounds_growth_and_only_adapters_train(tmp_path):
     proc = run_tune(
-        tmp_path, "use_maximum_batch_size=True", "max_memory=512MiB", "epochs=2", "max_steps_per_epoch=2",
+        tmp_path, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2", "max_steps_per_epoch=2",
         recipe=RECIPE, config=CONFIG,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
