@@ -43,20 +43,20 @@ def test_growth_every_n_steps_samples_or_tokens_clamped_with_the_lr_following(tm
 
 
 def test_fixed_global_batch_with_the_probed_micro_batch_equals_accumulation_set_by_hand(tmp_path):
-    common = [FIXED, "max_steps_per_epoch=3", "lr_scaling=linear"]
+    common = [FIXED, "max_steps_per_epoch=2", "lr_scaling=linear"]
     auto = run_tune(
-        tmp_path / "auto", *common, "global_batch_size=24", "use_maximum_batch_size=True", "max_memory=128MiB",
+        tmp_path / "auto", *common, "global_batch_size=12", "use_maximum_batch_size=True", "max_memory=128MiB",
         "batch_size_rounding=power_of_two",
     )
     assert auto.returncode == 0, auto.stderr[-3000:]
     report = json.loads((tmp_path / "auto" / "batch_probe.json").read_text())
     plan = report["global_batch"]
-    assert plan["global_batch_size"] == 24 and plan["micro_batch_size"] <= report["batch_size"] < 24
-    assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == 24 and plan["even"]
+    assert plan["global_batch_size"] == 12 and plan["micro_batch_size"] <= report["batch_size"] < 12
+    assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == 12 and plan["even"]
     rows = read_metric_log(tmp_path / "auto")
-    assert len(rows) == 3
+    assert len(rows) == 2
     for r in rows:  # the global batch and the LR never change; the accumulation follows the probe
-        assert r["batch_size"] == 24 and r["lr"] == pytest.approx(LR, rel=1e-9)
+        assert r["batch_size"] == 12 and r["lr"] == pytest.approx(LR, rel=1e-9)
         assert r["micro_batch_size"] == plan["micro_batch_size"]
         assert r["grad_accum_steps"] == plan["gradient_accumulation_steps"]
     by_hand = run_tune(

@@ -166,12 +166,12 @@ def deep_lora(layers):
 @pytest.mark.parametrize(
     "build,memory",
     [
-        (deep_full(5), None),
-        (deep_lora(5), None),
+        (deep_full(4), None),
+        (deep_lora(4), None),
         # a real-size vocabulary, and the search in fake steps on top
-        (deep_full(6, vocab_size=32_000, embed_dim=64, intermediate_dim=192), 2**30),
+        (deep_full(4, vocab_size=32_000, embed_dim=64, intermediate_dim=192), 2**30),
     ],
-    ids=["full-5-layers", "lora-5-layers", "vocab32k-6-layers"],
+    ids=["full-4-layers", "lora-4-layers", "vocab32k-4-layers"],
 )
 def test_layer_extrapolated_plan_equals_the_whole_model_plan_within_one_percent(build, memory):
     parts = dict(zip(("build_model", "build_optimizer", "forward_backward"), setup(build)))

@@ -1,9 +1,11 @@
 """The `adaptive-batch` console script, as installed with the package."""
 
+import ast
 import json
 from pathlib import Path
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -178,23 +180,32 @@ def test_an_ordinary_install_plans_and_probes_from_another_directory(tmp_path):
     ]
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = dict(tune_env(), PYTHONPATH=str(site))
-    where = subprocess.run(
-        [sys.executable, "-c", "import adaptive_batch, adaptive_batch_recipes; print(adaptive_batch.__file__, adaptive_batch_recipes.__file__)"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert where.stdout.split() and all(path.startswith(str(site)) for path in where.stdout.split()), where
     config = str(REPO / "configs/tiny/lora_single_device.yaml")
-    command = [sys.executable, "-m", "adaptive_batch.torchtune.cli"]
-    probe = subprocess.run(
-        [*command, "probe", "--config", config, f"output_dir={work / 'out'}", "max_memory=256MiB", "--no-cache"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert probe.returncode == 0, probe.stderr[-3000:]
-    assert "largest batch that fits" in probe.stdout and (work / "out" / "batch_probe.json").is_file()
-    plan = subprocess.run([*command, "plan", "--config", config, "--device-memory", "1GiB", "--json"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
-    assert plan.returncode == 0 and json.loads(plan.stdout)["max_batch_size"] >= 1, plan.stderr[-3000:]
+    # One process (its start-up is most of the cost): where the packages come from, then the
+    # command's plan and probe as `python -m adaptive_batch.torchtune.cli` runs them.
+    script = textwrap.dedent(f"""
+        import contextlib, io, runpy, sys
+        import adaptive_batch, adaptive_batch_recipes
+        print("from", adaptive_batch.__file__, adaptive_batch_recipes.__file__)
+        for argv in (["plan", "--config", {config!r}, "--device-memory", "1GiB", "--json"],
+                     ["probe", "--config", {config!r}, "output_dir={work / 'out'}", "max_memory=256MiB", "--no-cache"]):
+            sys.argv = ["adaptive-batch", *argv]
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                try:
+                    runpy.run_module("adaptive_batch.torchtune.cli", run_name="__main__")
+                except SystemExit as e:
+                    assert not e.code, e.code
+            print(argv[0], repr(out.getvalue()))
+    """)
+    env = dict(tune_env(), PYTHONPATH=str(site))
+    run = subprocess.run([sys.executable, "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in run.stdout.splitlines()}
+    assert all(path.startswith(str(site)) for path in lines["from"].split()), lines["from"]
+    assert json.loads(ast.literal_eval(lines["plan"]))["max_batch_size"] >= 1
+    assert "largest batch that fits" in ast.literal_eval(lines["probe"])
+    assert (work / "out" / "batch_probe.json").is_file()
 
 
 def _stock_config(tmp_path, name):
