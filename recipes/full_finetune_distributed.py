@@ -152,6 +152,10 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
 
     def cleanup(self) -> None:
         super().cleanup()
+        # The ranks tear the process group down together: a rank that destroyed it while rank 0
+        # was still writing the last checkpoint once died at exit with SIGABRT ("terminate called
+        # without an active exception"), failing a finished run.
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -279,7 +279,7 @@ def test_real_vocabulary_under_a_real_limit_predicted_answer_one_failure(tmp_pat
     config = "configs/tiny/qwen2_5_vocab152k_full_single_device.yaml"
     proc = run_tune(
         tmp_path, "use_maximum_batch_size=True", "retry_on_oom=False", "probe_cache=False", SEQ_152K,
-        config=config, headroom_bytes=HEADROOM_152K,
+        "max_steps_per_epoch=2", config=config, headroom_bytes=HEADROOM_152K,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "batch_probe.json").read_text())
@@ -292,7 +292,7 @@ def test_real_vocabulary_under_a_real_limit_predicted_answer_one_failure(tmp_pat
     assert [t["batch_size"] for t in report["trials"] if not t["fits"]] == [found + 1]
     # the found batch then trains under the same limit, with no split steps...
     rows = read_metric_log(tmp_path)
-    assert [r["batch_size"] for r in rows] == [found] * 3 and all(r["oom_retries"] == 0 for r in rows)
+    assert [r["batch_size"] for r in rows] == [found] * 2 and all(r["oom_retries"] == 0 for r in rows)
     # ...and is the true maximum: one more does not train in a fresh process under that limit
     over = run_tune(
         tmp_path / "over", f"batch_size={found + 1}", "retry_on_oom=False", SEQ_152K, config=config, headroom_bytes=HEADROOM_152K
