@@ -13,3 +13,14 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402  (after the variable: torch reads it when its thread pool starts)
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most tests that need processes of their own (``slow``) first, each file's
+    tests in their order: `make test` hands a worker a file at a time in this order, so the long
+    files start early and the short ones even out the end."""
+    slow = {}
+    for item in items:
+        slow[item.fspath] = slow.get(item.fspath, 0) + (item.get_closest_marker("slow") is not None)
+    first_seen = {path: i for i, path in reversed(list(enumerate(item.fspath for item in items)))}
+    items.sort(key=lambda item: (-slow[item.fspath], first_seen[item.fspath]))

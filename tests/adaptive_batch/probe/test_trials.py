@@ -77,7 +77,7 @@ def test_probe_under_a_real_address_space_limit(tmp_path, limited_address_space)
 
     return_freed_memory_to_os()
     model, opt = tiny()
-    with limited_address_space(150 * 1024**2):
+    with limited_address_space(100 * 1024**2):
         capacity = device_capacity(CPU)
         budget = memory_budget(
             max_memory_bytes=None, capacity=capacity,
