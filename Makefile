@@ -33,7 +33,7 @@ run-distributed: $(STAMP)
 # worker (its module-scoped runs are shared by its tests). TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # Without the tests that need processes of their own (real memory limits, torchrun, an install).
 test-fast: $(STAMP)
