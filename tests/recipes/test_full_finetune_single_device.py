@@ -192,7 +192,7 @@ def test_batch_one_too_large_says_needed_and_available(tmp_path):
 
 
 @pytest.mark.slow
-def test_found_batch_trains_under_a_real_limit_ten_percent_more_crashes_or_is_split(tmp_path):
+def test_found_batch_trains_under_a_real_limit_ten_percent_more_is_split(tmp_path):
     headroom = 1024**3
     probe_out = tmp_path / "probe"
     proc = run_tune(
@@ -207,19 +207,15 @@ def test_found_batch_trains_under_a_real_limit_ten_percent_more_crashes_or_is_sp
     larger = math.ceil(found * 1.1)
     if larger == found:
         larger += 1
-    proc = run_tune(
-        tmp_path / "larger", FIXED, f"batch_size={larger}", "max_steps_per_epoch=2", "retry_on_oom=False",
-        headroom_bytes=headroom,
-    )
-    assert proc.returncode != 0
-    assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
-
-    # With retry_on_oom (the default) the same run recovers: the step that ran out of memory is
-    # rerun in halves, nothing lost, and later steps keep the smaller micro-batch.
+    # 10% more runs out of memory in the training process under the same limit (a real allocator
+    # failure: with retry_on_oom=False that ends the run, as the 152K model's run one over its
+    # answer shows). With retry_on_oom (the default) the run recovers: the step that ran out of
+    # memory is rerun in halves, nothing lost, and later steps keep the smaller micro-batch.
     retried_out = tmp_path / "retried"
     proc = run_tune(retried_out, FIXED, f"batch_size={larger}", "max_steps_per_epoch=2", headroom_bytes=headroom)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "out of memory in a step of" in proc.stderr and "recovered from out of memory" in proc.stderr
+    assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
     retried = read_metric_log(retried_out)
     assert len(retried) == 2 and all(r["batch_size"] == larger for r in retried)
     assert retried[0]["oom_retries"] >= 1 and sum(r["oom_retries"] for r in retried[1:]) == 0

@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent(
     from adaptive_batch.memory.device import proc_status_bytes
 
     torch.manual_seed(0)
-    width = 2048
+    width = 1024
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
     optimizer = torch.optim.AdamW(model.parameters())
 
