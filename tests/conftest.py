@@ -19,8 +19,8 @@ def pytest_collection_modifyitems(config, items):
     """Files with the most tests that need processes of their own (``slow``) first, each file's
     tests in their order: `make test` hands a worker a file at a time in this order, so the long
     files start early and the short ones even out the end."""
-    slow = {}
-    for item in items:
+    slow, first_seen = {}, {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.fspath, i)
         slow[item.fspath] = slow.get(item.fspath, 0) + (item.get_closest_marker("slow") is not None)
-    first_seen = {path: i for i, path in reversed(list(enumerate(item.fspath for item in items)))}
     items.sort(key=lambda item: (-slow[item.fspath], first_seen[item.fspath]))

@@ -115,6 +115,38 @@ def check_checkpoint_dir(key: str, path: Any, epochs: int) -> None:
             )
 
 
+def model_max_seq_len(cfg: DictConfig) -> Optional[int]:
+    """The longest input the model's config states (``model.max_seq_len``), or ``None``."""
+    model = cfg.get("model", None)
+    value = model.get("max_seq_len", None) if model is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_seq_len(cfg: DictConfig) -> Optional[int]:
+    """``tokenizer.max_seq_len``: an integer of at least 2 and no longer than the model's
+    ``max_seq_len`` (the model refuses a longer input in its forward), or null.
+
+    Raises:
+        ConfigError: otherwise.
+    """
+    tokenizer = cfg.get("tokenizer", None)
+    max_seq_len = tokenizer.get("max_seq_len", None) if tokenizer is not None else None
+    if max_seq_len is None:
+        return None
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise ConfigError(
+            f"tokenizer.max_seq_len={max_seq_len!r} must be an integer of at least 2, or null: "
+            "e.g. tokenizer.max_seq_len=2048."
+        )
+    model_max = model_max_seq_len(cfg)
+    if model_max is not None and max_seq_len > model_max:
+        raise ConfigError(
+            f"tokenizer.max_seq_len={max_seq_len} is longer than model.max_seq_len={model_max}: the model refuses "
+            f"longer inputs; set tokenizer.max_seq_len to at most {model_max}, or raise model.max_seq_len."
+        )
+    return max_seq_len
+
+
 def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None) -> None:
     """Everything about a run that can be checked before a model is built.
 
@@ -130,14 +162,7 @@ def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None
     epochs = check_positive_int("epochs", cfg.get("epochs", None))
     check_positive_int("max_steps_per_epoch", cfg.get("max_steps_per_epoch", None), allow_none=True)
     check_positive_int("log_every_n_steps", cfg.get("log_every_n_steps", 1))
-    tokenizer = cfg.get("tokenizer", None)
-    if tokenizer is not None:
-        max_seq_len = tokenizer.get("max_seq_len", None)
-        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2):
-            raise ConfigError(
-                f"tokenizer.max_seq_len={max_seq_len!r} must be an integer of at least 2, or null: "
-                "e.g. tokenizer.max_seq_len=2048."
-            )
+    check_seq_len(cfg)
     check_writable_dir("output_dir", cfg.get("output_dir", None))
     checkpointer = cfg.get("checkpointer", None)
     if checkpointer is not None and checkpointer.get("output_dir", None) is not None:

@@ -11,6 +11,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.fake_step import KnownStateOptimizer
 from adaptive_batch.probe.plan import MemoryPlan, plan_memory
+from adaptive_batch.torchtune.checks import check_seq_len, model_max_seq_len
 from adaptive_batch.torchtune.loss import next_token_loss
 
 # The sequence length planned when a config leaves tokenizer.max_seq_len open (torchtune's
@@ -120,8 +121,8 @@ def plan_from_config(
 
     Raises:
         ConfigError: for an optimizer that cannot be imported and has no known state size, a
-            ``world_size`` below 1, several ranks with ``optimizer_in_bwd``, or a
-            ``tokenizer.max_seq_len`` longer than the model's ``max_seq_len``.
+            ``world_size`` below 1, several ranks with ``optimizer_in_bwd``, or a bad
+            ``tokenizer.max_seq_len`` (:func:`check_seq_len`).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"--world-size={world_size!r} must be a positive integer: the number of data-parallel ranks.")
@@ -131,20 +132,13 @@ def plan_from_config(
             "set optimizer_in_bwd=False (torchtune's distributed configs leave it off)."
         )
     assumptions: List[str] = []
-    seq_len = cfg.tokenizer.get("max_seq_len", None) if cfg.get("tokenizer", None) is not None else None
-    # A model that states its longest sequence rejects a longer input in its forward.
-    model_max = cfg.model.get("max_seq_len", None)
-    model_max = model_max if isinstance(model_max, int) and not isinstance(model_max, bool) else None
+    seq_len = check_seq_len(cfg)
     if seq_len is None:
+        model_max = model_max_seq_len(cfg)
         seq_len = DEFAULT_SEQ_LEN if model_max is None else min(DEFAULT_SEQ_LEN, model_max)
         assumptions.append(
             f"tokenizer.max_seq_len is null: planned at {seq_len} tokens a sample "
             "(set tokenizer.max_seq_len=N to plan another length)"
-        )
-    elif model_max is not None and isinstance(seq_len, int) and seq_len > model_max:
-        raise ConfigError(
-            f"tokenizer.max_seq_len={seq_len} is longer than model.max_seq_len={model_max}: the model refuses "
-            f"longer inputs; set tokenizer.max_seq_len to at most {model_max}, or raise model.max_seq_len."
         )
     optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd", False))
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))

@@ -25,6 +25,8 @@ BAD_INPUTS = [
     (["optimizer_in_bwd=True", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=2 with optimizer_in_bwd=True"),
     (["enable_activation_offloading=True"], "enable_activation_offloading=True on device='cpu'"),
     (["use_maximum_batch_size=True", "tokenizer.max_seq_len=null"], "tokenizer.max_seq_len=null"),
+    # was a ValueError from the model's forward at the first step
+    (["tokenizer.max_seq_len=4096"], "tokenizer.max_seq_len=4096 is longer than model.max_seq_len=256"),
     (["profiler.enabled=True", "profiler.profile_memory=True"], "profiler.profile_memory=True on device='cpu'"),
     (["batch_increase_function=nosuch_module.grow"], "no module 'nosuch_module' can be imported"),
     (["batch_increase_function=adaptive_batch.schedule.growth.nope"], "has no attribute 'nope'"),
