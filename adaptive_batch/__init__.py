@@ -5,8 +5,10 @@ The core imports torch alone; :mod:`adaptive_batch.torchtune` holds the torchtun
 repository's ``recipes/`` folder (installed as ``adaptive_batch_recipes``) the recipes. The
 subpackages, in the order they import each other (each imports only those before it):
 
-- :mod:`~adaptive_batch.errors`, :mod:`~adaptive_batch.validation`, :mod:`~adaptive_batch.rng`: every
-  error, value checks, the one RNG capture.
+- :mod:`~adaptive_batch.errors`, :mod:`~adaptive_batch.faults`, :mod:`~adaptive_batch.files`,
+  :mod:`~adaptive_batch.validation`, :mod:`~adaptive_batch.rng`: every error, the named points
+  where tests kill a run, files written whole and the output directory's lock, value checks,
+  the one RNG capture.
 - :mod:`~adaptive_batch.memory`: what a device holds, measuring a step, recognising OOM.
 - :mod:`~adaptive_batch.distributed`: what data-parallel ranks agree on.
 - :mod:`~adaptive_batch.schedule`: pure policy: how the batch, LR and weight decay change.
@@ -26,9 +28,11 @@ from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import (
     BatchIncreaseFunctionError,
     BatchSizeTooLargeError,
+    CheckpointWriteError,
     ConfigError,
     MicroBatchOutOfMemoryError,
     PeerOutOfMemoryError,
+    RunStopped,
 )
 from adaptive_batch.memory.device import parse_memory
 from adaptive_batch.memory.oom import is_oom_error
@@ -82,4 +86,6 @@ __all__ = [
     "BatchIncreaseFunctionError",
     "MicroBatchOutOfMemoryError",
     "PeerOutOfMemoryError",
+    "CheckpointWriteError",
+    "RunStopped",
 ]

@@ -3,6 +3,9 @@
 Each message names what went wrong, the value, and the fix.
 """
 
+import errno
+import os
+import shutil
 from typing import Optional
 
 from adaptive_batch.memory.device import format_bytes
@@ -45,3 +48,59 @@ class MicroBatchOutOfMemoryError(RuntimeError):
 
 class PeerOutOfMemoryError(MemoryError):
     """Another rank (or this one) ran out of memory, so every rank drops the step together."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A file of the run could not be written (out of disk space, quota, permission); nothing
+    half-written was left under its name.
+
+    Attributes:
+        path: the file (or checkpoint) that was not written.
+    """
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self):  # one rank's error is raised on every rank
+        return type(self), (str(self), self.path)
+
+    @classmethod
+    def from_error(cls, path: str, error: BaseException) -> "CheckpointWriteError":
+        """The error for ``path`` whose write failed with ``error``."""
+        reason = "out of disk space" if is_disk_full(error) else f"{type(error).__name__}: {error}"
+        return cls(f"{path} could not be written ({reason}{_free_space(path)}); nothing was written under its name", path)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is the file system out of space or quota (torch's C++ writer reports it
+    as a ``RuntimeError`` naming the failed write)."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, RuntimeError) and "file write failed" in str(error)
+
+
+def _free_space(path: str) -> str:
+    """``, N free`` on ``path``'s file system, or nothing when that cannot be read."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while directory and not os.path.isdir(directory):
+        directory = os.path.dirname(directory)
+    try:
+        return f", {format_bytes(shutil.disk_usage(directory).free)} free there"
+    except OSError:
+        return ""
+
+
+class RunStopped(Exception):
+    """The run stopped at a signal (SIGTERM, SIGINT) after a finished step.
+
+    Attributes:
+        signum: the signal's number; the process exits with ``128 + signum``, as a shell does.
+    """
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+    def __reduce__(self):
+        return type(self), (str(self), self.signum)

@@ -8,6 +8,7 @@
 from functools import partial
 import itertools
 import math
+import signal
 import sys
 import time
 from typing import Any, Dict, Optional, Tuple, Union
@@ -29,9 +30,12 @@ from tqdm import tqdm
 import adaptive_batch as ab
 from adaptive_batch import StepOutcome
 from adaptive_batch.data.lengths import sample_lengths
+from adaptive_batch.faults import fault_point
+from adaptive_batch.files import OutputDirLock
 from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
 from adaptive_batch.probe.trials import worst_case_text_batch
 from adaptive_batch.run import step_checkpoints
+from adaptive_batch.run.signals import StopSignals
 from adaptive_batch.run.state import RNG_KEY
 from adaptive_batch.run.step_checkpoints import LR_SCHEDULER_KEY
 import adaptive_batch.torchtune as abt
@@ -78,6 +82,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     """
 
     known_keys = abt.recipe_keys()
+    _save_adapter_weights_only = False  # the LoRA recipe's option
 
     def __init__(self, cfg: DictConfig) -> None:
         check_known_keys(cfg.keys(), self.known_keys)
@@ -138,8 +143,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
         self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
 
-        # Training cfg
-        self._resume_from_checkpoint = cfg.resume_from_checkpoint
+        # Training cfg: resume_from_checkpoint is True, False or "auto" (decided in load_checkpoint).
+        self._resume_setting = cfg.resume_from_checkpoint
+        self._resume_from_checkpoint = cfg.resume_from_checkpoint is True
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._optimizer_in_bwd = cfg.optimizer_in_bwd
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
@@ -153,6 +159,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self.total_epochs = cfg.epochs
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
+        # Last: one run at a time writes output_dir (the lock dies with the process).
+        self._lock = OutputDirLock(cfg.output_dir).acquire() if self._ranks.is_main else None
 
     def load_checkpoint(self, cfg_checkpointer: DictConfig) -> Dict[str, Any]:
         """
@@ -160,17 +168,21 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         is True, this also includes the recipe state: from the newest step checkpoint unless
         the last epoch's is newer; a step checkpoint replaces the weights and optimizer too.
         """
-        if self._resume_from_checkpoint:
+        if self._resume_setting is not False:
             epoch_step = abt.epoch_checkpoint_step(
                 cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"), warn=log.warning
             )
             self._resume_step_state = self._step_checkpoints.resume_state(epoch_step)
-            if self._resume_step_state is None and epoch_step < 0:
+            saved = self._resume_step_state is not None or epoch_step >= 0
+            if not saved and self._resume_setting is True:
                 raise ab.ConfigError(
                     f"resume_from_checkpoint=True: {cfg_checkpointer.output_dir} holds no checkpoint to resume (no "
                     "readable step checkpoint, no epoch checkpoint's recipe_state.pt): set resume_from_checkpoint=False "
-                    "to start the run, or point output_dir at the run to resume."
+                    "to start the run (or auto, to resume when there is one), or point output_dir at the run to resume."
                 )
+            self._resume_from_checkpoint = saved
+            if self._resume_setting == abt.RESUME_AUTO:
+                log.info(f"resume_from_checkpoint=auto: {'resuming' if saved else 'nothing saved yet; starting the run'}.")
         self._checkpointer = config.instantiate(
             cfg_checkpointer,
             should_load_recipe_state=self._resume_from_checkpoint and self._resume_step_state is None,
@@ -213,6 +225,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger = None
         if self._ranks.is_main:
             self._step_checkpoints.remove_partial_writes()
+            abt.recover_epoch_checkpoint(cfg.checkpointer.output_dir, log=log.info)
             self._metric_logger = abt.build("metric_logger", cfg.metric_logger)
             self._metric_logger.log_config(cfg)
 
@@ -284,13 +297,14 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         checkpointer to load (rank 0 writes it)."""
         if cfg.checkpointer.get("checkpoint_files", None) is not None:
             return
+        model_config = OmegaConf.to_container(cfg.model, resolve=True)
         if self._ranks.is_main:
             abt.write_random_init_checkpoint(
                 lambda: config.instantiate(cfg.model), cfg.checkpointer.checkpoint_dir, self.seed,
-                keep=self._is_base_weight,
+                model_config=model_config, keep=self._is_base_weight,
             )
         self._ranks.barrier()
-        cfg.checkpointer.checkpoint_files = [abt.initial_checkpoint_filename(self.seed)]
+        cfg.checkpointer.checkpoint_files = [abt.initial_checkpoint_filename(self.seed, model_config)]
         log.info(f"No checkpoint_files given: initialised the model randomly with seed {self.seed}.")
 
     def _settle_batch(self, cfg: DictConfig, dataset: Any) -> None:
@@ -525,17 +539,24 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         Save state dict to file. The recipe save_checkpoint method is responsible for
         correctly creating the checkpoint dict and passing to the checkpointer.
         """
-        # Every rank takes part in gathering the state; rank 0 writes it.
+        intermediate_checkpoint = epoch + 1 < self.total_epochs
+        # Every rank takes part in gathering the state; rank 0 writes it aside and moves it
+        # into place whole, and a failed write stops every rank.
+        ckpt_dict = self._epoch_state(intermediate_checkpoint)
+        self._ranks.decide_on_main(
+            lambda: abt.save_epoch_checkpoint(
+                self._checkpointer, ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate_checkpoint,
+                adapter_only=self._save_adapter_weights_only,
+            ),
+            errors=(ab.CheckpointWriteError,),
+        )
+
+    def _epoch_state(self, intermediate_checkpoint: bool) -> Dict[str, Any]:
+        """An epoch checkpoint's state: the weights, and the recipe state unless it is the last."""
         ckpt_dict = {training.MODEL_KEY: self._model_state_dict()}
-        if epoch + 1 < self.total_epochs:
+        if intermediate_checkpoint:
             ckpt_dict.update(self._recipe_state())
-        if self._ranks.is_main:
-            self._checkpointer.save_checkpoint(
-                ckpt_dict,
-                epoch=epoch,
-                intermediate_checkpoint=(epoch + 1 < self.total_epochs),
-            )
-        self._ranks.barrier()
+        return ckpt_dict
 
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return abt.next_token_loss(self._model, self._loss_fn, batch, self.activations_handling_ctx)
@@ -595,6 +616,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
         reset_peak_rss()
         self._profiler.start()
+        with StopSignals(self._ranks, log=log.warning) as signals:
+            self._train_epochs(signals)
+        self._profiler.stop()
+
+    def _train_epochs(self, signals: StopSignals) -> None:
+        """The epochs left, each ending with its checkpoint; a SIGTERM or SIGINT stops the run
+        after the step it arrives in."""
         for curr_epoch in range(self.epochs_run, self.total_epochs):
             # Growth by epoch happens here; a run resumed mid-epoch gets the steps it has left.
             steps = self._batching.start_epoch(curr_epoch, self._dataloader)
@@ -614,12 +642,34 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 if self.global_step % self._log_every_n_steps == 0 and self._ranks.is_main:
                     self._log_step(step, seconds=time.perf_counter() - t0)
                 self._record_memory_history(curr_epoch, idx, before_step=False)
-                self._step_checkpoints.after_step(self.global_step)
+                fault_point("after_step")
+                saved = self._step_checkpoints.after_step(self.global_step)
+                signum = signals.stop_requested()
+                if signum is not None:
+                    self._stop(signum, saved)
                 t0 = time.perf_counter()
                 self._profiler.step()
             self.epochs_run += 1
             self.save_checkpoint(epoch=curr_epoch)
-        self._profiler.stop()
+            fault_point("after_epoch")
+
+    def _stop(self, signum: int, saved: Optional[str]) -> None:
+        """Saves a step checkpoint (when they are on and this step has none) and stops the run.
+
+        Raises:
+            RunStopped: always, saying what was saved and how to resume.
+        """
+        if saved is None and self._step_checkpoints.every_n_steps is not None:
+            saved = self._step_checkpoints.save_now(self.global_step)
+        name = signal.Signals(signum).name
+        if saved is not None:
+            kept = f"saved {saved}; resume with the same command and resume_from_checkpoint=True (or auto)"
+        else:
+            kept = (
+                f"no step checkpoint (save_every_n_steps is unset): a resume with resume_from_checkpoint=True starts "
+                f"epoch {self.epochs_run} again from {'its checkpoint' if self.epochs_run else 'the start'}"
+            )
+        raise ab.RunStopped(f"{name} after step {self.global_step}: {kept}.", signum)
 
     def _log_step(self, step: StepOutcome, seconds: float) -> None:
         log_dict = {"loss": step.loss, "lr": step.lr, **self._batching.step_metrics(step, seconds=seconds)}
@@ -645,21 +695,33 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._metric_logger is not None:
             self._metric_logger.close()
 
+    def release(self) -> None:
+        """Lets another run use ``output_dir`` (however this one ended)."""
+        if self._lock is not None:
+            self._lock.release()
+
 
 def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:
     """Builds, sets up, trains and cleans up a recipe; a setting to fix ends the run with one
     ``error:`` line and no traceback."""
     try:
         recipe = recipe_cls(cfg=cfg)
-        recipe.setup(cfg=cfg)
     except (ab.ConfigError, ab.BatchSizeTooLargeError) as e:
         raise SystemExit(f"error: {e}") from None
     try:
+        recipe.setup(cfg=cfg)
         recipe.train()
-    except (ab.BatchIncreaseFunctionError, ab.MicroBatchOutOfMemoryError, ab.ConfigError) as e:
-        # Checkpoints of finished epochs stay; the message says what to change.
+        recipe.cleanup()
+    except (ab.ConfigError, ab.BatchSizeTooLargeError, ab.MicroBatchOutOfMemoryError) as e:
+        # Checkpoints of finished epochs and steps stay; the message says what to change.
         raise SystemExit(f"error: {e}") from None
-    recipe.cleanup()
+    except ab.CheckpointWriteError as e:
+        raise SystemExit(f"error: {e}. {abt.saved_checkpoints(cfg.output_dir)}") from None
+    except ab.RunStopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        raise SystemExit(128 + e.signum) from None
+    finally:
+        recipe.release()
 
 
 @config.parse

@@ -117,10 +117,9 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
         """A step checkpoint holds the adapters; the base weights come from checkpoint_files."""
         return {training.ADAPTER_KEY: get_adapter_state_dict(self._model.state_dict())}
 
-    def save_checkpoint(self, epoch: int) -> None:
+    def _epoch_state(self, intermediate_checkpoint: bool) -> Dict[str, Any]:
         """Adapter weights, merged weights (unless ``save_adapter_weights_only``), and the
         recipe state while training is in progress."""
-        intermediate_checkpoint = epoch + 1 < self.total_epochs
         ckpt_dict: Dict[str, Any] = self._recipe_state() if intermediate_checkpoint else {}
         ckpt_dict[training.ADAPTER_KEY] = get_adapter_state_dict(self._model.state_dict())
         if not self._save_adapter_weights_only:
@@ -138,12 +137,7 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
             ),
             "peft_type": "LORA",
         }
-        self._checkpointer.save_checkpoint(
-            ckpt_dict,
-            epoch=epoch,
-            intermediate_checkpoint=intermediate_checkpoint,
-            adapter_only=self._save_adapter_weights_only,
-        )
+        return ckpt_dict
 
 
 @config.parse

@@ -9,8 +9,9 @@ wrong file would silently break the token budget.
 import hashlib
 import json
 import os
-import tempfile
 from typing import Any, Callable, List, Optional, Sequence
+
+from adaptive_batch.files import atomic_write
 
 
 def _fingerprint(dataset: Sequence[Any], key: Any, input_key: str) -> str:
@@ -58,11 +59,7 @@ def sample_lengths(
                 warn(f"sample length cache {path} ignored ({problem}); computing the lengths again.")
     lengths = [len(dataset[i][input_key]) for i in range(len(dataset))]
     if path is not None:
-        os.makedirs(cache_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".seqlen_", suffix=".json", dir=cache_dir)
-        with os.fdopen(fd, "w") as f:
-            json.dump(lengths, f)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: json.dump(lengths, f), text=True)
         if log:
             log(f"sample lengths computed for {len(lengths)} samples and cached in {path}")
     return lengths

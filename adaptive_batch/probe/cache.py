@@ -12,8 +12,9 @@ import hashlib
 from importlib import metadata
 import json
 import os
-import tempfile
 from typing import Any, Callable, Dict, Optional
+
+from adaptive_batch.files import atomic_write
 
 CACHE_FORMAT = 1
 
@@ -108,10 +109,5 @@ class ProbeCache:
 
     def store(self, fields: Dict[str, Any], report: Dict[str, Any]) -> str:
         """Writes the entry atomically and returns its path."""
-        os.makedirs(self.directory, exist_ok=True)
-        path = self.path(fields)
-        fd, tmp = tempfile.mkstemp(prefix=".probe_", suffix=".json", dir=self.directory)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": CACHE_FORMAT, "fields": fields, "report": report}, f, indent=2, default=str)
-        os.replace(tmp, path)
-        return path
+        entry = {"format": CACHE_FORMAT, "fields": fields, "report": report}
+        return atomic_write(self.path(fields), lambda f: json.dump(entry, f, indent=2, default=str), text=True)

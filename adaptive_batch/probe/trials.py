@@ -15,13 +15,14 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 import json
 import os
-import tempfile
 from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from adaptive_batch.faults import fault_point
+from adaptive_batch.files import atomic_write
 from adaptive_batch.memory.device import DeviceCapacity, format_bytes
 from adaptive_batch.memory.oom import release_memory
 from adaptive_batch.memory.tracker import StepMemory, live_tensor_bytes, measure_phase_peaks
@@ -180,7 +181,9 @@ def probe_max_batch_size(
     """
 
     def run_trial(batch_size: int) -> StepMemory:
-        return measure_training_step(train_step, make_batch(batch_size), model=model, optimizer=optimizer, device=device)
+        measured = measure_training_step(train_step, make_batch(batch_size), model=model, optimizer=optimizer, device=device)
+        fault_point("probe_trial")
+        return measured
 
     with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir, log=log), (
         trial_limit() if trial_limit is not None else nullcontext()
@@ -222,14 +225,7 @@ def probe_report(
 
 def write_probe_report(report: Dict[str, Any], output_dir: str) -> str:
     """Writes ``batch_probe.json`` atomically (never a half-written file) and returns its path."""
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, PROBE_FILENAME)
-    fd, tmp = tempfile.mkstemp(prefix=".batch_probe_", suffix=".json", dir=output_dir)
-    with os.fdopen(fd, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_write(os.path.join(output_dir, PROBE_FILENAME), lambda f: f.write(json.dumps(report, indent=2) + "\n"), text=True)
 
 
 def describe_result(result: SearchResult, budget: MemoryBudget) -> str:

@@ -14,6 +14,7 @@ import torch
 
 from adaptive_batch.data.samplers import BATCH_STATE_KEY, BatchState
 from adaptive_batch.distributed import RankGroup
+from adaptive_batch.faults import fault_point
 from adaptive_batch.memory.device import prepare_allocator
 from adaptive_batch.probe.service import save_probe_report
 from adaptive_batch.probe.trials import PROBE_STATE_KEY
@@ -272,6 +273,7 @@ class AdaptiveBatchController:
         )
         if self.lr is not None:
             outcome.lr = self.lr.before_optimizer_step(outcome.global_samples, outcome.num_tokens)
+        fault_point("inside_step")
         outcome.grad_norm = optimizer_step(outcome.num_tokens)
         if self.lr is not None:
             self.lr.after_optimizer_step()

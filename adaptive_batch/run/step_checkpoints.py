@@ -19,13 +19,13 @@ so a crash mid-write leaves the previous checkpoints and no partial file; only t
 
 import os
 import re
-import tempfile
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
 from adaptive_batch.distributed import RankGroup, check_same_world_size
-from adaptive_batch.errors import ConfigError
+from adaptive_batch.errors import CheckpointWriteError, ConfigError
+from adaptive_batch.files import atomic_write
 from adaptive_batch.validation import check_positive_int
 
 DIRNAME = "step_checkpoints"
@@ -83,14 +83,20 @@ class StepCheckpoints:
 
     def after_step(self, global_step: int) -> Optional[str]:
         """Saves when one is due after ``global_step`` steps (every rank calls it); returns the
-        path written, on rank 0."""
-        if not self.due(global_step):
-            return None
+        path written."""
+        return self.save_now(global_step) if self.due(global_step) else None
+
+    def save_now(self, global_step: int) -> str:
+        """Saves the state after ``global_step`` steps (every rank calls it; rank 0 writes);
+        returns the path written.
+
+        Raises:
+            CheckpointWriteError: on every rank, when rank 0 could not write it.
+        """
         state = {**self._state(), **{name: obj.state_dict() for name, obj in self._position.items()}}
         state[RANKS_KEY] = self.ranks.world_size
-        path = self.save(global_step, state) if self.ranks.is_main else None
-        self.ranks.barrier()
-        return path
+        # A failed write stops every rank with rank 0's message.
+        return self.ranks.decide_on_main(lambda: self.save(global_step, state), errors=(CheckpointWriteError,))
 
     def resume_state(self, epoch_step: int) -> Optional[Dict[str, Any]]:
         """The newest readable step checkpoint's state, when it is newer than the epoch
@@ -162,20 +168,13 @@ class StepCheckpoints:
 
     def save(self, global_step: int, state: Dict[str, Any]) -> str:
         """Writes ``state`` as step ``global_step``'s checkpoint, atomically, and removes the
-        ones past ``keep_last``; returns its path."""
-        os.makedirs(self.directory, exist_ok=True)
+        ones past ``keep_last``; returns its path.
+
+        Raises:
+            CheckpointWriteError: when it cannot be written (the earlier ones are kept).
+        """
         path = os.path.join(self.directory, f"step_{global_step}.pt")
-        fd, temporary = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".pt", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
-        _fsync_directory(self.directory)
+        atomic_write(path, lambda f: torch.save(state, f), prefix=_TEMP_PREFIX)
         removed = [old for _, old in self.saved()[: -self.keep_last]]
         for old in removed:
             os.unlink(old)
@@ -196,11 +195,3 @@ class StepCheckpoints:
         """A saved checkpoint's state, on the CPU."""
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
-
-def _fsync_directory(directory: str) -> None:
-    """Makes the rename itself durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

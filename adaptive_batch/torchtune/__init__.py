@@ -8,9 +8,18 @@ the ``adaptive-batch`` command do.
 from adaptive_batch.torchtune.checkpoint import (
     epoch_checkpoint_step,
     initial_checkpoint_filename,
+    recover_epoch_checkpoint,
+    save_epoch_checkpoint,
+    saved_checkpoints,
     write_random_init_checkpoint,
 )
-from adaptive_batch.torchtune.checks import build, check_run_settings, check_writable_dir, check_writable_file
+from adaptive_batch.torchtune.checks import (
+    RESUME_AUTO,
+    build,
+    check_run_settings,
+    check_writable_dir,
+    check_writable_file,
+)
 from adaptive_batch.torchtune.config import (
     TORCHTUNE_KEYS,
     adaptive_options,
@@ -26,6 +35,7 @@ from adaptive_batch.torchtune.tokenizer import ByteTokenizer, byte_tokenizer
 
 __all__ = [
     "ByteTokenizer",
+    "RESUME_AUTO",
     "TORCHTUNE_KEYS",
     "adaptive_options",
     "build",
@@ -42,6 +52,9 @@ __all__ = [
     "pydoc_paragraphs",
     "pydoc_text_dataset",
     "recipe_keys",
+    "recover_epoch_checkpoint",
+    "save_epoch_checkpoint",
+    "saved_checkpoints",
     "trained_settings",
     "write_random_init_checkpoint",
 ]

@@ -1,37 +1,62 @@
-"""A seeded random initialisation written as a checkpoint, for runs that have no weights.
+"""The run's checkpoints in torchtune's layout, written so that none is ever half there.
 
-The recipe then loads it through the config's real checkpointer, so the same code path serves
-users with weights and the embedded default without them.
+- A seeded random initialisation written as a checkpoint, for runs that have no weights: the
+  recipe loads it through the config's real checkpointer, so the same code path serves users
+  with weights and the embedded default without them.
+- Epoch checkpoints: torchtune 0.6.1's checkpointers write ``epoch_<N>/`` and
+  ``recipe_state/recipe_state.pt`` in place, so a crash or a full disk mid-save leaves a cut
+  file under its final name. :func:`save_epoch_checkpoint` has the checkpointer write into a
+  staging directory, flushes it, marks it complete and only then moves each file into place
+  (the recipe state last); :func:`recover_epoch_checkpoint`, at the next start, finishes a
+  move that a crash interrupted, or removes a staging directory that was never completed.
 """
 
+import hashlib
+import json
 import os
-import tempfile
-from typing import Callable, Optional
+from pathlib import Path
+import shutil
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch import nn
 
+from adaptive_batch.errors import CheckpointWriteError
+from adaptive_batch.faults import fault_point
+from adaptive_batch.files import atomic_write, fsync_directory, fsync_tree, walk_files
+from adaptive_batch.run.step_checkpoints import DIRNAME, StepCheckpoints
 
-def initial_checkpoint_filename(seed: int) -> str:
-    """File name of the random initialisation for ``seed``."""
-    return f"random_init_seed{seed}.pt"
+STAGING_DIRNAME = ".epoch_checkpoint_writing"
+COMPLETE_MARK = "COMPLETE"
+RECIPE_STATE_FILE = os.path.join("recipe_state", "recipe_state.pt")
+
+
+def initial_checkpoint_filename(seed: int, model_config: Mapping[str, Any]) -> str:
+    """File name of the random initialisation of the model ``model_config`` describes, for
+    ``seed``: another model shape in the same directory gets a file of its own."""
+    digest = hashlib.sha256(json.dumps(model_config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"random_init_seed{seed}_{digest}.pt"
 
 
 def write_random_init_checkpoint(
     build_model: Callable[[], nn.Module],
     checkpoint_dir: str,
     seed: int,
+    *,
+    model_config: Mapping[str, Any],
     keep: Optional[Callable[[str], bool]] = None,
 ) -> str:
     """Builds the model with its default init under ``seed`` and saves its state dict.
 
-    The global RNG is left as it was. An existing file for the same seed is reused. The file is
-    written to a temporary name first, so an interrupted run never leaves a partial checkpoint.
+    The global RNG is left as it was. An existing file for the same seed and model is reused.
+    The file is written atomically, so an interrupted run never leaves a partial checkpoint.
 
     Args:
         build_model: returns the model (on the CPU) with its default initialisation.
         checkpoint_dir: where the file goes.
         seed: the seed of the initialisation.
+        model_config: what builds the model (the config's ``model`` node as plain values),
+            part of the file name.
         keep: which state-dict keys to write (e.g. the base model's, not LoRA adapters');
             all when ``None``.
 
@@ -40,27 +65,110 @@ def write_random_init_checkpoint(
 
     Raises:
         ValueError: if ``seed`` is not an integer.
+        CheckpointWriteError: when the file cannot be written.
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(
             f"seed={seed!r}: a random initialisation needs an integer seed; set seed to an "
             "integer or give checkpointer.checkpoint_files."
         )
-    filename = initial_checkpoint_filename(seed)
+    filename = initial_checkpoint_filename(seed, model_config)
     path = os.path.join(checkpoint_dir, filename)
     if os.path.exists(path):
         return filename
-    os.makedirs(checkpoint_dir, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         state_dict = build_model().state_dict()
     if keep is not None:
         state_dict = {k: v for k, v in state_dict.items() if keep(k)}
-    fd, tmp = tempfile.mkstemp(prefix=".init_", suffix=".pt", dir=checkpoint_dir)
-    os.close(fd)
-    torch.save(state_dict, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(state_dict, f), prefix=".init_")
     return filename
+
+
+def save_epoch_checkpoint(
+    checkpointer: Any, state_dict: Dict[str, Any], *, epoch: int, intermediate_checkpoint: bool, adapter_only: bool = False
+) -> List[str]:
+    """Has torchtune's ``checkpointer`` save an epoch checkpoint, complete or not at all.
+
+    Args:
+        checkpointer: a torchtune 0.6.1 checkpointer (it writes under its ``_output_dir``).
+        state_dict: what the recipe hands ``checkpointer.save_checkpoint``.
+        epoch: the epoch it ends.
+        intermediate_checkpoint: whether the recipe state is saved too (not after the last epoch).
+        adapter_only: whether a LoRA run saves its adapters alone (torchtune's option).
+
+    Returns:
+        The files written, relative to the output directory.
+
+    Raises:
+        CheckpointWriteError: when a file cannot be written; nothing of this checkpoint is left
+            and the earlier ones are as they were.
+    """
+    output_dir = Path(checkpointer._output_dir)
+    staging = output_dir / STAGING_DIRNAME
+    shutil.rmtree(staging, ignore_errors=True)
+    # torchtune 0.6.1 has no hook for where files go; its save writes under _output_dir alone.
+    checkpointer._output_dir = staging
+    try:
+        staging.mkdir(parents=True)
+        checkpointer.save_checkpoint(
+            state_dict, epoch=epoch, intermediate_checkpoint=intermediate_checkpoint, adapter_only=adapter_only
+        )
+        fsync_tree(str(staging))
+        fault_point("epoch_staged")
+        atomic_write(str(staging / COMPLETE_MARK), lambda f: None)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointWriteError.from_error(str(output_dir / f"epoch_{epoch}"), e) from e
+    finally:
+        checkpointer._output_dir = output_dir
+    return _move_into_place(str(staging), str(output_dir))
+
+
+def recover_epoch_checkpoint(output_dir: str, log: Callable[[str], None] = print) -> None:
+    """Finishes moving an epoch checkpoint an interrupted run had completed, or removes one it
+    had not (the checkpoints before it are then the newest)."""
+    staging = os.path.join(output_dir, STAGING_DIRNAME)
+    if not os.path.isdir(staging):
+        return
+    if os.path.exists(os.path.join(staging, COMPLETE_MARK)):
+        moved = _move_into_place(staging, output_dir)
+        log(f"Finished saving the epoch checkpoint an interrupted run had written ({', '.join(moved) or 'moved'}).")
+    else:
+        shutil.rmtree(staging)
+        log(f"Removed an epoch checkpoint an interrupted run left half-written ({staging}).")
+
+
+def _move_into_place(staging: str, output_dir: str) -> List[str]:
+    """Moves every file of a completed ``staging`` into ``output_dir`` (the recipe state last,
+    so it never names an epoch whose weights are not there) and removes ``staging``. Each
+    move is one rename; rerun after a crash, it moves what is left."""
+    files = [f for f in walk_files(staging) if f != COMPLETE_MARK]
+    files.sort(key=lambda f: f == RECIPE_STATE_FILE)
+    for name in files:
+        if name == RECIPE_STATE_FILE:
+            fault_point("epoch_committing")
+        target = os.path.join(output_dir, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(os.path.join(staging, name), target)
+        fsync_directory(os.path.dirname(target))
+    shutil.rmtree(staging)
+    fsync_directory(output_dir)
+    return files
+
+
+def saved_checkpoints(output_dir: str) -> str:
+    """What ``output_dir`` holds to resume from, as a sentence for a run that stopped."""
+    epochs = sorted(
+        (int(name.split("_")[1]), name) for name in os.listdir(output_dir)
+        if name.startswith("epoch_") and name.split("_")[1].isdigit()
+    ) if os.path.isdir(output_dir) else []
+    steps = StepCheckpoints(os.path.join(output_dir, DIRNAME)).saved()
+    kept = [os.path.join(output_dir, epochs[-1][1])] if epochs else []
+    kept += [path for _, path in steps[-1:]]
+    if not kept:
+        return "No checkpoint was kept yet: free space and start the run again."
+    return f"Kept: {', '.join(kept)}; free space and resume with resume_from_checkpoint=True."
 
 
 def epoch_checkpoint_step(

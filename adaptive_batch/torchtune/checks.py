@@ -10,7 +10,7 @@ dataset) and turns its construction error into one line naming the key.
 import math
 import os
 import tempfile
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -147,6 +147,24 @@ def check_seq_len(cfg: DictConfig) -> Optional[int]:
     return max_seq_len
 
 
+RESUME_AUTO = "auto"
+
+
+def check_resume_setting(value: Any) -> Union[bool, str]:
+    """``resume_from_checkpoint``: ``True`` (resume, refuse when nothing is saved), ``False``
+    (start afresh) or ``"auto"`` (resume when something is saved, else start: a requeued job).
+
+    Raises:
+        ConfigError: for any other value.
+    """
+    if value is True or value is False or value == RESUME_AUTO:
+        return value
+    raise ConfigError(
+        f"resume_from_checkpoint={value!r}: use True (resume), False (start afresh) or auto (resume when "
+        "output_dir holds a checkpoint, start afresh when it does not)."
+    )
+
+
 def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None) -> None:
     """Everything about a run that can be checked before a model is built.
 
@@ -162,6 +180,7 @@ def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None
     epochs = check_positive_int("epochs", cfg.get("epochs", None))
     check_positive_int("max_steps_per_epoch", cfg.get("max_steps_per_epoch", None), allow_none=True)
     check_positive_int("log_every_n_steps", cfg.get("log_every_n_steps", 1))
+    check_resume_setting(cfg.get("resume_from_checkpoint", False))
     check_seq_len(cfg)
     check_writable_dir("output_dir", cfg.get("output_dir", None))
     checkpointer = cfg.get("checkpointer", None)

@@ -4,11 +4,12 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from typing import Any, List
 
 from torchtune.datasets import text_completion_dataset
 from torchtune.modules.transforms.tokenizers import ModelTokenizer
+
+from adaptive_batch.files import atomic_write
 
 DATA_FILENAME = "pydoc_topics.jsonl"
 
@@ -43,11 +44,7 @@ def write_pydoc_jsonl(data_dir: str, min_chars: int = 64) -> str:
     digest = hashlib.sha256(content.encode()).hexdigest()[:12]
     path = os.path.join(data_dir, f"{DATA_FILENAME[:-6]}_{digest}.jsonl")
     if not os.path.exists(path):
-        os.makedirs(data_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".pydoc_", suffix=".jsonl", dir=data_dir)
-        with os.fdopen(fd, "w") as f:
-            f.write(content)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: f.write(content), text=True)
     return path
 
 

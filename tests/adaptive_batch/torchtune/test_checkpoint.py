@@ -13,9 +13,9 @@ def build():
 
 def test_seeded_init_is_reproducible_and_loads_through_torchtune(tmp_path):
     rng = torch.get_rng_state()
-    name = write_random_init_checkpoint(build, str(tmp_path / "a"), seed=7)
+    name = write_random_init_checkpoint(build, str(tmp_path / "a"), seed=7, model_config={})
     assert torch.equal(torch.get_rng_state(), rng)
-    other = write_random_init_checkpoint(build, str(tmp_path / "b"), seed=7)
+    other = write_random_init_checkpoint(build, str(tmp_path / "b"), seed=7, model_config={})
     a = torch.load(tmp_path / "a" / name)
     b = torch.load(tmp_path / "b" / other)
     assert torch.equal(a["weight"], b["weight"])
@@ -28,11 +28,11 @@ def test_seeded_init_is_reproducible_and_loads_through_torchtune(tmp_path):
 
 
 def test_seeds_differ_and_bad_seed(tmp_path):
-    a = write_random_init_checkpoint(build, str(tmp_path), seed=1)
-    b = write_random_init_checkpoint(build, str(tmp_path), seed=2)
+    a = write_random_init_checkpoint(build, str(tmp_path), seed=1, model_config={})
+    b = write_random_init_checkpoint(build, str(tmp_path), seed=2, model_config={})
     assert not torch.equal(torch.load(tmp_path / a)["weight"], torch.load(tmp_path / b)["weight"])
     with pytest.raises(ValueError, match="seed=None"):
-        write_random_init_checkpoint(build, str(tmp_path), seed=None)
+        write_random_init_checkpoint(build, str(tmp_path), seed=None, model_config={})
 
 
 def test_epoch_checkpoint_step_reads_the_recipe_state_and_survives_a_cut_file(tmp_path):

@@ -1,0 +1,142 @@
+"""Every file a run writes appears under its final name complete, or not at all; and one run
+at a time writes an output directory.
+
+:func:`atomic_write` writes to a temporary name in the same directory, flushes it to disk and
+renames it (a rename within a directory is atomic on POSIX), then makes the rename durable. A
+crash leaves the old file or the new one, never a mixture; a failed write (a full disk)
+removes its temporary and raises :class:`~adaptive_batch.errors.CheckpointWriteError`.
+
+:class:`OutputDirLock` holds an OS file lock (``fcntl.flock``) on the output directory for the
+run's lifetime. The kernel drops it when the process ends however it ends, so a killed run
+leaves nothing to clean up.
+"""
+
+import fcntl
+import os
+import socket
+import tempfile
+from typing import IO, Any, Callable, Iterator, Optional
+
+from adaptive_batch.errors import CheckpointWriteError, ConfigError, is_disk_full
+from adaptive_batch.faults import fault_point
+
+LOCK_FILENAME = ".adaptive_batch.lock"
+
+
+def atomic_write(path: str, write: Callable[[IO[Any]], None], *, text: bool = False, prefix: Optional[str] = None) -> str:
+    """Writes ``path`` through ``write(file)``, complete or not at all; returns ``path``.
+
+    Args:
+        path: the final name.
+        write: writes the content to the open temporary file.
+        text: open it in text mode (binary otherwise).
+        prefix: the temporary's name prefix (default ``.<name>.writing_``), for whoever removes
+            what a crash left.
+
+    Raises:
+        CheckpointWriteError: when the file system refuses the write (out of space, read-only,
+            a permission); the temporary is removed and nothing replaces ``path``.
+    """
+    directory = os.path.dirname(path) or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=prefix or f".{os.path.basename(path)}.writing_", dir=directory)
+    except OSError as e:
+        raise CheckpointWriteError.from_error(path, e) from e
+    try:
+        with os.fdopen(fd, "w" if text else "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        fault_point("file_written")
+        os.replace(temporary, path)
+    except BaseException as e:
+        _remove(temporary)
+        if isinstance(e, OSError) or is_disk_full(e):
+            raise CheckpointWriteError.from_error(path, e) from e
+        raise
+    fsync_directory(directory)
+    return path
+
+
+def fsync_directory(directory: str) -> None:
+    """Makes the renames in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """Flushes every file and directory under ``root`` to disk (files another library wrote)."""
+    for directory, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_directory(directory)
+
+
+def walk_files(root: str) -> Iterator[str]:
+    """Every file under ``root``, as a path relative to it, in a fixed order."""
+    for directory, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            yield os.path.relpath(os.path.join(directory, name), root)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class OutputDirLock:
+    """An exclusive lock on ``output_dir`` for as long as this object holds it.
+
+    Args:
+        output_dir: the run's output directory (created if missing).
+
+    Raises:
+        ConfigError: from :meth:`acquire`, when a live process holds it, naming that process.
+    """
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK_FILENAME)
+        self._file: Optional[IO[str]] = None
+
+    def acquire(self) -> "OutputDirLock":
+        """Takes the lock and records this process in the lock file; returns ``self``.
+
+        Raises:
+            ConfigError: when another live process holds it.
+        """
+        os.makedirs(self.output_dir, exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise ConfigError(
+                f"output_dir={self.output_dir} is in use by a live run ({holder}): wait for it to end, or give this "
+                "run another output_dir."
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self._file = f
+        return self
+
+    def release(self) -> None:
+        """Drops the lock (closing the file drops it); a second call does nothing."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

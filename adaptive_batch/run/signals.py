@@ -1,0 +1,62 @@
+"""SIGTERM and SIGINT stop the run between steps, where a checkpoint can hold it exactly.
+
+A scheduler sends SIGTERM before it kills a job; Ctrl-C sends SIGINT. Either one asks the run
+to finish the step it is in and stop; the recipe then saves what it can and says how to
+resume. A second signal ends the process at once, as that signal would with no handler. On
+several ranks, every rank stops after the same step: the ranks agree at each step's end
+whether any of them was signalled.
+"""
+
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from adaptive_batch.distributed import RankGroup
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """A context in which SIGTERM and SIGINT are noted instead of ending the process.
+
+    Args:
+        ranks: the data-parallel ranks, which agree on stopping.
+        log: where a received signal is reported.
+    """
+
+    def __init__(self, ranks: Optional[RankGroup] = None, log: Callable[[str], None] = print) -> None:
+        self.ranks = ranks or RankGroup(torch.device("cpu"))
+        self.log = log
+        self.received: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        # Python lets only the main thread install handlers; elsewhere signals keep their default.
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.received is not None:  # the second one: what it does without a handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signum
+        self.log(f"{signal.Signals(signum).name} received: stopping after this step (send it again to stop at once).")
+
+    def stop_requested(self) -> Optional[int]:
+        """The signal that asks every rank to stop now (each rank calls it after each step),
+        or ``None``."""
+        agreed = self.ranks.max(self.received or 0)
+        return agreed or None
+
