@@ -183,10 +183,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._resume_from_checkpoint = saved
             if self._resume_setting == abt.RESUME_AUTO:
                 log.info(f"resume_from_checkpoint=auto: {'resuming' if saved else 'nothing saved yet; starting the run'}.")
-        self._checkpointer = config.instantiate(
-            cfg_checkpointer,
-            should_load_recipe_state=self._resume_from_checkpoint and self._resume_step_state is None,
-        )
+        from_epoch = self._resume_from_checkpoint and self._resume_step_state is None
+        if from_epoch:
+            cfg_checkpointer.checkpoint_files = self._epoch_weight_files(cfg_checkpointer)
+        self._checkpointer = config.instantiate(cfg_checkpointer, should_load_recipe_state=from_epoch)
         checkpoint_dict = self._checkpointer.load_checkpoint()
         if self._resume_step_state is not None:
             checkpoint_dict.update(self._resume_step_state)
@@ -194,6 +194,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._resume_from_checkpoint:
             self._update_recipe_state(checkpoint_dict)
         return checkpoint_dict
+
+    def _epoch_weight_files(self, cfg_checkpointer: DictConfig) -> Any:
+        """The weights a resume from the epoch checkpoint loads: the ones that epoch saved
+        (torchtune 0.6.1 would read the config's ``checkpoint_files`` from ``output_dir``)."""
+        files = abt.epoch_weight_files(
+            cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"), cfg_checkpointer.checkpoint_files
+        )
+        log.info(f"Resuming from the epoch checkpoint: weights {files} in {cfg_checkpointer.output_dir}.")
+        return files
 
     def _update_recipe_state(self, ckpt_dict: Dict[str, Any]) -> None:
         """
@@ -626,29 +635,30 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         for curr_epoch in range(self.epochs_run, self.total_epochs):
             # Growth by epoch happens here; a run resumed mid-epoch gets the steps it has left.
             steps = self._batching.start_epoch(curr_epoch, self._dataloader)
-            pbar = tqdm(total=steps, disable=not self._ranks.is_main)
             t0 = time.perf_counter()
-            for idx, batch in enumerate(itertools.islice(self._dataloader, steps)):
-                self._record_memory_history(curr_epoch, idx, before_step=True)
-                utils.batch_to_device(batch, self._device)
-                step = self._batching.step(
-                    batch, forward_backward=self._forward_backward, optimizer_step=self._optimizer_step,
-                    zero_grad=self._zero_grad,
-                )
-                del batch
-                self.global_step = step.global_step
-                pbar.update(1)
-                pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {step.loss}")
-                if self.global_step % self._log_every_n_steps == 0 and self._ranks.is_main:
-                    self._log_step(step, seconds=time.perf_counter() - t0)
-                self._record_memory_history(curr_epoch, idx, before_step=False)
-                fault_point("after_step")
-                saved = self._step_checkpoints.after_step(self.global_step)
-                signum = signals.stop_requested()
-                if signum is not None:
-                    self._stop(signum, saved)
-                t0 = time.perf_counter()
-                self._profiler.step()
+            # Closed (its line ended) before the epoch checkpoint or whatever stops the run.
+            with tqdm(total=steps, disable=not self._ranks.is_main) as pbar:
+                for idx, batch in enumerate(itertools.islice(self._dataloader, steps)):
+                    self._record_memory_history(curr_epoch, idx, before_step=True)
+                    utils.batch_to_device(batch, self._device)
+                    step = self._batching.step(
+                        batch, forward_backward=self._forward_backward, optimizer_step=self._optimizer_step,
+                        zero_grad=self._zero_grad,
+                    )
+                    del batch
+                    self.global_step = step.global_step
+                    pbar.update(1)
+                    pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {step.loss}")
+                    if self.global_step % self._log_every_n_steps == 0 and self._ranks.is_main:
+                        self._log_step(step, seconds=time.perf_counter() - t0)
+                    self._record_memory_history(curr_epoch, idx, before_step=False)
+                    fault_point("after_step")
+                    saved = self._step_checkpoints.after_step(self.global_step)
+                    signum = signals.stop_requested()
+                    if signum is not None:
+                        self._stop(signum, saved)
+                    t0 = time.perf_counter()
+                    self._profiler.step()
             self.epochs_run += 1
             self.save_checkpoint(epoch=curr_epoch)
             fault_point("after_epoch")

@@ -73,6 +73,11 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
             self._adapter_state_dict = checkpoint_dict[training.ADAPTER_KEY]
         return checkpoint_dict
 
+    def _epoch_weight_files(self, cfg_checkpointer: DictConfig) -> Any:
+        """The base weights, as configured: torchtune resumes the adapters from the newest
+        epoch folder and the base model from ``checkpoint_dir``."""
+        return cfg_checkpointer.checkpoint_files
+
     def _is_base_weight(self, key: str) -> bool:
         # The random initial checkpoint stands in for base weights: adapters start fresh.
         return "lora_" not in key and "magnitude" not in key

@@ -7,6 +7,7 @@ the ``adaptive-batch`` command do.
 
 from adaptive_batch.torchtune.checkpoint import (
     epoch_checkpoint_step,
+    epoch_weight_files,
     initial_checkpoint_filename,
     recover_epoch_checkpoint,
     save_epoch_checkpoint,
@@ -46,6 +47,7 @@ __all__ = [
     "check_writable_file",
     "check_stock_recipe_options",
     "epoch_checkpoint_step",
+    "epoch_weight_files",
     "initial_checkpoint_filename",
     "load_config",
     "next_token_loss",

@@ -18,10 +18,11 @@ from pathlib import Path
 import shutil
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
+from omegaconf import OmegaConf
 import torch
 from torch import nn
 
-from adaptive_batch.errors import CheckpointWriteError
+from adaptive_batch.errors import CheckpointWriteError, ConfigError
 from adaptive_batch.faults import fault_point
 from adaptive_batch.files import atomic_write, fsync_directory, fsync_tree, walk_files
 from adaptive_batch.run.step_checkpoints import DIRNAME, StepCheckpoints
@@ -187,7 +188,46 @@ def epoch_checkpoint_step(
         return -1
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torchtune writes it in place: a crash mid-write leaves it cut short
+    except Exception as e:  # one a torchtune without the staged save cut short
         warn(f"The epoch recipe state {path} cannot be read ({type(e).__name__}); looking to step checkpoints.")
         return -1
     return int(state.get(BATCH_STATE_KEY, {}).get("global_step", -1))
+
+
+# What torchtune's checkpointers save weights as; the other files of an epoch are copied configs.
+_WEIGHT_SUFFIXES = (".bin", ".safetensors", ".pt", ".pth")
+
+
+def epoch_weight_files(output_dir: str, recipe_checkpoint: Optional[str], checkpoint_files: Any) -> List[str]:
+    """The ``checkpoint_files`` that resume a full finetune from its epoch checkpoint: the
+    weights of the epoch the recipe state ends (relative to ``output_dir``, as torchtune 0.6.1
+    reads them when resuming), whatever the config named.
+
+    torchtune 0.6.1 resumes from the files the config names, read from ``output_dir``: a config
+    naming the starting weights (or none, for a random initialisation) fails there, and one
+    naming an older epoch's files would pair those weights with the newer recipe state.
+
+    Raises:
+        ConfigError: when the config names files of another epoch than the recipe state's.
+    """
+    from torchtune import training
+    from torchtune.training.checkpointing._utils import get_recipe_checkpoint_path
+
+    path = get_recipe_checkpoint_path(output_dir, recipe_checkpoint, should_load_recipe_state=True)
+    epoch = int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)[training.EPOCHS_KEY]) - 1
+    folder = f"epoch_{epoch}"
+    names = sorted(
+        name for name in os.listdir(os.path.join(output_dir, folder))
+        if name.endswith(_WEIGHT_SUFFIXES) and not name.startswith("adapter_model")
+    )
+    files = [f"{folder}/{name}" for name in names]
+    if OmegaConf.is_config(checkpoint_files):
+        checkpoint_files = OmegaConf.to_container(checkpoint_files)
+    named = [str(f) for f in checkpoint_files] if isinstance(checkpoint_files, list) else []
+    other = [f for f in named if os.path.exists(os.path.join(output_dir, f)) and f not in files]
+    if other:
+        raise ConfigError(
+            f"resume_from_checkpoint: checkpointer.checkpoint_files={named} are not the weights of {folder}, the epoch "
+            f"the recipe state in {output_dir} ends: set checkpoint_files={files}, or leave it as it was at the start."
+        )
+    return files

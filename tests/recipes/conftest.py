@@ -12,6 +12,8 @@ from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
+from adaptive_batch import faults
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/full_finetune_single_device.py"
 CONFIG = "configs/tiny/full_single_device.yaml"
@@ -38,17 +40,18 @@ def run_tune(
     extra_path=None,
     env=None,
     nproc=None,
+    own_process=False,
 ) -> subprocess.CompletedProcess:
     """`tune run` of a recipe on a tiny config.
 
     In this process, as torchtune's own recipe tests run it, unless the run needs a process of
     its own: a real address-space limit (``headroom_bytes``) or several ranks (``nproc``
-    processes through torchrun). ``extra_path`` goes on the path (a user's own modules);
+    processes through torchrun), or ``own_process`` (a kill). ``extra_path`` goes on the path (a user's own modules);
     ``env`` adds variables. Either way the answer is the process's exit code and output.
     """
     launch = [] if nproc is None else ["--nproc_per_node", str(nproc)]
     args = ["run", *launch, recipe, "--config", config, f"output_dir={output_dir}", *overrides]
-    if headroom_bytes is None and nproc is None:
+    if headroom_bytes is None and nproc is None and not own_process:
         return run_tune_in_process(args, extra_path=extra_path, env=env)
     if headroom_bytes is None:
         cmd = [TUNE, *args]
@@ -79,6 +82,7 @@ def run_in_process(main, argv: List[str], extra_path=None, env=None) -> subproce
         sys.path.insert(0, str(extra_path))
     os.environ.update(env or {})
     os.chdir(REPO)
+    faults.reset()  # a fault point counts from the start of each run, as in a process of its own
     try:
         with _captured_output() as (out, err):
             try:

@@ -49,3 +49,93 @@ def test_epoch_checkpoint_step_reads_the_recipe_state_and_survives_a_cut_file(tm
     warnings = []
     assert epoch_checkpoint_step(str(tmp_path), warn=warnings.append) == -1
     assert "cannot be read" in warnings[0]
+
+
+def test_another_model_in_the_same_directory_gets_its_own_random_init(tmp_path):
+    small = write_random_init_checkpoint(build, str(tmp_path), seed=7, model_config={"embed_dim": 4})
+    wide = write_random_init_checkpoint(
+        lambda: torch.nn.Linear(8, 8), str(tmp_path), seed=7, model_config={"embed_dim": 8}
+    )
+    assert small != wide
+    assert torch.load(tmp_path / wide)["weight"].shape == (8, 8)
+
+
+def _checkpointer(tmp_path, **kw):
+    name = write_random_init_checkpoint(build, str(tmp_path / "init"), seed=7, model_config={})
+    return FullModelTorchTuneCheckpointer(
+        checkpoint_dir=str(tmp_path / "init"), checkpoint_files=[name], model_type="LLAMA3_2",
+        output_dir=str(tmp_path / "out"), **kw,
+    )
+
+
+def _epoch_state(epochs_run):
+    from torchtune.training import EPOCHS_KEY
+
+    return {MODEL_KEY: {"weight": torch.full((4, 4), float(epochs_run))}, EPOCHS_KEY: epochs_run}
+
+
+def test_an_epoch_checkpoint_appears_whole_and_a_failed_one_leaves_the_one_before(tmp_path, monkeypatch):
+    from adaptive_batch.errors import CheckpointWriteError
+    from adaptive_batch.torchtune import epoch_weight_files, save_epoch_checkpoint
+
+    checkpointer = _checkpointer(tmp_path)
+    out = tmp_path / "out"
+    files = save_epoch_checkpoint(checkpointer, _epoch_state(1), epoch=0, intermediate_checkpoint=True)
+    assert files == ["epoch_0/model-00001-of-00001.bin", "recipe_state/recipe_state.pt"]
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "recipe_state"]
+    assert epoch_weight_files(str(out), None, ["random_init.pt"]) == ["epoch_0/model-00001-of-00001.bin"]
+
+    def full_disk(obj, path, *args, **kwargs):
+        open(path, "wb").write(b"cut")
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"epoch_1 could not be written \(out of disk space"):
+        save_epoch_checkpoint(checkpointer, _epoch_state(2), epoch=1, intermediate_checkpoint=True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "recipe_state"]
+    assert torch.load(out / "recipe_state" / "recipe_state.pt", weights_only=True)["epochs_run"] == 1
+    assert str(checkpointer._output_dir) == str(out)  # pointed back after the failure
+
+
+def test_the_next_start_finishes_a_completed_epoch_save_or_removes_an_unfinished_one(tmp_path, monkeypatch):
+    from adaptive_batch.faults import ENV
+    from adaptive_batch.torchtune import epoch_weight_files, recover_epoch_checkpoint, save_epoch_checkpoint
+    from adaptive_batch.torchtune.checkpoint import STAGING_DIRNAME
+
+    checkpointer = _checkpointer(tmp_path)
+    out = tmp_path / "out"
+    save_epoch_checkpoint(checkpointer, _epoch_state(1), epoch=0, intermediate_checkpoint=True)
+    # Interrupted after epoch 1's weights were moved into place, before its recipe state.
+    killed = []
+    monkeypatch.setenv(ENV, "epoch_committing:1:SIGUSR1")
+    monkeypatch.setattr("os.kill", lambda pid, sig: (killed.append(sig), _raise_kill()))
+    with pytest.raises(KeyboardInterrupt):
+        save_epoch_checkpoint(checkpointer, _epoch_state(2), epoch=1, intermediate_checkpoint=True)
+    monkeypatch.undo()
+    assert (out / "epoch_1").is_dir() and (out / STAGING_DIRNAME / "recipe_state").is_dir()
+    logs = []
+    recover_epoch_checkpoint(str(out), log=logs.append)
+    assert "Finished saving the epoch checkpoint" in logs[0] and not (out / STAGING_DIRNAME).exists()
+    assert epoch_weight_files(str(out), None, None) == ["epoch_1/model-00001-of-00001.bin"]
+    # A staging directory never marked complete is removed; the checkpoints stay as they were.
+    (out / STAGING_DIRNAME / "epoch_2").mkdir(parents=True)
+    (out / STAGING_DIRNAME / "epoch_2" / "model-00001-of-00001.bin").write_bytes(b"cut")
+    recover_epoch_checkpoint(str(out), log=logs.append)
+    assert "Removed an epoch checkpoint an interrupted run left half-written" in logs[1]
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "recipe_state"]
+
+
+def _raise_kill():
+    raise KeyboardInterrupt  # stands in for the process ending there
+
+
+def test_checkpoint_files_of_another_epoch_than_the_recipe_state_are_refused(tmp_path):
+    from adaptive_batch.torchtune import epoch_weight_files, save_epoch_checkpoint
+
+    checkpointer = _checkpointer(tmp_path)
+    for epoch in range(2):
+        save_epoch_checkpoint(checkpointer, _epoch_state(epoch + 1), epoch=epoch, intermediate_checkpoint=True)
+    with pytest.raises(ValueError, match=r"checkpoint_files=\['epoch_0/model-00001-of-00001.bin'\] are not the "
+                                         r"weights of epoch_1"):
+        epoch_weight_files(str(tmp_path / "out"), None, ["epoch_0/model-00001-of-00001.bin"])

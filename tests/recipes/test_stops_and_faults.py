@@ -1,0 +1,131 @@
+"""A run that stops (a signal, a full disk, a kill inside an epoch save) keeps only whole
+files and resumes to the uninterrupted run's steps; a second run on a busy output_dir is
+refused."""
+
+import errno
+import os
+from pathlib import Path
+import re
+
+import pytest
+import torch
+
+from adaptive_batch.faults import ENV
+from adaptive_batch.files import OutputDirLock
+from tests.recipes.conftest import read_metric_log, run_tune
+
+# Epoch 0: 4 steps of 4 samples; epoch 1: 2 steps of 8 (the batch doubles); step checkpoints
+# after steps 3 and 6.
+COMMON = ["epochs=2", "max_steps_per_epoch=4", "max_batch_size=8", "save_every_n_steps=3"]
+KEYS = ["step", "batch_size", "micro_batch_size", "samples_seen", "tokens_seen", "lr", "loss"]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run, started with resume_from_checkpoint=auto on an empty output_dir."""
+    out = tmp_path_factory.mktemp("whole")
+    run = run_tune(out, *COMMON, "resume_from_checkpoint=auto")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "resume_from_checkpoint=auto: nothing saved yet; starting the run." in run.stderr
+    return read_metric_log(out)
+
+
+def _resume_equals_whole(out, whole, first_step):
+    resumed = run_tune(out, *COMMON, "resume_from_checkpoint=auto", f"metric_logger.log_dir={out}/logs_resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume_from_checkpoint=auto: resuming." in resumed.stderr
+    got = read_metric_log(out, "logs_resumed")
+    assert got[0]["step"] == first_step and got[-1]["step"] == whole[-1]["step"]
+    for key in KEYS:
+        assert [r[key] for r in got] == [r[key] for r in whole[first_step - 1:]], key
+    return resumed
+
+
+def _only_whole_files(out):
+    """Nothing half-written under a final name, no temporary or staging left."""
+    leftovers = [p for p in Path(out).rglob(".*") if p.name != ".adaptive_batch.lock"]
+    assert not leftovers, leftovers
+    for path in list(Path(out).glob("epoch_*/*.bin")) + list(Path(out).glob("**/*.pt")):
+        torch.load(path, weights_only=True)
+
+
+def test_sigterm_stops_after_the_step_saves_it_and_auto_resumes_exactly(tmp_path, whole):
+    stopped = run_tune(tmp_path, *COMMON, env={ENV: "after_step:2:SIGTERM"})
+    assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
+    saved = tmp_path / "step_checkpoints" / "step_2.pt"
+    assert (f"stopped: SIGTERM after step 2: saved {saved}; resume with the same command and "
+            "resume_from_checkpoint=True (or auto).") in stopped.stderr
+    assert "SIGTERM received: stopping after this step" in stopped.stderr
+    assert [r["step"] for r in read_metric_log(tmp_path)] == [1, 2]
+    _only_whole_files(tmp_path)
+    _resume_equals_whole(tmp_path, whole, first_step=3)
+
+
+TORCH_SAVE = torch.save
+TORCH_DISK_FULL = "[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file data/0: file write failed"
+
+
+def _full_disk_at(match, nth):
+    """torch.save that fills the disk the ``nth`` time it writes a file whose name contains
+    ``match``: part of the bytes, then the error torch or Python raises."""
+    seen = []
+
+    def save(obj, f, *args, **kwargs):
+        name = str(f) if isinstance(f, (str, Path)) else os.readlink(f"/proc/self/fd/{f.fileno()}")
+        if match in name:
+            seen.append(name)
+            if len(seen) == nth:
+                if isinstance(f, (str, Path)):  # torch's C++ writer, as torchtune calls it
+                    Path(f).write_bytes(b"PK\x03\x04 cut")
+                    raise RuntimeError(TORCH_DISK_FULL)
+                f.write(b"PK\x03\x04 cut")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return TORCH_SAVE(obj, f, *args, **kwargs)
+
+    return save
+
+
+@pytest.mark.parametrize(
+    "where, match, nth, kept, first_step",
+    [
+        ("the epoch checkpoint", "epoch_0", 1, ["step_checkpoints/step_3.pt"], 4),
+        ("a step checkpoint", ".step_writing_", 2, ["epoch_0", "step_checkpoints/step_3.pt"], 5),
+    ],
+)
+def test_a_full_disk_keeps_the_whole_checkpoints_says_so_and_resumes_exactly(
+    tmp_path, whole, monkeypatch, where, match, nth, kept, first_step
+):
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", _full_disk_at(match, nth))
+        failed = run_tune(tmp_path, *COMMON)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert re.search(r"could not be written \(out of disk space, [\d.]+ \w+ free there\); nothing was written", line)
+    assert line.endswith(f"Kept: {', '.join(str(tmp_path / k) for k in kept)}; free space and resume with "
+                         "resume_from_checkpoint=True."), line
+    _only_whole_files(tmp_path)
+    assert not (tmp_path / "epoch_0").exists() or "epoch_0" in kept
+    _resume_equals_whole(tmp_path, whole, first_step=first_step)
+
+
+@pytest.mark.slow
+def test_killed_while_moving_an_epoch_checkpoint_into_place_resumes_exactly(tmp_path, whole):
+    # SIGKILL with epoch 0's weights in place and its recipe state not yet: the next start
+    # finishes the move, so the weights and the recipe state are of the same epoch.
+    killed = run_tune(tmp_path, *COMMON, "save_every_n_steps=null", env={ENV: "epoch_committing"}, own_process=True)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert (tmp_path / "epoch_0").is_dir() and (tmp_path / ".epoch_checkpoint_writing" / "COMPLETE").exists()
+    resumed = _resume_equals_whole(tmp_path, whole, first_step=5)
+    assert "Finished saving the epoch checkpoint an interrupted run had written" in resumed.stderr
+    assert "Resuming from the epoch checkpoint: weights ['epoch_0/model-00001-of-00001.bin']" in resumed.stderr
+
+
+def test_an_output_dir_in_use_is_refused_naming_the_process(tmp_path):
+    lock = OutputDirLock(str(tmp_path)).acquire()
+    try:
+        refused = run_tune(tmp_path, *COMMON)
+    finally:
+        lock.release()
+    assert refused.returncode == 1 and "Model is initialized" not in refused.stderr
+    assert (f"error: output_dir={tmp_path} is in use by a live run (pid {os.getpid()} on ") in refused.stderr
+    assert "wait for it to end, or give this run another output_dir." in refused.stderr
