@@ -41,7 +41,7 @@ BAD_INPUTS = [
     (["global_batch_size=-4"], "global_batch_size=-4 must be"),
     (["save_every_n_steps=0"], "save_every_n_steps=0 must be"),
     (["keep_last_n_checkpoints=none"], "keep_last_n_checkpoints='none' must be"),
-    (["resume_from_checkpoint=yes"], "resume_from_checkpoint='yes': use True (resume), False (start afresh) or auto"),
+    (["resume_from_checkpoint=latest"], "resume_from_checkpoint='latest': use True (resume), False (start afresh) or auto"),
 ]
 
 
