@@ -11,7 +11,9 @@ The points (:data:`POINTS`), in the order a run reaches them:
     ``probe_trial``: after a trial step of the batch-size probe.
     ``inside_step``: after a step's forward and backward, before its optimizer step.
     ``after_step``: after a step and its log line, before a step checkpoint is due.
-    ``file_written``: a file written to its temporary name and flushed, not yet renamed.
+    ``file_written``: a file (the probe report, a cache entry, ...) written to its temporary
+    name and flushed, not yet renamed.
+    ``step_checkpoint_written``: the same for a step checkpoint.
     ``epoch_staged``: an epoch checkpoint's files written aside, not yet marked complete.
     ``epoch_committing``: an epoch checkpoint marked complete, its weights moved into place, its
     recipe state not yet.
@@ -26,7 +28,8 @@ from adaptive_batch.errors import ConfigError
 
 ENV = "ADAPTIVE_BATCH_FAULT"
 POINTS = (
-    "probe_trial", "inside_step", "after_step", "file_written", "epoch_staged", "epoch_committing", "after_epoch",
+    "probe_trial", "inside_step", "after_step", "file_written", "step_checkpoint_written", "epoch_staged",
+    "epoch_committing", "after_epoch",
 )
 _reached: Dict[str, int] = {}
 

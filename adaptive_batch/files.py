@@ -23,7 +23,14 @@ from adaptive_batch.faults import fault_point
 LOCK_FILENAME = ".adaptive_batch.lock"
 
 
-def atomic_write(path: str, write: Callable[[IO[Any]], None], *, text: bool = False, prefix: Optional[str] = None) -> str:
+def atomic_write(
+    path: str,
+    write: Callable[[IO[Any]], None],
+    *,
+    text: bool = False,
+    prefix: Optional[str] = None,
+    fault: str = "file_written",
+) -> str:
     """Writes ``path`` through ``write(file)``, complete or not at all; returns ``path``.
 
     Args:
@@ -32,6 +39,7 @@ def atomic_write(path: str, write: Callable[[IO[Any]], None], *, text: bool = Fa
         text: open it in text mode (binary otherwise).
         prefix: the temporary's name prefix (default ``.<name>.writing_``), for whoever removes
             what a crash left.
+        fault: the fault point between the flushed temporary and the rename.
 
     Raises:
         CheckpointWriteError: when the file system refuses the write (out of space, read-only,
@@ -48,7 +56,7 @@ def atomic_write(path: str, write: Callable[[IO[Any]], None], *, text: bool = Fa
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        fault_point("file_written")
+        fault_point(fault)
         os.replace(temporary, path)
     except BaseException as e:
         _remove(temporary)

@@ -174,7 +174,7 @@ class StepCheckpoints:
             CheckpointWriteError: when it cannot be written (the earlier ones are kept).
         """
         path = os.path.join(self.directory, f"step_{global_step}.pt")
-        atomic_write(path, lambda f: torch.save(state, f), prefix=_TEMP_PREFIX)
+        atomic_write(path, lambda f: torch.save(state, f), prefix=_TEMP_PREFIX, fault="step_checkpoint_written")
         removed = [old for _, old in self.saved()[: -self.keep_last]]
         for old in removed:
             os.unlink(old)
