@@ -90,6 +90,7 @@ class AdaptiveBatchController:
         self.lr: Optional[LRCoupling] = None
         self.micro_batch_plan: Optional[MicroBatchPlan] = None
         self.probe_report: Optional[Dict[str, Any]] = None
+        self._probe_again = False
         self.batch: Optional[BatchState] = None
         self._batch_state: Optional[Dict[str, Any]] = None
         self._max_steps_per_epoch: Optional[int] = None
@@ -118,6 +119,12 @@ class AdaptiveBatchController:
         self.grower.load_state_dict(state.get(NOISE_SCALE_STATE_KEY))
         if self.batch is not None and self._batch_state is not None:
             self.batch.load_state_dict(self._batch_state)
+
+    def probe_again(self) -> None:
+        """Drops the resumed probe result, so that :meth:`settle` probes the micro-batch anew
+        and keeps it over the resumed batch state's (a changed budget, a fixed global batch)."""
+        self.probe_report = None
+        self._probe_again = True
 
     def settle(
         self,
@@ -178,7 +185,10 @@ class AdaptiveBatchController:
             samples_per_epoch=self.mode.samples_per_epoch(dataset_size, start, max_steps_per_epoch),
         )
         if self._batch_state is not None:
+            probed_micro = self.batch.max_micro_batch_size
             self.batch.load_state_dict(self._batch_state)
+            if self._probe_again:
+                self.batch.max_micro_batch_size = probed_micro
             self.log(f"Resumed run: batch state from the recipe state: {self.batch.state_dict()}")
         return self.batch
 

@@ -17,6 +17,9 @@ from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.controller import AdaptiveBatchController
 
 RUN_STATE_KEY = "adaptive_batch_run"
+# The memory budget: with a fixed global batch it sets only how each step is split into
+# micro-batches, so a resumed run may change it and probe again.
+BUDGET_KEYS = frozenset({"max_memory", "memory_safety_margin"})
 RNG_KEY = "rng_state"
 VERSION = 1
 
@@ -72,6 +75,8 @@ class RunState:
         """Refuses a resumed run that would train something else than the run that wrote the
         checkpoint: another number of ranks, or a changed trained setting (the first, by name).
         A checkpoint that recorded no fingerprint (written before it was kept) is not checked.
+        A changed memory budget (:data:`BUDGET_KEYS`) with a fixed global batch is taken: the
+        controller probes the micro-batch again, and each step trains the same samples.
 
         Raises:
             ConfigError: naming the setting, its saved and its new value, and the fix.
@@ -80,13 +85,26 @@ class RunState:
             return
         world = self.controller.ranks.world_size
         check_same_world_size(self.saved.get("world_size", world), world, "the checkpoint")
-        changed = self.changed_settings()
+        changed, before = self.changed_settings(), self.saved.get("fingerprint", {})
+        global_batch = self.controller.options.global_batch.global_batch_size
+        if changed and set(changed) <= BUDGET_KEYS and global_batch is not None:
+            moves = ", ".join(f"{k} {before.get(k, 'unset')} -> {self.fingerprint[k]}" for k in changed)
+            self.controller.log(
+                f"Resumed run: {moves}; each step still trains global_batch_size={global_batch} samples: "
+                "probing the micro-batch again."
+            )
+            self.controller.probe_again()
+            return
         if changed:
-            key, before = changed[0], self.saved.get("fingerprint", {})
+            key = changed[0]
             more = f" (and {', '.join(changed[1:])})" if len(changed) > 1 else ""
+            budget = (
+                " (with a global_batch_size the memory budget may change: it sets the micro-batch alone)"
+                if set(changed) <= BUDGET_KEYS else ""
+            )
             raise ConfigError(
                 f"resume_from_checkpoint=True: {key} was {before.get(key, 'unset')} in the run that wrote the "
-                f"checkpoint and is {self.fingerprint.get(key, 'unset')} now{more}; it changes what is trained: "
+                f"checkpoint and is {self.fingerprint.get(key, 'unset')} now{more}; it changes what is trained{budget}: "
                 f"put it back to resume, or start a new output_dir."
             )
 

@@ -79,3 +79,42 @@ def test_a_resume_that_would_train_something_else_is_refused_in_one_line(tmp_pat
     older = run_state(tmp_path, max_memory="256MiB")
     older.load_state_dict({k: v for k, v in saved.items() if k != RUN_STATE_KEY})
     older.check_resume()  # recorded nothing to compare with
+
+
+def _global_batch_run(tmp_path, max_memory, found):
+    options = AdaptiveBatchOptions.from_flat(
+        {"use_maximum_batch_size": True, "global_batch_size": 12, "max_memory": max_memory}
+    )
+    controller = AdaptiveBatchController(options, batch_size=4, input_key="tokens", device=CPU, output_dir=str(tmp_path),
+                                         max_seq_len=32, log=lambda line: None)
+    probes = []
+
+    def probe(options, **kwargs):
+        probes.append(options.max_memory)
+        return {"batch_size": found, "budget": {}}
+
+    state = RunState(controller, settings={"global_batch_size": 12, "max_memory": max_memory})
+    return controller, state, probe, probes
+
+
+def test_a_changed_budget_with_a_global_batch_probes_the_micro_batch_again(tmp_path):
+    first, state, probe, _ = _global_batch_run(tmp_path, "256MiB", found=6)
+    first.settle(dataset_size=100, probe=probe)
+    assert first.batch.max_micro_batch_size == 6
+    first.batch.global_step, first.batch.samples_seen = 3, 36
+    saved = state.state_dict()
+    resumed, resumed_state, probe, probes = _global_batch_run(tmp_path, "128MiB", found=3)
+    resumed_state.load_state_dict(saved)
+    resumed_state.check_resume()  # taken: the budget sets the micro-batch alone
+    resumed.settle(dataset_size=100, probe=probe)
+    assert probes == ["128MiB"] and resumed.batch.max_micro_batch_size == 3
+    assert resumed.batch.batch_size == 12 and (resumed.batch.global_step, resumed.batch.samples_seen) == (3, 36)
+
+
+def test_a_changed_budget_without_a_global_batch_is_refused(tmp_path):
+    saved = run_state(tmp_path, max_memory="256MiB").state_dict()
+    resumed = run_state(tmp_path, max_memory="128MiB")
+    resumed.load_state_dict(saved)
+    with pytest.raises(ConfigError, match=r'max_memory was "256MiB" .* is "128MiB" now; it changes what is trained '
+                                          r"\(with a global_batch_size the memory budget may change"):
+        resumed.check_resume()
