@@ -704,6 +704,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def cleanup(self) -> None:
         if self._metric_logger is not None:
             self._metric_logger.close()
+        self.release()
 
     def release(self) -> None:
         """Lets another run use ``output_dir`` (however this one ended)."""

@@ -219,9 +219,12 @@ def _probe_command(args: argparse.Namespace) -> int:
     recipe_cls = load_recipe_class(cfg, args.recipe)
     # The recipe's own constructor and setup: the same checks and the same probe as `tune run`.
     recipe = recipe_cls(cfg=cfg)
-    recipe.setup(cfg=cfg)
-    report = recipe.probe_report
-    recipe.cleanup()
+    try:
+        recipe.setup(cfg=cfg)
+        report = recipe.probe_report
+        recipe.cleanup()
+    finally:
+        recipe.release()  # output_dir's lock, however setup ended
     print(probe_table(report))
     if args.plot:
         from adaptive_batch.probe.plot import plot_probe_report
