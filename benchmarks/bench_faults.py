@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 from pathlib import Path
-import re
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from readme_table import write_readme_table  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.recipes.conftest import read_metric_log  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TUNE = str(Path(sys.executable).with_name("tune"))
@@ -65,18 +67,6 @@ def tune(recipe: str, out: Path, *overrides: str, fault: Optional[str] = None) -
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
-def metric_rows(out: Path, logs: str) -> List[Dict[str, float]]:
-    files = list((out / logs).glob("log_*.txt"))
-    rows = []
-    for line in (files[0].read_text().splitlines() if files else []):
-        m = re.match(r"Step (\d+) \| (.*)", line)
-        if m:
-            row = {"step": float(m.group(1))}
-            row.update({k: float(v) for k, v in (kv.split(":") for kv in m.group(2).split())})
-            rows.append(row)
-    return rows
-
-
 def unreadable_files(out: Path) -> List[str]:
     """Files under their final names (no temporaries, no staging) that do not load."""
     bad = []
@@ -103,7 +93,7 @@ def case(recipe: str, fault: str, whole: List[Dict[str, float]], root: Path) -> 
     damaged = unreadable_files(out)
     left = leftovers(out)
     resumed = tune(recipe, out, "resume_from_checkpoint=auto", f"metric_logger.log_dir={out}/logs_resumed")
-    got = metric_rows(out, "logs_resumed")
+    got = read_metric_log(out, "logs_resumed") if resumed.returncode == 0 else []
     by_step = {r["step"]: r for r in whole}
     exact = (
         resumed.returncode == 0 and bool(got) and got[-1]["step"] == whole[-1]["step"]
@@ -134,7 +124,7 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             run = tune(recipe, root / f"{recipe}_whole")
             assert run.returncode == 0, run.stderr[-3000:]
-            whole = metric_rows(root / f"{recipe}_whole", "logs")
+            whole = read_metric_log(root / f"{recipe}_whole")
             for fault in points:
                 rows.append(case(recipe, fault, whole, root))
                 print(" | ".join(rows[-1]), flush=True)
