@@ -21,24 +21,16 @@ from adaptive_batch.errors import CheckpointWriteError, ConfigError, is_disk_ful
 from adaptive_batch.faults import fault_point
 
 LOCK_FILENAME = ".adaptive_batch.lock"
+_WRITING = ".writing_"  # in every temporary's name: .<final name>.writing_<random>
 
 
-def atomic_write(
-    path: str,
-    write: Callable[[IO[Any]], None],
-    *,
-    text: bool = False,
-    prefix: Optional[str] = None,
-    fault: str = "file_written",
-) -> str:
+def atomic_write(path: str, write: Callable[[IO[Any]], None], *, text: bool = False, fault: str = "file_written") -> str:
     """Writes ``path`` through ``write(file)``, complete or not at all; returns ``path``.
 
     Args:
         path: the final name.
         write: writes the content to the open temporary file.
         text: open it in text mode (binary otherwise).
-        prefix: the temporary's name prefix (default ``.<name>.writing_``), for whoever removes
-            what a crash left.
         fault: the fault point between the flushed temporary and the rename.
 
     Raises:
@@ -48,7 +40,7 @@ def atomic_write(
     directory = os.path.dirname(path) or "."
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=prefix or f".{os.path.basename(path)}.writing_", dir=directory)
+        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{_WRITING}", dir=directory)
     except OSError as e:
         raise CheckpointWriteError.from_error(path, e) from e
     try:
@@ -69,23 +61,34 @@ def atomic_write(
 
 def fsync_directory(directory: str) -> None:
     """Makes the renames in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(directory)
 
 
 def fsync_tree(root: str) -> None:
     """Flushes every file and directory under ``root`` to disk (files another library wrote)."""
     for directory, _, names in os.walk(root):
         for name in names:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_directory(directory)
+            _fsync(os.path.join(directory, name))
+        _fsync(directory)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_partial_writes(directory: str, log: Callable[[str], None] = print) -> None:
+    """Deletes the temporaries of :func:`atomic_write` a crash left in ``directory`` (never a
+    finished file); only for a directory this run holds (:class:`OutputDirLock`)."""
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(os.listdir(directory)):
+        if name.startswith(".") and _WRITING in name:
+            os.unlink(os.path.join(directory, name))
+            log(f"Removed {name[1:name.index(_WRITING)]}, left half-written in {directory} by an interrupted run.")
 
 
 def walk_files(root: str) -> Iterator[str]:

@@ -31,7 +31,7 @@ import adaptive_batch as ab
 from adaptive_batch import StepOutcome
 from adaptive_batch.data.lengths import sample_lengths
 from adaptive_batch.faults import fault_point
-from adaptive_batch.files import OutputDirLock
+from adaptive_batch.files import OutputDirLock, remove_partial_writes
 from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
 from adaptive_batch.probe.trials import worst_case_text_batch
 from adaptive_batch.run import step_checkpoints
@@ -233,6 +233,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """
         self._metric_logger = None
         if self._ranks.is_main:
+            # This run holds output_dir: what an interrupted one left half-written goes.
+            remove_partial_writes(cfg.output_dir, log=log.info)
             self._step_checkpoints.remove_partial_writes()
             abt.recover_epoch_checkpoint(cfg.checkpointer.output_dir, log=log.info)
             self._metric_logger = abt.build("metric_logger", cfg.metric_logger)

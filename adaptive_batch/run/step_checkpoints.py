@@ -25,13 +25,12 @@ import torch
 
 from adaptive_batch.distributed import RankGroup, check_same_world_size
 from adaptive_batch.errors import CheckpointWriteError, ConfigError
-from adaptive_batch.files import atomic_write
+from adaptive_batch.files import atomic_write, remove_partial_writes
 from adaptive_batch.validation import check_positive_int
 
 DIRNAME = "step_checkpoints"
 LR_SCHEDULER_KEY = "lr_scheduler"
 _NAME = re.compile(r"^step_(\d+)\.pt$")
-_TEMP_PREFIX = ".step_writing_"
 RANKS_KEY = "world_size"
 
 
@@ -174,7 +173,7 @@ class StepCheckpoints:
             CheckpointWriteError: when it cannot be written (the earlier ones are kept).
         """
         path = os.path.join(self.directory, f"step_{global_step}.pt")
-        atomic_write(path, lambda f: torch.save(state, f), prefix=_TEMP_PREFIX, fault="step_checkpoint_written")
+        atomic_write(path, lambda f: torch.save(state, f), fault="step_checkpoint_written")
         removed = [old for _, old in self.saved()[: -self.keep_last]]
         for old in removed:
             os.unlink(old)
@@ -184,11 +183,7 @@ class StepCheckpoints:
 
     def remove_partial_writes(self) -> None:
         """Deletes temporaries a crash left mid-write (never a finished checkpoint)."""
-        if os.path.isdir(self.directory):
-            for name in os.listdir(self.directory):
-                if name.startswith(_TEMP_PREFIX):
-                    os.unlink(os.path.join(self.directory, name))
-                    self.log(f"Removed a step checkpoint left half-written by an interrupted run: {name}")
+        remove_partial_writes(self.directory, log=self.log)
 
     @staticmethod
     def load(path: str) -> Dict[str, Any]:

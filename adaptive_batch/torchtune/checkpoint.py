@@ -82,7 +82,7 @@ def write_random_init_checkpoint(
         state_dict = build_model().state_dict()
     if keep is not None:
         state_dict = {k: v for k, v in state_dict.items() if keep(k)}
-    atomic_write(path, lambda f: torch.save(state_dict, f), prefix=".init_")
+    atomic_write(path, lambda f: torch.save(state_dict, f))
     return filename
 
 

@@ -41,3 +41,9 @@ def test_the_signal_arrives_the_nth_time_the_point_is_reached(monkeypatch):
     finally:
         signal.signal(signal.SIGUSR1, previous)
         faults.reset()
+
+
+def test_a_misspelt_point_is_an_error_where_it_would_be_reached(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "after_stp")
+    with pytest.raises(ConfigError, match="no fault point 'after_stp'"):
+        faults.fault_point("after_step")

@@ -56,3 +56,14 @@ def test_a_killed_holder_leaves_nothing_to_clean_up(tmp_path):
     holder.wait()
     assert (tmp_path / LOCK_FILENAME).exists()  # the file stays; the kernel dropped the lock
     OutputDirLock(str(tmp_path)).acquire().release()
+
+
+def test_the_temporaries_a_kill_left_are_removed_and_nothing_else(tmp_path):
+    from adaptive_batch.files import remove_partial_writes
+
+    for name in [".batch_probe.json.writing_x1", "batch_probe.json", LOCK_FILENAME, ".hidden_of_the_user"]:
+        (tmp_path / name).write_text("x")
+    logs = []
+    remove_partial_writes(str(tmp_path), log=logs.append)
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILENAME, ".hidden_of_the_user", "batch_probe.json"]
+    assert logs == [f"Removed batch_probe.json, left half-written in {tmp_path} by an interrupted run."]

@@ -89,7 +89,7 @@ def _full_disk_at(match, nth):
     "where, match, nth, kept, first_step",
     [
         ("the epoch checkpoint", "epoch_0", 1, ["step_checkpoints/step_3.pt"], 4),
-        ("a step checkpoint", ".step_writing_", 2, ["epoch_0", "step_checkpoints/step_3.pt"], 5),
+        ("a step checkpoint", "step_checkpoints/.step_", 2, ["epoch_0", "step_checkpoints/step_3.pt"], 5),
     ],
 )
 def test_a_full_disk_keeps_the_whole_checkpoints_says_so_and_resumes_exactly(

@@ -34,11 +34,11 @@ def test_a_failed_write_leaves_the_previous_checkpoints_and_no_partial_file(tmp_
 
 
 def test_temporaries_of_an_interrupted_write_are_removed(tmp_path):
-    (tmp_path / ".step_writing_abc.pt").write_bytes(b"half")
+    (tmp_path / ".step_4.pt.writing_abc").write_bytes(b"half")
     (tmp_path / "step_3.pt").write_bytes(b"kept")
     lines = []
     StepCheckpoints(str(tmp_path), log=lines.append).remove_partial_writes()
-    assert os.listdir(tmp_path) == ["step_3.pt"] and "half-written" in lines[0]
+    assert os.listdir(tmp_path) == ["step_3.pt"] and lines[0].startswith("Removed step_4.pt, left half-written in")
 
 
 @pytest.mark.parametrize("kwargs,message", [
