@@ -554,13 +554,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Every rank takes part in gathering the state; rank 0 writes it aside and moves it
         # into place whole, and a failed write stops every rank.
         ckpt_dict = self._epoch_state(intermediate_checkpoint)
-        self._ranks.decide_on_main(
+        files = self._ranks.decide_on_main(
             lambda: abt.save_epoch_checkpoint(
                 self._checkpointer, ckpt_dict, epoch=epoch, intermediate_checkpoint=intermediate_checkpoint,
                 adapter_only=self._save_adapter_weights_only,
             ),
             errors=(ab.CheckpointWriteError,),
         )
+        # torchtune's own lines name the staging directory the files were written to first.
+        log.info(f"Epoch {epoch} checkpoint in place in {self._output_dir}: {', '.join(files)}.")
 
     def _epoch_state(self, intermediate_checkpoint: bool) -> Dict[str, Any]:
         """An epoch checkpoint's state: the weights, and the recipe state unless it is the last."""

@@ -27,6 +27,7 @@ def whole(tmp_path_factory):
     run = run_tune(out, *COMMON, "resume_from_checkpoint=auto")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resume_from_checkpoint=auto: nothing saved yet; starting the run." in run.stderr
+    assert f"Epoch 0 checkpoint in place in {out}: epoch_0/model-00001-of-00001.bin, recipe_state/recipe_state.pt." in run.stderr
     return read_metric_log(out)
 
 
