@@ -23,19 +23,25 @@ class BatchSizeTooLargeError(RuntimeError):
         budget_bytes: the budget it was measured against.
     """
 
-    def __init__(self, bytes_needed: Optional[int], budget_bytes: int) -> None:
+    def __init__(self, bytes_needed: Optional[int], budget_bytes: int, source: str = "max_memory") -> None:
         self.bytes_needed = bytes_needed
         self.budget_bytes = budget_bytes
+        self.source = source
         needed = (
             f"needs {format_bytes(bytes_needed)} ({bytes_needed} bytes)"
             if bytes_needed is not None
             else "ran out of memory before it finished"
         )
+        # Raising max_memory only helps when it set the budget; otherwise the device did.
+        more = "Raise max_memory" if source == "max_memory" else f"Free memory ({source} set the budget)"
         super().__init__(
             f"batch size 1 does not fit: one training step {needed}, and "
-            f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) is available. Raise max_memory, "
+            f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) is available. {more}, "
             "shorten tokenizer.max_seq_len, or enable activation checkpointing."
         )
+
+    def __reduce__(self):
+        return type(self), (self.bytes_needed, self.budget_bytes, self.source)
 
 
 class BatchIncreaseFunctionError(ConfigError):

@@ -174,4 +174,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    abt.check_command_line(sys.argv[1:])  # a YAML or override error is one line, not a traceback
     sys.exit(recipe_main())

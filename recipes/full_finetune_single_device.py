@@ -35,6 +35,7 @@ from adaptive_batch.files import OutputDirLock, remove_partial_writes
 from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
 from adaptive_batch.probe.trials import worst_case_text_batch
 from adaptive_batch.run import step_checkpoints
+from adaptive_batch.run.lr_coupling import ParamGroupsOf
 from adaptive_batch.run.signals import StopSignals
 from adaptive_batch.run.state import RNG_KEY
 from adaptive_batch.run.step_checkpoints import LR_SCHEDULER_KEY
@@ -292,7 +293,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             last_epoch=self._batching.lr_last_epoch(),
         )
         optimizer = self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper
-        self._batching.attach_lr(self._optimizer, self._lr_scheduler, read_lr=partial(get_lr, optimizer))
+        # In backward there is an optimizer per parameter: the LR rule and schedule set them all.
+        groups = self._optimizer if not self._optimizer_in_bwd else ParamGroupsOf(self._optim_ckpt_wrapper.optim_map.values())
+        self._batching.attach_lr(groups, self._lr_scheduler, read_lr=partial(get_lr, optimizer))
         # A step checkpoint holds the trainable weights and recipe state, and the position.
         self._step_checkpoints.attach(
             lambda: {**self._recipe_state(), **self._trainable_state_dict()},
@@ -753,4 +756,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    abt.check_command_line(sys.argv[1:])  # a YAML or override error is one line, not a traceback
     sys.exit(recipe_main())

@@ -325,12 +325,19 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 def prepare_allocator(
     device: torch.device, *, probing: bool, log: Callable[[str], None], warn: Callable[[str], None]
 ) -> None:
-    """The allocator settings a run's batch needs to hold from step to step: under an
-    address-space limit glibc's cache of freed blocks would count against it
-    (:func:`return_freed_memory_to_os`); on CUDA, when probing, the caching allocator's split
-    blocks would make the probed batch fail its second step (:func:`use_expandable_segments`)."""
-    if device.type == "cpu" and address_space_limit() is not None:
-        return_freed_memory_to_os()
+    """The allocator settings a recipe's batch needs to hold from step to step, each said in
+    one line: on CPU under an address-space limit (the process's, or the probe's own),
+    glibc's cache of freed blocks would count against it (:func:`return_freed_memory_to_os`);
+    on CUDA, when probing, the caching allocator's split blocks would make the probed batch
+    fail its second step (:func:`use_expandable_segments`). For recipes only: the settings last
+    for the process, and :func:`~adaptive_batch.find_max_batch_size` changes none."""
+    # Probing on CPU runs its trials under an address-space limit of its own (see
+    # adaptive_batch.probe.service.trial_address_space), so it needs the same settings.
+    if device.type == "cpu" and (probing or address_space_limit() is not None) and return_freed_memory_to_os():
+        log(
+            "CPU allocator: glibc M_MMAP_THRESHOLD=256KiB and M_ARENA_MAX=1 for this run, so address space follows "
+            "live memory under a memory limit and the probed batch holds from step to step."
+        )
     if device.type == "cuda" and probing:
         use_expandable_segments(log=log, warn=warn)
 

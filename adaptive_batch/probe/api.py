@@ -18,10 +18,10 @@
 
 The guarantees are the recipes': every trial is a real step on a batch of the caller's worst
 case, the answer fitted and the size above it did not, and the model, optimizer, scheduler and
-RNG come out as they went in. The answer is then run once more as the caller's loop will run
-it, after the probe has put everything back, under the limits in place: what the probe itself
-left mapped (it can be tens of MiB under a process limit) counts, and the answer steps down
-until a step fits.
+RNG come out as they went in. The answer is then run as the caller's loop will run it, several
+consecutive steps after the probe has put everything back, under the limits in place (what the
+probe itself left mapped counts), and steps down until they fit. The call sets no allocator
+option: the process's malloc settings are the ones the caller trains with.
 """
 
 from typing import Any, Callable, Optional
@@ -94,6 +94,7 @@ def find_max_batch_size(
         snapshot_dir=snapshot_dir,
         log=log,
         trial_limit=lambda: trial_memory_limit(address_space, log=log),
+        budget_source=budget.source,
     )
     state = dict(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, directory=snapshot_dir, log=log)
     return _trains_after_the_probe(result.max_batch_size, train_step, make_batch, device, state, log)
@@ -101,6 +102,9 @@ def find_max_batch_size(
 
 # How far the answer steps down after a failed check: a few sizes of a large batch at once.
 STEP_DOWN = 0.02
+# Consecutive steps the answer must run: a step's allocations grow from the first step to the
+# next few (optimizer state in place, glibc's heap keeping freed blocks), as in training.
+VERIFY_STEPS = 3
 
 
 def _trains_after_the_probe(
@@ -111,15 +115,24 @@ def _trains_after_the_probe(
     state: dict,
     log: Optional[Callable[[str], None]],
 ) -> int:
-    """The largest of ``batch_size`` and the sizes below it (2% at a time) whose real step fits
-    now, with the state put back after each try."""
+    """The largest of ``batch_size`` and the sizes below it (2% at a time) that run
+    :data:`VERIFY_STEPS` consecutive real steps now, as the caller's loop will (nothing freed
+    or restored between them), with the state put back after each try."""
     while True:
         with TrainingStateSnapshot(**state):
-            _, failure = catch_oom(lambda: train_step(make_batch(batch_size)))
+            _, failure = catch_oom(lambda: _consecutive_steps(train_step, make_batch, batch_size))
         release_memory(device)
         if failure is None or batch_size == 1:
             return batch_size
         lower = max(1, min(batch_size - 1, int(batch_size * (1 - STEP_DOWN))))
         if log is not None:
-            log(f"probe: batch {batch_size} ran out of memory after the probe ({failure}); checking {lower}.")
+            log(
+                f"probe: batch {batch_size} ran out of memory within {VERIFY_STEPS} consecutive steps after the "
+                f"probe ({failure}); checking {lower}."
+            )
         batch_size = lower
+
+
+def _consecutive_steps(train_step: Callable[[Any], None], make_batch: Callable[[int], Any], batch_size: int) -> None:
+    for _ in range(VERIFY_STEPS):
+        train_step(make_batch(batch_size))

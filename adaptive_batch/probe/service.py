@@ -24,7 +24,6 @@ from adaptive_batch.memory.device import (
     format_bytes,
     parse_memory,
     proc_status_bytes,
-    return_freed_memory_to_os,
 )
 from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_versions
 from adaptive_batch.probe.lockstep import LockstepTrial
@@ -156,10 +155,8 @@ def step_budget(
     Raises:
         ConfigError: for a ``max_memory`` the device cannot give.
     """
-    if device.type == "cpu":
-        # Trials run under an address-space limit (the process's or trial_memory_limit's);
-        # otherwise glibc keeps freed blocks mapped, and they count against it.
-        return_freed_memory_to_os()
+    # No allocator settings here: the library leaves the process as it found it (the recipes
+    # set theirs in prepare_allocator and say so).
     capacity = device_capacity(device)
     budget = memory_budget(
         max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes),
@@ -306,6 +303,7 @@ def probe_batch_size(
         max_batch_size=cap,
         wrap_trial=agree_on_outcomes,
         trial_limit=lambda: trial_memory_limit(address_space, log=log),
+        budget_source=budget.source,
         **steps,
     )
     batch_size = round_batch_size(result.max_batch_size, options.batch_size_rounding)

@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, Callable, Dict, Optional, Type
 import torch
 from torch import nn
 
+from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.rng import rng_state, set_rng_state
 
 
@@ -81,7 +82,15 @@ class TrainingStateSnapshot:
             raise RuntimeError("TrainingStateSnapshot.restore() called before save().")
         # mmap keeps the load from holding a second full copy of the weights in memory;
         # weights_only: the file sits in a directory others can write to.
-        state = torch.load(self._path, mmap=True, weights_only=True)
+        try:
+            state = torch.load(self._path, mmap=True, weights_only=True)
+        except RuntimeError as e:
+            if not is_oom_error(e) and "unable to mmap" not in str(e):
+                raise
+            # Under an address-space limit the trials' freed blocks may be all the room left:
+            # glibc kept them, so a plain read (into malloc'd memory) can reuse them; a new
+            # mapping cannot.
+            state = torch.load(self._path, mmap=False, weights_only=True)
         self.model.load_state_dict(state["model"])
         for p in self.model.parameters():
             p.grad = None

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.faults import fault_point
 from adaptive_batch.files import atomic_write
 from adaptive_batch.memory.device import DeviceCapacity, format_bytes
@@ -147,6 +148,7 @@ def probe_max_batch_size(
     log: Optional[Callable[[str], None]] = None,
     wrap_trial: Optional[Callable[[Callable[[int], int]], Callable[[int], int]]] = None,
     trial_limit: Optional[Callable[[], ContextManager]] = None,
+    budget_source: str = "max_memory",
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
@@ -172,6 +174,8 @@ def probe_max_batch_size(
             :class:`~adaptive_batch.probe.lockstep.LockstepTrial` so data-parallel ranks agree on every outcome.
         trial_limit: a context the trials (not the snapshot's save and restore) run in, e.g.
             :func:`adaptive_batch.probe.service.trial_memory_limit`.
+        budget_source: what set ``budget_bytes`` (:attr:`MemoryBudget.source`), for the advice
+            when batch 1 does not fit.
 
     Returns:
         The search result with every trial.
@@ -188,13 +192,16 @@ def probe_max_batch_size(
     with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir, log=log), (
         trial_limit() if trial_limit is not None else nullcontext()
     ):
-        result = search_max_batch_size(
-            run_trial if wrap_trial is None else wrap_trial(run_trial),
-            budget_bytes=budget_bytes,
-            max_batch_size=max_batch_size,
-            release=lambda: release_memory(device),
-            log=log,
-        )
+        try:
+            result = search_max_batch_size(
+                run_trial if wrap_trial is None else wrap_trial(run_trial),
+                budget_bytes=budget_bytes,
+                max_batch_size=max_batch_size,
+                release=lambda: release_memory(device),
+                log=log,
+            )
+        except BatchSizeTooLargeError as e:
+            raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget_source) from None
     release_memory(device)
     return result
 

@@ -79,6 +79,7 @@ class AdaptiveBatchController:
         self.output_dir, self.max_seq_len, self.input_key = output_dir, max_seq_len, input_key
         self.log, self.warn = log, warn or log
         self._batch_size, self._accumulation = batch_size, gradient_accumulation_steps
+        self._retry_on_oom = options.growth.retries_oom(optimizer_in_bwd)
         options.validate(RunContext(device, gradient_accumulation_steps, packed, optimizer_in_bwd,
                                     self.ranks.world_size, max_seq_len))
         self.mode = (
@@ -272,7 +273,7 @@ class AdaptiveBatchController:
             self.lr.start_step()
         accumulated = accumulate_gradients(
             forward_backward, batch, rows=samples, micro_batch_limit=self.batch.max_micro_batch_size,
-            zero_grad=zero_grad, retry_on_oom=self.options.growth.retry_on_oom, device=self.device, log=self.warn,
+            zero_grad=zero_grad, retry_on_oom=self._retry_on_oom, device=self.device, log=self.warn,
             agree_on_oom=self.ranks.any if self.ranks.distributed else None, observer=self.grower.gradients,
             min_micro_batches=2 if self.options.noise.noise_scale_split_step else 1,
         )

@@ -6,12 +6,24 @@ instead, and applies the linear or square-root rule for each step's batch around
 optimizer step.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 from adaptive_batch.data.samplers import BatchState
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.schedule.lr_progress import SampleProgressLR
 from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRScalingOptions
+
+
+class ParamGroupsOf:
+    """Several optimizers' param groups as one optimizer's, for the LR rule: torchtune's
+    optimizer-in-backward keeps one optimizer per parameter, and the rule scales them all."""
+
+    def __init__(self, optimizers: Iterable[Any]) -> None:
+        self._optimizers = list(optimizers)
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return [group for optimizer in self._optimizers for group in optimizer.param_groups]
 
 
 class LRCoupling:
@@ -28,9 +40,13 @@ class LRCoupling:
             ``lr_scaling_reference`` is unset).
         world_size: data-parallel ranks; a step's batch is their mean share.
 
+    When ``lr_scheduler`` drives another optimizer than ``optimizer`` (optimizer-in-backward:
+    the scheduler holds the first parameter's), its LR is copied to every group of
+    ``optimizer`` after each change, as torchtune's ``step_lr_scheduler`` does.
+
     Raises:
         ConfigError: for a scheduler that cannot be counted in samples, or a rule the
-            optimizer cannot take.
+            optimizer cannot take (or no optimizer given).
     """
 
     def __init__(
@@ -46,6 +62,7 @@ class LRCoupling:
         world_size: int = 1,
     ) -> None:
         self._scheduler, self._read_lr, self._batch, self._world = lr_scheduler, read_lr, batch, world_size
+        self._optimizer = optimizer
         self._progress: Optional[SampleProgressLR] = None
         self.scaler: Optional[BatchLRScaler] = None
         if lr_scheduler is not None and count_in_samples:
@@ -54,6 +71,12 @@ class LRCoupling:
             except TypeError as e:
                 raise ConfigError(f"lr_scheduler: {e}") from None
             self._progress.set_progress(batch.samples_seen)
+        if options.scales and optimizer is None:
+            raise ConfigError(
+                f"lr_scaling={options.lr_scaling!r} needs the optimizer whose LR it scales: pass it to attach_lr, "
+                "or set lr_scaling=none."
+            )
+        self._follow_scheduler()
         if options.scales:
             reference = options.lr_scaling_reference
             try:
@@ -72,6 +95,7 @@ class LRCoupling:
         """Brings a sample-counted schedule to the samples seen, before the step's forward."""
         if self._progress is not None:
             self._progress.set_progress(self._batch.samples_seen)
+            self._follow_scheduler()
 
     def before_optimizer_step(self, global_samples: int, num_tokens: float) -> float:
         """Scales the LR for the step's batch; returns the LR the step uses."""
@@ -86,6 +110,17 @@ class LRCoupling:
             self.scaler.restore()
         if self._scheduler is not None and self._progress is None:
             self._scheduler.step()
+            self._follow_scheduler()
+
+    def _follow_scheduler(self) -> None:
+        """Every group of the optimizer takes the scheduler's LR, when the scheduler drives
+        only part of it."""
+        driven = getattr(self._scheduler, "optimizer", None)
+        if driven is None or self._optimizer is None or driven is self._optimizer:
+            return
+        lr = self._scheduler.get_last_lr()[0]
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
 
     @property
     def weight_decay(self) -> Optional[float]:

@@ -205,7 +205,7 @@ def _global_batch_fits_the_run(o: AdaptiveBatchOptions, c: RunContext) -> None:
 
 
 def _splitting_without_optimizer_in_bwd(o: AdaptiveBatchOptions, c: RunContext) -> None:
-    if not c.optimizer_in_bwd or not (o.growth.retry_on_oom or o.growing):
+    if not c.optimizer_in_bwd or not (o.growth.retry_on_oom or o.growing):  # None follows optimizer_in_bwd
         return
     what, off = (
         (f"{GROWTH_KEY}={o.growth.batch_increase_function!r}", f"{GROWTH_KEY}=null")

@@ -184,8 +184,9 @@ def call_batch_increase_function(
             increment = fn(epoch, current_batch_size)
     except BatchIncreaseFunctionError:
         raise  # already names the user's function (a wrapper such as per_rank_increase)
-    except Exception as e:
-        raise BatchIncreaseFunctionError(f"{where} raised {type(e).__name__}: {e}") from e
+    except (Exception, KeyboardInterrupt) as e:  # a recipe notes a real Ctrl-C as a signal
+
+        raise BatchIncreaseFunctionError(f"{where} raised {type(e).__name__}: {e}; fix the function") from e
     if isinstance(increment, bool) or not isinstance(increment, int):
         raise BatchIncreaseFunctionError(
             f"{where} returned {increment!r} ({type(increment).__name__}); it must return a "
@@ -253,7 +254,9 @@ class GrowthOptions:
             :class:`~adaptive_batch.schedule.interval.GrowthInterval`.
         grow_with_accumulation: growth may pass the memory maximum through gradient
             accumulation (else it stops there).
-        retry_on_oom: a step that runs out of memory is retried in smaller micro-batches.
+        retry_on_oom: a step that runs out of memory is retried in smaller micro-batches;
+            ``None`` (the default): on, unless the optimizer steps inside backward, where a
+            step cannot be split (:meth:`retries_oom`).
 
     Raises:
         ConfigError: for a bad value, or a function that cannot be resolved or called as
@@ -263,12 +266,17 @@ class GrowthOptions:
     batch_increase_function: Union[None, str, BatchIncreaseFunction] = None
     batch_increase_interval: Union[str, GrowthInterval] = "epoch"
     grow_with_accumulation: bool = False
-    retry_on_oom: bool = True
+    retry_on_oom: Optional[bool] = None
+
+    def retries_oom(self, optimizer_in_bwd: bool) -> bool:
+        """Whether a step that runs out of memory is split and rerun."""
+        return (not optimizer_in_bwd) if self.retry_on_oom is None else self.retry_on_oom
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_increase_interval", parse_interval(self.batch_increase_interval))
         check_bool("grow_with_accumulation", self.grow_with_accumulation)
-        check_bool("retry_on_oom", self.retry_on_oom)
+        if self.retry_on_oom is not None:
+            check_bool("retry_on_oom", self.retry_on_oom)
         if self.batch_increase_function is not None:
             fn = resolve_batch_increase_function(self.batch_increase_function)
             object.__setattr__(self, "batch_increase_function", fn)

@@ -130,6 +130,11 @@ class BatchLRScaler:
                 f"weight_decay_scaling={weight_decay_scaling!r} with {type(optimizer).__name__}, which has no "
                 "weight_decay: set weight_decay_scaling=none."
             )
+        if weight_decay_scaling != "none" and not any(g["weight_decay"] for g in optimizer.param_groups):
+            raise ValueError(
+                f"weight_decay_scaling={weight_decay_scaling!r} with {type(optimizer).__name__}'s weight_decay=0: "
+                "scaling zero changes nothing; set optimizer.weight_decay above 0, or weight_decay_scaling=none."
+            )
         if unit not in LR_SCALING_UNITS:
             raise ValueError(f"lr_scaling_unit={unit!r} is not one of {list(LR_SCALING_UNITS)}.")
         bad = isinstance(reference, bool) or not isinstance(reference, (int, float)) or not math.isfinite(reference)
@@ -151,7 +156,10 @@ class BatchLRScaler:
 
     def base_lrs(self) -> List[float]:
         if self.lr_scheduler is not None:
-            return list(self.lr_scheduler.get_last_lr())
+            lrs = list(self.lr_scheduler.get_last_lr())
+            groups = len(self.optimizer.param_groups)
+            # A scheduler of one of several optimizers (optimizer-in-backward) sets them all.
+            return lrs if len(lrs) == groups else lrs[:1] * groups
         return list(self._initial)
 
     def apply(self, *, samples: int, tokens: int) -> float:

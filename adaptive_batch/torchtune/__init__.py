@@ -24,6 +24,7 @@ from adaptive_batch.torchtune.checks import (
 from adaptive_batch.torchtune.config import (
     TORCHTUNE_KEYS,
     adaptive_options,
+    check_command_line,
     check_profiler,
     check_stock_recipe_options,
     load_config,
@@ -40,6 +41,7 @@ __all__ = [
     "TORCHTUNE_KEYS",
     "adaptive_options",
     "build",
+    "check_command_line",
     "byte_tokenizer",
     "check_profiler",
     "check_run_settings",

@@ -13,8 +13,11 @@ import tempfile
 from typing import Any, Iterator, Optional, Tuple, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+import torch
 
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.memory.device import format_bytes
+from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.validation import check_positive_int
 
 
@@ -165,6 +168,92 @@ def check_resume_setting(value: Any) -> Union[bool, str]:
     )
 
 
+def component_nodes(cfg: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    """Every ``(dotted key, _component_ value)`` in ``cfg``, nested nodes included."""
+    container = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, (DictConfig, ListConfig)) else cfg
+    items = container.items() if isinstance(container, dict) else enumerate(container) if isinstance(container, list) else ()
+    for key, value in items:
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key == "_component_":
+            yield name, value
+        elif isinstance(value, (dict, list)):
+            yield from component_nodes(value, name)
+
+
+def check_components(cfg: Any, only: Optional[Tuple[str, ...]] = None) -> None:
+    """Every ``_component_`` in the config (or in its top-level nodes ``only``) names something
+    that imports, so a misspelt model or optimizer is one line before any data is read or model
+    built.
+
+    Raises:
+        ConfigError: naming the key, the value, why, and the closest name that exists.
+    """
+    from torchtune.config._utils import _get_component_from_path
+
+    for key, path in component_nodes(cfg):
+        if only is not None and key.split(".")[0] not in only:
+            continue
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{key}={path!r} must be a dotted path to a class or function, e.g. torch.optim.AdamW.")
+        try:
+            _get_component_from_path(path)
+        except Exception as e:  # noqa: BLE001 - an import error or an error inside the module
+            cause = e.__cause__ or e
+            reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            raise ConfigError(
+                f"{key}={path!r} cannot be imported ({type(cause).__name__}: {reason}){_closest_name(path)}"
+            ) from None
+
+
+def _closest_name(path: str) -> str:
+    """``"; did you mean 'pkg.mod.name'?"`` for the nearest name in the deepest module that
+    imports, or a hint to check the spelling."""
+    import difflib
+    import importlib
+
+    module_path, _, name = path.rpartition(".")
+    while module_path:
+        try:
+            module = importlib.import_module(module_path)
+        except Exception:  # noqa: BLE001 - try the parent module
+            module_path, _, name = module_path.rpartition(".")
+            continue
+        names = [n for n in dir(module) if not n.startswith("_")]
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        if close:
+            return f": did you mean {module_path}.{close[0]!r}?".replace(f"{module_path}.'", f"'{module_path}.")
+        return f": {module_path!r} has no {name!r}; check the spelling."
+    return ": check the spelling, and that its package is installed."
+
+
+def check_weight_decay_scaling(cfg: DictConfig) -> None:
+    """``weight_decay_scaling: timescale`` needs an optimizer whose weight decay is not zero
+    (the config's, else its class's default): zero scaled stays zero, a silent no-op.
+
+    Raises:
+        ConfigError: for a weight decay of zero.
+    """
+    import inspect
+
+    from torchtune.config._utils import _get_component_from_path
+
+    optimizer = cfg.get("optimizer", None)
+    if cfg.get("weight_decay_scaling", "none") != "timescale" or not isinstance(optimizer, DictConfig):
+        return
+    decay = optimizer.get("weight_decay", None)
+    if decay is None:
+        try:
+            default = inspect.signature(_get_component_from_path(optimizer._component_)).parameters.get("weight_decay")
+        except (TypeError, ValueError):
+            return  # no signature to read: the scaler checks the built optimizer
+        decay = None if default is None else default.default
+    if decay == 0:
+        raise ConfigError(
+            f"weight_decay_scaling='timescale' with {optimizer._component_}'s weight_decay=0: scaling zero changes "
+            "nothing; set optimizer.weight_decay above 0, or weight_decay_scaling=none."
+        )
+
+
 def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None) -> None:
     """Everything about a run that can be checked before a model is built.
 
@@ -176,6 +265,8 @@ def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None
         ConfigError: for the first bad setting.
     """
     check_finite_numbers(cfg)
+    check_components(cfg)
+    check_weight_decay_scaling(cfg)
     check_seed(cfg.get("seed", None))
     epochs = check_positive_int("epochs", cfg.get("epochs", None))
     check_positive_int("max_steps_per_epoch", cfg.get("max_steps_per_epoch", None), allow_none=True)
@@ -196,6 +287,17 @@ def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None
         check_writable_dir("probe_cache_dir", probe_cache_dir)
 
 
+def _memory_left() -> str:
+    """What this process may still map, for a message."""
+    from adaptive_batch.memory.device import device_capacity
+
+    try:
+        capacity = device_capacity(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - the message goes out without it
+        return "little memory left"
+    return f"{format_bytes(capacity.headroom_bytes)} left under its {capacity.source}"
+
+
 def build(key: str, node: DictConfig, *args: Any) -> Any:
     """``config.instantiate(node, *args)``, with a construction error as one line naming ``key``.
 
@@ -210,5 +312,11 @@ def build(key: str, node: DictConfig, *args: Any) -> Any:
         raise
     except Exception as e:  # noqa: BLE001 - any construction failure is the config's to fix
         component = node.get("_component_", None) if isinstance(node, DictConfig) else None
+        if is_oom_error(e):  # the machine's limit, not the config's values
+            raise ConfigError(
+                f"{key}: building {component!r} ran out of memory ({type(e).__name__}): the process "
+                f"has {_memory_left()}; raise the memory limit (ulimit -v, the job's memory request), "
+                f"or build a smaller {key}."
+            ) from None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{key}: building {component!r} failed: {type(e).__name__}: {reason}") from None

@@ -22,7 +22,8 @@ from adaptive_batch.memory.device import device_capacity, format_bytes, parse_me
 from adaptive_batch.probe.fake_step import CATEGORY_ORDER
 from adaptive_batch.probe.plan import MemoryPlan
 from adaptive_batch.probe.service import default_safety_margin
-from adaptive_batch.validation import check_safety_margin
+from adaptive_batch.schedule.global_batch import check_global_batch, split_global_batch
+from adaptive_batch.validation import check_positive_int, check_safety_margin
 
 # The repository's `recipes/` folder, installed as this package (see pyproject.toml).
 RECIPES_PACKAGE = "adaptive_batch_recipes"
@@ -75,12 +76,14 @@ def plan_json(plan: MemoryPlan) -> dict:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from adaptive_batch.torchtune.checks import check_finite_numbers, check_writable_file
+    from adaptive_batch.torchtune.checks import check_components, check_finite_numbers, check_writable_file
     from adaptive_batch.torchtune.config import load_config
     from adaptive_batch.torchtune.planning import plan_from_config
 
     cfg = load_config(args.config, args.overrides)
     check_finite_numbers(cfg)
+    # The model only: the planner plans optimizers it cannot import (bitsandbytes) by their state.
+    check_components(cfg, only=("model",))
     if args.plot:
         check_writable_file("--plot", args.plot)
     device_type = args.device or str(cfg.get("device", "cpu"))
@@ -100,6 +103,10 @@ def _plan_command(args: argparse.Namespace) -> int:
     if margin is None:
         margin = default_safety_margin(device_type)
     check_safety_margin(margin, key="--safety-margin" if args.safety_margin is not None else "memory_safety_margin")
+    global_batch = cfg.get("global_batch_size", None)
+    if global_batch is not None:  # the split is per rank: the share must divide first
+        check_positive_int("global_batch_size", global_batch)
+        check_global_batch(global_batch, world_size=args.world_size, gradient_accumulation_steps=1)
     plan = plan_from_config(
         cfg,
         device_memory_bytes=memory,
@@ -107,7 +114,13 @@ def _plan_command(args: argparse.Namespace) -> int:
         max_batch_size=cfg.get("max_batch_size", None),
         world_size=args.world_size,
     )
-    print(json.dumps(plan_json(plan), indent=2) if args.json else plan_table(plan))
+    split = None
+    if global_batch is not None and plan.max_batch_size:
+        split = split_global_batch(global_batch, world_size=args.world_size, largest_micro_batch=plan.max_batch_size)
+    if args.json:
+        print(json.dumps(dict(plan_json(plan), global_batch=None if split is None else split.to_dict()), indent=2))
+    else:
+        print(plan_table(plan) + ("" if split is None else f"\n{split.describe()}"))
     if args.plot:
         from adaptive_batch.probe.plot import plot_probe_report
 
@@ -272,6 +285,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return args.run(args)
     except (ConfigError, BatchSizeTooLargeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if getattr(args, "json", False):  # a script reading stdout gets an object, not nothing
+            print(json.dumps({"error": str(e), "type": type(e).__name__}))
         return 1
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+import yaml
 
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.run.options import AdaptiveBatchOptions
@@ -68,13 +70,28 @@ def _increase_function(node: Any) -> Any:
 
     if not isinstance(node, DictConfig):
         return node
-    if set(node.keys()) == {"_component_"}:
-        return node._component_
+    if set(node.keys()) == {"_component_"} and not _builds_without_arguments(node._component_):
+        return node._component_  # the growth function itself, e.g. adaptive_batch.double_every_epoch
     try:
         return config.instantiate(node)
     except Exception as e:
         args = {k: v for k, v in node.items() if k != "_component_"}
         raise ConfigError(f"batch_increase_function: building {node.get('_component_')!r} with {args} failed: {e}") from None
+
+
+def _builds_without_arguments(path: Any) -> bool:
+    """Whether ``path`` names a factory that builds with no arguments (every one has a
+    default), so a bare ``_component_`` node means "instantiate" as everywhere else."""
+    import inspect
+
+    from torchtune.config._utils import _get_component_from_path
+
+    try:
+        target = _get_component_from_path(path)
+        inspect.signature(target).bind()
+    except Exception:  # noqa: BLE001 - not importable here, or needs arguments: a function
+        return False
+    return callable(target)
 
 
 def adaptive_options(cfg: DictConfig) -> AdaptiveBatchOptions:
@@ -162,14 +179,70 @@ def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
     """The config with ``key=value`` overrides merged the way ``tune run`` merges them.
 
     Raises:
-        ConfigError: if the file is missing or an override is not ``key=value``.
+        ConfigError: if the file is missing, is not valid YAML or not a mapping of keys, or an
+            override is not ``key=value`` or does not parse.
     """
     from torchtune.config._utils import _merge_yaml_and_cli_args
 
     if not Path(config_path).is_file():
         raise ConfigError(f"--config {config_path!r}: no such file.")
     for item in overrides:
-        if "=" not in item:
+        if "=" not in item and not item.startswith("~"):
             raise ConfigError(f"override {item!r} is not key=value, e.g. batch_size=8.")
-    yaml_args = argparse.Namespace(**OmegaConf.to_container(OmegaConf.load(config_path), resolve=False))
-    return _merge_yaml_and_cli_args(yaml_args, list(overrides))
+    try:
+        loaded = OmegaConf.load(config_path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {config_path!r} is not valid YAML: {_yaml_problem(e)}; fix the file there.") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(
+            f"--config {config_path!r} holds a {type(loaded).__name__}, not a mapping of keys: a config "
+            "is `key: value` lines, e.g. `batch_size: 8`."
+        )
+    if "config" in loaded:
+        raise ConfigError(f"--config {config_path!r} has a key named 'config', which tune run reserves: rename it.")
+    yaml_args = argparse.Namespace(**OmegaConf.to_container(loaded, resolve=False))
+    for item in [o for o in overrides if not o.startswith("~")]:
+        try:
+            _merge_yaml_and_cli_args(argparse.Namespace(), [item])
+        except (OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
+            reason = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+            raise ConfigError(
+                f"override {item!r} does not parse ({reason}): quote a list or a string with spaces, "
+                "e.g. 'optimizer.betas=[0.9,0.95]'."
+            ) from None
+    try:
+        return _merge_yaml_and_cli_args(yaml_args, list(overrides))
+    except ValueError as e:  # `~key` for a key the config lacks
+        raise ConfigError(f"{str(e).strip()}: remove that ~override, or check the key's spelling.") from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """Where and what, from a YAML parser error: ``line 3, column 7: found ...``."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).strip().splitlines()[-1]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
+def check_command_line(argv: Sequence[str]) -> None:
+    """What ``tune run`` hands a recipe (``--config PATH key=value ...``) loads as a config.
+
+    torchtune's ``config.parse`` would end a YAML syntax error or an unparsable override in a
+    traceback; a recipe calls this first, so each is one line.
+
+    Raises:
+        SystemExit: with an ``error:`` line, when the config does not load.
+    """
+    args = list(argv)
+    path = None
+    for i, item in enumerate(args):
+        if item == "--config" and i + 1 < len(args):
+            path = args[i + 1]
+        elif item.startswith("--config="):
+            path = item.split("=", 1)[1]
+    if path is None:
+        return  # argparse says what is missing
+    overrides = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--config")]
+    try:
+        load_config(path, overrides)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None

@@ -34,7 +34,7 @@ BAD_INPUTS = [
     (["batch_increase_function=adaptive_batch.schedule.growth.function_name"], "cannot be called as f(epoch, current_batch_size)"),
     (["grow_with_accumulation=maybe"], "grow_with_accumulation='maybe' must be true or false"),
     (["retry_on_oom=2"], "retry_on_oom=2 must be true or false"),
-    (["optimizer_in_bwd=True", "batch_increase_function=null"], "retry_on_oom=True with optimizer_in_bwd=True"),
+    (["optimizer_in_bwd=True", "batch_increase_function=null", "retry_on_oom=True"], "retry_on_oom=True with optimizer_in_bwd=True"),
     (["batch_increase_interval=10 minutes"], "batch_increase_interval='10 minutes' is not an interval"),
     (["batch_increase_interval=5 steps", "batch_increase_function=null"], "without a batch_increase_function: nothing would grow"),
     (["global_batch_size=6", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=2 with global_batch_size=6"),
@@ -83,7 +83,8 @@ HOSTILE_INPUTS = {
     "dataset dir is a file": (lambda t: [f"dataset.data_dir={_a_file(t)}"], "dataset: building 'adaptive_batch.torchtune.pydoc_text_dataset' failed"),
     "dataset negative min_chars": (lambda t: ["dataset.min_chars=-1"], "dataset.min_chars=-1 must be zero or more"),
     "tokenizer component missing": (
-        lambda t: ["tokenizer._component_=adaptive_batch.torchtune.no_such_tokenizer"], "tokenizer: building"
+        lambda t: ["tokenizer._component_=adaptive_batch.torchtune.no_such_tokenizer"],
+        "tokenizer._component_='adaptive_batch.torchtune.no_such_tokenizer' cannot be imported",
     ),
     "max_seq_len zero": (lambda t: ["tokenizer.max_seq_len=0"], "tokenizer.max_seq_len=0 must be an integer of at least 2"),
     "max_steps zero": (lambda t: ["max_steps_per_epoch=0"], "max_steps_per_epoch=0 must be a positive integer"),
@@ -93,6 +94,21 @@ HOSTILE_INPUTS = {
     "lr reference infinite": (lambda t: ["lr_scaling=linear", "lr_scaling_reference=.inf"], "lr_scaling_reference=inf is not a finite"),
     "optimizer lr NaN": (lambda t: ["optimizer.lr=.nan"], "optimizer.lr=nan is not a finite number"),
     "margin NaN": (lambda t: ["memory_safety_margin=.nan"], "memory_safety_margin=nan is not a finite"),
+    # were tracebacks from torchtune's instantiate and its YAML parser
+    "model component missing": (
+        lambda t: ["model._component_=torchtune.models.llama3_2.nope"],
+        "model._component_='torchtune.models.llama3_2.nope' cannot be imported",
+    ),
+    "config not YAML": (lambda t: ["+config=batch_size: [1, 2\nepochs: 1\n"], "is not valid YAML: line 2, column 7"),
+    "override does not parse": (lambda t: ["batch_size=[1"], "override 'batch_size=[1' does not parse"),
+    "weight decay scaling of zero": (
+        lambda t: ["lr_scaling=linear", "weight_decay_scaling=timescale", "optimizer.weight_decay=0.0"],
+        "weight_decay=0: scaling zero changes nothing",
+    ),
+    "weight decay scaling of Adam's default zero": (
+        lambda t: ["weight_decay_scaling=timescale", "optimizer._component_=torch.optim.Adam"],
+        "torch.optim.Adam's weight_decay=0",
+    ),
     "plot path is a directory": (
         lambda t: ["plot=True", f"output_dir={t / 'o'}", f"+mkdir={t / 'o' / 'batch_probe.png'}"],
         "batch_probe.png' is a directory: move it away, or set plot=False",
@@ -107,7 +123,12 @@ def test_hostile_input_is_one_line_before_any_work(tmp_path, case):
     for item in [o for o in overrides if o.startswith("+mkdir=")]:
         os.makedirs(item.split("=", 1)[1])
         overrides.remove(item)
-    proc = run_tune(tmp_path / "out", *overrides)
+    config = {}
+    for item in [o for o in overrides if o.startswith("+config=")]:
+        (tmp_path / "bad.yaml").write_text(item.split("=", 1)[1])
+        config = dict(config=str(tmp_path / "bad.yaml"))
+        overrides.remove(item)
+    proc = run_tune(tmp_path / "out", *overrides, **config)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert message in line, line

@@ -161,26 +161,56 @@ def test_an_overshooting_trial_fails_to_allocate_under_the_probes_own_limit(tmp_
 
 
 def test_an_answer_that_no_longer_fits_after_the_probe_steps_down():
-    """What the probe leaves mapped counts: the answer is run once more after the state is put
-    back, and a size that runs out of memory then gives way to a smaller one."""
-    from adaptive_batch.probe.api import _trains_after_the_probe
+    """What the probe leaves mapped counts, and what grows from a step to the next: the answer
+    runs consecutive steps after the state is put back, and a size whose second step runs out
+    of memory gives way to a smaller one."""
+    from adaptive_batch.probe.api import VERIFY_STEPS, _trains_after_the_probe
 
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    sizes = []
+    sizes, kept = [], []
 
     def step(batch):
         sizes.append(batch.shape[0])
-        if batch.shape[0] > 90:
+        kept.append(batch.shape[0])  # what a step leaves for the next (e.g. glibc's kept blocks)
+        if batch.shape[0] > 90 and len(kept) > 1:  # the first step of a size fits, its second does not
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
         model(batch).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
 
+    def make_batch(b):
+        if sizes and sizes[-1] != b:
+            kept.clear()  # a new try starts afresh
+        return torch.randn(b, 4)
+
     before = [p.detach().clone() for p in model.parameters()]
     lines = []
     state = dict(model=model, optimizer=optimizer, lr_scheduler=None, directory=None, log=None)
-    assert _trains_after_the_probe(100, step, lambda b: torch.randn(b, 4), torch.device("cpu"), state, lines.append) == 90
-    assert sizes == [100, 98, 96, 94, 92, 90]  # 2% at a time
+    assert _trains_after_the_probe(100, step, make_batch, torch.device("cpu"), state, lines.append) == 90
+    assert sizes == [100, 100, 98, 98, 96, 96, 94, 94, 92, 92] + [90] * VERIFY_STEPS  # 2% at a time
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # put back after every try
-    assert "probe: batch 100 ran out of memory after the probe" in lines[0]
+    assert f"probe: batch 100 ran out of memory within {VERIFY_STEPS} consecutive steps after the probe" in lines[0]
+
+
+def test_the_library_sets_no_allocator_option(monkeypatch):
+    """A fixed M_MMAP_THRESHOLD cannot be undone (it turns glibc's dynamic threshold off for
+    the process), and a batch found with it fails in the caller's plain process: the library
+    calls no mallopt; only the recipes set it, for their own training, and say so."""
+    import ctypes
+
+    opened = []
+    real = ctypes.CDLL
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: opened.append(name) or real(name, *a, **k))
+    model, optimizer, step, make_batch = parts(64)
+    assert find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory="16MiB") > 1
+    assert not [name for name in opened if "libc" in str(name)]
+
+
+def test_the_recipes_allocator_settings_are_said_in_one_line(monkeypatch):
+    import adaptive_batch.memory.device as device
+
+    monkeypatch.setattr(device, "return_freed_memory_to_os", lambda: True)
+    lines = []
+    device.prepare_allocator(torch.device("cpu"), probing=True, log=lines.append, warn=lines.append)
+    assert len(lines) == 1 and "glibc M_MMAP_THRESHOLD=256KiB and M_ARENA_MAX=1 for this run" in lines[0]

@@ -46,7 +46,7 @@ def test_rules_on_the_settings_alone_fire_when_the_options_are_built(sections, m
         (dict(tokens=TokenBatchOptions(max_tokens=2048)), dict(gradient_accumulation_steps=2),
          "gradient_accumulation_steps=2 with max_tokens=2048"),
         (dict(growth=GROW), dict(optimizer_in_bwd=True), "with optimizer_in_bwd=True: both split steps"),
-        ({}, dict(optimizer_in_bwd=True), "retry_on_oom=True with optimizer_in_bwd=True"),
+        (dict(growth=GrowthOptions(retry_on_oom=True)), dict(optimizer_in_bwd=True), "retry_on_oom=True with optimizer_in_bwd=True"),
         (dict(probe=ProbeOptions(use_maximum_batch_size=True)), dict(max_seq_len=None), "tokenizer.max_seq_len=null"),
         (dict(growth=GROW), dict(max_seq_len=None), "tokenizer.max_seq_len=null"),
         (dict(probe=ProbeOptions(use_maximum_batch_size=True)), dict(device=torch.device("meta")),

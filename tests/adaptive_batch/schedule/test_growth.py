@@ -52,6 +52,9 @@ def user_module(tmp_path, monkeypatch):
             def raises(epoch, current_batch_size):
                 raise KeyError("no table entry")
 
+            def interrupts(epoch, current_batch_size):
+                raise KeyboardInterrupt
+
             class Schedules:
                 @staticmethod
                 def nested(epoch, current_batch_size):
@@ -96,7 +99,9 @@ def test_bad_paths_name_the_path_and_the_fix(user_module, path, message):
         ("returns_bool", "returned True (bool)"),
         ("returns_none", "returned None (NoneType)"),
         ("returns_negative", "returned -1; the batch only grows"),
-        ("raises", "raised KeyError: 'no table entry'"),
+        ("raises", "raised KeyError: 'no table entry'; fix the function"),
+        # was a traceback: KeyboardInterrupt is no Exception (a real Ctrl-C is a signal the recipe notes)
+        ("interrupts", "raised KeyboardInterrupt: ; fix the function"),
     ],
 )
 def test_bad_returns_name_epoch_and_batch(user_module, name, message):
@@ -159,7 +164,11 @@ def test_component_node_builds_a_parameterised_built_in():
 
 def test_growth_options():
     opts = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch", grow_with_accumulation=True)
-    assert opts.batch_increase_function is double_every_epoch and opts.grow_with_accumulation and opts.retry_on_oom
+    assert opts.batch_increase_function is double_every_epoch and opts.grow_with_accumulation
+    # left unset, retrying follows the config: torchtune's optimizer_in_bwd configs were refused
+    assert opts.retry_on_oom is None and opts.retries_oom(optimizer_in_bwd=False)
+    assert not opts.retries_oom(optimizer_in_bwd=True)
+    assert not GrowthOptions(retry_on_oom=False).retries_oom(False) and GrowthOptions(retry_on_oom=True).retries_oom(True)
     off = GrowthOptions(retry_on_oom=False)
     assert off.batch_increase_function is None and not off.retry_on_oom and not off.grow_with_accumulation
 

@@ -67,6 +67,10 @@ def test_weight_decay_left_alone_by_default_and_refused_without_one():
         BatchLRScaler(NoDecay(), rule="none", reference=8, weight_decay_scaling="timescale")
     with pytest.raises(ValueError, match="weight_decay_scaling='always'"):
         BatchLRScaler(o, rule="none", reference=8, weight_decay_scaling="always")
+    # was a silent no-op: zero scaled is zero
+    none = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1, weight_decay=0.0)
+    with pytest.raises(ValueError, match="weight_decay_scaling='timescale' with AdamW's weight_decay=0: scaling zero"):
+        BatchLRScaler(none, rule="linear", reference=8, weight_decay_scaling="timescale")
 
 
 class NoDecay(torch.optim.Optimizer):

@@ -72,6 +72,15 @@ def test_plan_table_and_plot_for_the_lora_config(tmp_path):
     [
         (["plan", "--config", "configs/nope.yaml"], "--config 'configs/nope.yaml': no such file"),
         (["plan", "--config", TINY, "optimizer._component_=nosuch.Optim"], "optimizer._component_='nosuch.Optim' cannot be imported"),
+        # were tracebacks from torchtune's instantiate
+        (["plan", "--config", TINY, "model._component_=torchtune.models.llama3_2.nope"],
+         "model._component_='torchtune.models.llama3_2.nope' cannot be imported"),
+        (["probe", "--config", TINY, "model._component_=torchtune.models.llama3_2.llama3_2_1bb"],
+         "model._component_='torchtune.models.llama3_2.llama3_2_1bb' cannot be imported"),
+        (["plan", "--config", TINY, "batch_size=[1"], "override 'batch_size=[1' does not parse"),
+        # was a plan per rank that ignored the global batch it could not split
+        (["plan", "--config", TINY, "--world-size", "3", "global_batch_size=16"],
+         "global_batch_size=16 does not divide among 3 ranks"),
         (["plan", "--config", TINY, "--device-memory", "lots"], "--device-memory='lots' cannot be parsed"),
         (["plan", "--config", TINY, "batch_size"], "override 'batch_size' is not key=value"),
         (["probe", "--config", TINY, "max_memory=lots"], "max_memory='lots' cannot be parsed"),
@@ -89,6 +98,23 @@ def test_bad_input_is_one_line(args, message):
     proc = cli(*args)
     assert proc.returncode == 1
     assert f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_json_errors_are_a_json_object_on_stdout():
+    # stdout was empty, so a script reading it got a JSON decode error instead of the reason
+    proc = cli("plan", "--config", TINY, "--json", "max_memory=lots")
+    assert proc.returncode == 1 and "error: max_memory='lots'" in proc.stderr
+    answer = json.loads(proc.stdout)
+    assert answer["type"] == "ConfigError" and answer["error"].startswith("max_memory='lots' cannot be parsed")
+
+
+def test_the_plan_splits_a_global_batch_among_the_ranks():
+    proc = cli("plan", "--config", TINY, "--json", "--world-size", "2", "--device-memory", "2GiB", "global_batch_size=4096")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout)
+    split = plan["global_batch"]
+    assert split["per_rank"] == 2048 and split["micro_batch_limit"] == plan["max_batch_size"]
+    assert split["gradient_accumulation_steps"] * split["micro_batch_size"] >= 2048
 
 
 def test_unknown_option_is_a_usage_error():

@@ -113,11 +113,83 @@ def test_memory_profiling_off_cuda_is_refused():
     check_profiler(None, "cpu")
 
 
-def test_load_config_errors(tmp_path):
+def test_a_bare_growth_factor_node_is_built_like_any_component():
+    # was refused: a node with only _component_ named the function itself, so the factory
+    # noise_scale_growth (every argument defaulted) was taken for a growth function
+    node = {"_component_": "adaptive_batch.noise_scale_growth"}
+    built = adaptive_options(OmegaConf.create({"batch_increase_function": node, "measure_noise_scale": True}))
+    assert built.growth.batch_increase_function.__qualname__.startswith("noise_scale_growth.")
+    # a growth function (arguments required) is still the function itself
+    node = OmegaConf.create({"batch_increase_function": {"_component_": "adaptive_batch.double_every_epoch"}})
+    assert adaptive_options(node).growth.batch_increase_function is double_every_epoch
+
+
+TINY_CONFIG = str(REPO / "configs" / "tiny" / "full_single_device.yaml")
+
+
+@pytest.mark.parametrize(
+    "text,overrides,message",
+    [
+        (None, ["batch_size"], "override 'batch_size' is not key=value"),
+        # these were tracebacks from the YAML parser
+        ("batch_size: [1, 2\nepochs: 1\n", [], "is not valid YAML: line 2, column 7: did not find expected ',' or ']'"),
+        ("- a\n- b\n", [], "holds a ListConfig, not a mapping of keys"),
+        (None, ["batch_size=[1"], "override 'batch_size=[1' does not parse"),
+        (None, ["~batch_sise"], "Could not find key batch_sise"),
+    ],
+)
+def test_a_config_that_does_not_load_is_one_line(tmp_path, text, overrides, message):
+    from adaptive_batch.torchtune import check_command_line
+
+    path = TINY_CONFIG
+    if text is not None:
+        path = str(tmp_path / "bad.yaml")
+        Path(path).write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    assert message in str(info.value)
+    with pytest.raises(SystemExit) as stop:  # what a recipe's __main__ runs first
+        check_command_line(["--config", path, *overrides])
+    assert str(stop.value.code).startswith("error: ") and message in str(stop.value.code)
     with pytest.raises(ConfigError, match="no such file"):
         load_config(str(tmp_path / "nope.yaml"), [])
-    with pytest.raises(ConfigError, match="override 'batch_size' is not key=value"):
-        load_config(str(REPO / "configs" / "tiny" / "full_single_device.yaml"), ["batch_size"])
+    assert check_command_line(["--config", TINY_CONFIG, "batch_size=3", "~profiler.enabled"]) is None
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("model._component_", "torchtune.models.llama3_2.llama3_2_1bb", "did you mean 'torchtune.models.llama3_2.llama3_2_1b'?"),
+        ("model._component_", "torchtune.models.llama3_2.nope", "'torchtune.models.llama3_2' has no 'nope'"),
+        ("optimizer._component_", "nosuch.Optim", "check the spelling, and that its package is installed"),
+        ("loss._component_", "", "must be a dotted path"),
+    ],
+)
+def test_a_component_that_does_not_import_is_one_line(key, value, message):
+    from adaptive_batch.torchtune.checks import check_components
+
+    cfg = load_config(TINY_CONFIG, [f"{key}={value}"] if value else [])
+    if not value:
+        OmegaConf.update(cfg, key, "")
+    with pytest.raises(ConfigError) as info:
+        check_components(cfg)
+    assert str(info.value).startswith(f"{key}={value!r} ") and message in str(info.value)
+    check_components(load_config(TINY_CONFIG, []))
+
+
+def test_out_of_memory_building_a_component_is_not_blamed_on_its_settings():
+    from adaptive_batch.torchtune.checks import build
+
+    node = OmegaConf.create({"_component_": "tests.adaptive_batch.torchtune.test_config._allocates_too_much"})
+    with pytest.raises(ConfigError) as info:
+        build("dataset", node)
+    message = str(info.value)
+    assert "dataset: building" in message and "ran out of memory (MemoryError)" in message
+    assert "raise the memory limit" in message and "failed:" not in message
+
+
+def _allocates_too_much():
+    raise MemoryError()
 
 
 def test_writable_dir_check_leaves_nothing_and_names_what_is_in_the_way(tmp_path):
