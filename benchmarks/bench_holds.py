@@ -12,7 +12,6 @@ The answer holds when it trains every step and answer + 1 does not.
 
 import argparse
 import json
-from pathlib import Path
 import resource
 import subprocess
 import sys
