@@ -21,16 +21,22 @@ from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.validation import check_positive_int
 
 
-def non_finite_numbers(cfg: Any, prefix: str = "") -> Iterator[Tuple[str, float]]:
-    """Every ``(dotted key, value)`` in ``cfg`` whose value is a NaN or infinite float."""
+def config_leaves(cfg: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    """Every ``(dotted key, value)`` in ``cfg`` whose value is not a mapping or list, nested
+    nodes included (``model._component_``, ``optimizer.lr``)."""
     container = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, (DictConfig, ListConfig)) else cfg
     items = container.items() if isinstance(container, dict) else enumerate(container) if isinstance(container, list) else ()
     for key, value in items:
         name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, float) and not math.isfinite(value):
+        if isinstance(value, (dict, list)):
+            yield from config_leaves(value, name)
+        else:
             yield name, value
-        elif isinstance(value, (dict, list)):
-            yield from non_finite_numbers(value, name)
+
+
+def non_finite_numbers(cfg: Any) -> Iterator[Tuple[str, float]]:
+    """Every ``(dotted key, value)`` in ``cfg`` whose value is a NaN or infinite float."""
+    return ((name, v) for name, v in config_leaves(cfg) if isinstance(v, float) and not math.isfinite(v))
 
 
 def check_finite_numbers(cfg: Any) -> None:
@@ -168,16 +174,9 @@ def check_resume_setting(value: Any) -> Union[bool, str]:
     )
 
 
-def component_nodes(cfg: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+def component_nodes(cfg: Any) -> Iterator[Tuple[str, Any]]:
     """Every ``(dotted key, _component_ value)`` in ``cfg``, nested nodes included."""
-    container = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, (DictConfig, ListConfig)) else cfg
-    items = container.items() if isinstance(container, dict) else enumerate(container) if isinstance(container, list) else ()
-    for key, value in items:
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if key == "_component_":
-            yield name, value
-        elif isinstance(value, (dict, list)):
-            yield from component_nodes(value, name)
+    return ((name, v) for name, v in config_leaves(cfg) if name.rsplit(".", 1)[-1] == "_component_")
 
 
 def check_components(cfg: Any, only: Optional[Tuple[str, ...]] = None) -> None:
