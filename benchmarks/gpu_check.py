@@ -186,21 +186,22 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
 
     import adaptive_batch as ab
     from adaptive_batch.memory.oom import release_memory
-    from adaptive_batch.probe.service import step_budget
-    from adaptive_batch.probe.trials import probe_max_batch_size
+    from adaptive_batch.probe.service import probe_batch_size, step_budget
     from adaptive_batch.torchtune.planning import plan_from_config
 
     cfg = load_config(name)
     model, optimizer, step = build(cfg, device)
     make_batch = make_batch_fn(cfg, model, device)
-    budget, _ = step_budget(ab.ProbeOptions(max_memory=max_memory, memory_safety_margin=margin),
-                            device=device, model=model, optimizer=optimizer)
+    options = ab.ProbeOptions(max_memory=max_memory, memory_safety_margin=margin, probe_cache=False)
+    budget, _ = step_budget(options, device=device, model=model, optimizer=optimizer)
     hold_card_to(device, budget.limit_bytes)
     t0 = time.perf_counter()
-    result = probe_max_batch_size(train_step=step, make_batch=make_batch, model=model, optimizer=optimizer,
-                                     device=device, budget_bytes=budget.budget_bytes)
+    # The recipes' probe: the search, then the answer's consecutive steps held to the budget.
+    report = probe_batch_size(options, train_step=step, make_batch=make_batch, model=model, optimizer=optimizer,
+                              device=device, seq_len=int(cfg.tokenizer.max_seq_len), dataset_size=1 << 40,
+                              output_dir=str(workdir), log=lambda line: None, save_report=False)
     probe_seconds = time.perf_counter() - t0
-    found = result.max_batch_size
+    found = report["batch_size"]
     curve = measure_curve(step, make_batch, model, optimizer, device, found) if curve_points else []
     del model, optimizer, step
     release_memory(device)
@@ -209,8 +210,8 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
         "row": name, "vocab": int(cfg.model.get("vocab_size", 128256)), "dtype": str(cfg.get("dtype", "fp32")),
         "ac": bool(cfg.get("enable_activation_checkpointing", False)), "max_memory": max_memory,
         "budget_bytes": budget.budget_bytes, "limit_bytes": budget.limit_bytes, "margin": budget.safety_margin,
-        "found": found, "predicted": result.predicted_max_batch_size, "probe_seconds": probe_seconds,
-        "search": result.to_dict(), "curve": curve,
+        "found": found, "searched": report["max_batch_size"], "predicted": report["estimate"]["predicted_max_batch_size"],
+        "probe_seconds": probe_seconds, "search": report, "curve": curve,
     }
     if device.type == "cuda":
         row["trained"] = train_fresh(name, found, steps, budget.budget_bytes, str(device))
@@ -235,7 +236,8 @@ def cells(row: Dict[str, Any]) -> List[str]:
     epoch = row.get("epoch_seconds")
     return [
         row["row"], str(row["vocab"]), row["dtype"], "on" if row["ac"] else "off", str(row["max_memory"]),
-        format_bytes(row["budget_bytes"]), str(row["found"]), str(len(trials)), str(sum(t["oom"] for t in trials)),
+        format_bytes(row["budget_bytes"]),
+        str(row["found"]) if row.get("searched", row["found"]) == row["found"] else f"{row['found']} (search {row['searched']})", str(len(trials)), str(sum(t["oom"] for t in trials)),
         f"{row['probe_seconds']:.1f}", f"{row['probe_seconds'] / epoch:.1%}" if epoch else "n/a",
         f"{'yes' if trained['error'] is None else 'no: ' + trained['error'][:40]} ({trained['steps_run']})",
         "n/a (no CUDA)" if over is None else ("OOMs" if over["error"] == "OOM" else f"no: {over['error'] or 'ran'}"),

@@ -29,10 +29,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.probe.service import MemorySpec, ProbeOptions, step_budget, trial_address_space, trial_memory_limit
-from adaptive_batch.probe.snapshot import TrainingStateSnapshot
 from adaptive_batch.probe.trials import probe_max_batch_size
+from adaptive_batch.probe.verify import largest_that_trains
 from adaptive_batch.validation import check_safety_margin
 
 
@@ -97,42 +96,7 @@ def find_max_batch_size(
         budget_source=budget.source,
     )
     state = dict(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, directory=snapshot_dir, log=log)
-    return _trains_after_the_probe(result.max_batch_size, train_step, make_batch, device, state, log)
-
-
-# How far the answer steps down after a failed check: a few sizes of a large batch at once.
-STEP_DOWN = 0.02
-# Consecutive steps the answer must run: a step's allocations grow from the first step to the
-# next few (optimizer state in place, glibc's heap keeping freed blocks), as in training.
-VERIFY_STEPS = 3
-
-
-def _trains_after_the_probe(
-    batch_size: int,
-    train_step: Callable[[Any], None],
-    make_batch: Callable[[int], Any],
-    device: torch.device,
-    state: dict,
-    log: Optional[Callable[[str], None]],
-) -> int:
-    """The largest of ``batch_size`` and the sizes below it (2% at a time) that run
-    :data:`VERIFY_STEPS` consecutive real steps now, as the caller's loop will (nothing freed
-    or restored between them), with the state put back after each try."""
-    while True:
-        with TrainingStateSnapshot(**state):
-            _, failure = catch_oom(lambda: _consecutive_steps(train_step, make_batch, batch_size))
-        release_memory(device)
-        if failure is None or batch_size == 1:
-            return batch_size
-        lower = max(1, min(batch_size - 1, int(batch_size * (1 - STEP_DOWN))))
-        if log is not None:
-            log(
-                f"probe: batch {batch_size} ran out of memory within {VERIFY_STEPS} consecutive steps after the "
-                f"probe ({failure}); checking {lower}."
-            )
-        batch_size = lower
-
-
-def _consecutive_steps(train_step: Callable[[Any], None], make_batch: Callable[[int], Any], batch_size: int) -> None:
-    for _ in range(VERIFY_STEPS):
-        train_step(make_batch(batch_size))
+    return largest_that_trains(
+        result.max_batch_size, train_step=train_step, make_batch=make_batch, device=device, state=state,
+        budget_bytes=budget.budget_bytes, log=log,
+    )

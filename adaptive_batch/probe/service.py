@@ -39,6 +39,7 @@ from adaptive_batch.probe.trials import (
     training_state_bytes,
     write_probe_report,
 )
+from adaptive_batch.probe.verify import largest_that_trains, runs_consecutive_steps, verify_steps
 from adaptive_batch.validation import check_bool, check_choice, check_fraction, check_positive_int, check_safety_margin
 
 MemorySpec = Union[None, int, float, str]
@@ -273,7 +274,15 @@ def probe_batch_size(
             return _report_path(output_dir)
         return save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
 
+    # Training's own steps at the answer, held to the budget: the check every answer passes.
+    check = dict(
+        train_step=train_step, make_batch=make_batch, device=device, budget_bytes=common_budget, agree=ranks.any,
+        state=dict(model=model, optimizer=optimizer, directory=output_dir, log=log), log=log,
+    )
     cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
+    if cached is not None and not runs_consecutive_steps(int(cached["batch_size"]), **check):
+        log(f"use_maximum_batch_size: the probe cache's batch_size={cached['batch_size']} did not train here; probing again.")
+        cached = None
     if cached is not None:
         report = dict(cached, cache={"hit": True, "path": cache.path(key)})
         path = publish(report)
@@ -306,10 +315,12 @@ def probe_batch_size(
         budget_source=budget.source,
         **steps,
     )
-    batch_size = round_batch_size(result.max_batch_size, options.batch_size_rounding)
+    verified = largest_that_trains(result.max_batch_size, **check)
+    batch_size = round_batch_size(verified, options.batch_size_rounding)
     extra: Dict[str, Any] = {
         "capacity": capacity.to_dict(), "trial_address_space_limit": address_space, "batch_size_cap": cap,
         "batch_size_objective": options.batch_size_objective, "world_size": ranks.world_size,
+        "verified_batch_size": verified, "verify_steps": verify_steps(device),
         # What every rank measured against its own budget; the batch is what fits on all.
         "ranks": ranks.gather(lockstep[0].report()),
     }

@@ -160,39 +160,6 @@ def test_an_overshooting_trial_fails_to_allocate_under_the_probes_own_limit(tmp_
     assert result["lifted"]
 
 
-def test_an_answer_that_no_longer_fits_after_the_probe_steps_down():
-    """What the probe leaves mapped counts, and what grows from a step to the next: the answer
-    runs consecutive steps after the state is put back, and a size whose second step runs out
-    of memory gives way to a smaller one."""
-    from adaptive_batch.probe.api import VERIFY_STEPS, _trains_after_the_probe
-
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    sizes, kept = [], []
-
-    def step(batch):
-        sizes.append(batch.shape[0])
-        kept.append(batch.shape[0])  # what a step leaves for the next (e.g. glibc's kept blocks)
-        if batch.shape[0] > 90 and len(kept) > 1:  # the first step of a size fits, its second does not
-            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
-        model(batch).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    def make_batch(b):
-        if sizes and sizes[-1] != b:
-            kept.clear()  # a new try starts afresh
-        return torch.randn(b, 4)
-
-    before = [p.detach().clone() for p in model.parameters()]
-    lines = []
-    state = dict(model=model, optimizer=optimizer, lr_scheduler=None, directory=None, log=None)
-    assert _trains_after_the_probe(100, step, make_batch, torch.device("cpu"), state, lines.append) == 90
-    assert sizes == [100, 100, 98, 98, 96, 96, 94, 94, 92, 92] + [90] * VERIFY_STEPS  # 2% at a time
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # put back after every try
-    assert f"probe: batch 100 ran out of memory within {VERIFY_STEPS} consecutive steps after the probe" in lines[0]
-
-
 def test_the_library_sets_no_allocator_option(monkeypatch):
     """A fixed M_MMAP_THRESHOLD cannot be undone (it turns glibc's dynamic threshold off for
     the process), and a batch found with it fails in the caller's plain process: the library

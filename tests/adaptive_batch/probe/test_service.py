@@ -103,3 +103,33 @@ def test_batch_one_too_large(tmp_path):
     with pytest.raises(BatchSizeTooLargeError):
         probe_batch_size(ProbeOptions(max_memory=2**20, probe_cache=False), **_mlp_parts(), device=torch.device("cpu"),
                          seq_len=1, dataset_size=8, output_dir=str(tmp_path), log=lambda line: None)
+
+
+def test_a_cache_entry_that_does_not_train_is_not_trusted(tmp_path):
+    """A well-formed entry that claims far more than fits (another machine's, a hand edit) is
+    checked by real steps at its size first, and the probe runs again when they fail."""
+    opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache_dir=str(tmp_path / "cache"))
+    lines = []
+    common = dict(device=torch.device("cpu"), seq_len=256, dataset_size=10**6, output_dir=str(tmp_path / "out"),
+                  cache_fields={"model": "mlp"}, log=lines.append)
+    report = probe_batch_size(opts, **_mlp_parts(), **common)
+    path = report["cache"]["path"]
+    entry = json.loads(open(path).read())
+    found = report["batch_size"]
+    claim = 50 * found  # well formed (a fitting trial at its size), far too large
+    entry["report"].update(batch_size=claim, max_batch_size=claim)
+    entry["report"]["trials"].append({"batch_size": claim, "fits": True})
+    with open(path, "w") as f:
+        json.dump(entry, f)
+    parts = _mlp_parts()
+    step = parts["train_step"]
+
+    def step_with_a_limit(batch):  # what does not fit here runs out of memory, as on a card
+        if batch["x"].shape[0] > 2 * found:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        step(batch)
+
+    parts["train_step"] = step_with_a_limit
+    again = probe_batch_size(opts, **parts, **common)
+    assert again["cache"]["hit"] is False and again["batch_size"] <= 2 * found  # probed again, never the claim
+    assert any(f"probe cache's batch_size={claim} did not train here; probing again" in line for line in lines)

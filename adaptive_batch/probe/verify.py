@@ -1,0 +1,121 @@
+"""The probe's answer checked the way training runs it: consecutive steps, nothing freed between.
+
+A trial starts on an emptied cache; training's second step does not. What grows between them
+(on CUDA the caching allocator's reserved-but-unallocated blocks, on CPU glibc's kept heap) is
+what a found batch that fails at step 2 or 7 ran into on the card. So the answer runs several
+consecutive real steps with the training state put back afterwards, on CUDA held to the budget
+(``set_per_process_memory_fraction``, so the reserved memory counts, not only the allocated),
+and the largest size that passes is the answer.
+"""
+
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+
+from adaptive_batch.memory.oom import catch_oom, release_memory
+from adaptive_batch.probe.snapshot import TrainingStateSnapshot
+
+# How far the answer steps down after a failed check: a few sizes of a large batch at once,
+# then a bisection back up between the passing and the failing size.
+STEP_DOWN = 0.02
+# Consecutive steps the answer must run. On CPU a step's allocations grow over the first few
+# (optimizer state in place, glibc's heap keeping freed blocks). On CUDA the reserved memory
+# crept for longer (a 152K-vocabulary model on an H100 ran 6 steps and failed the 7th), and a
+# step costs a fraction of a second.
+VERIFY_STEPS = {"cpu": 3, "cuda": 10}
+
+
+def verify_steps(device: torch.device) -> int:
+    """How many consecutive steps the answer must run on ``device``."""
+    return VERIFY_STEPS.get(device.type, VERIFY_STEPS["cpu"])
+
+
+@contextmanager
+def cuda_memory_cap(device: torch.device, limit_bytes: Optional[int]) -> Iterator[None]:
+    """On CUDA, holds this process's reserved memory to ``limit_bytes`` (a larger allocation is
+    a real out-of-memory error) and puts the previous fraction back; elsewhere does nothing."""
+    if device.type != "cuda" or limit_bytes is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.9
+    previous = getter(device) if getter is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(previous, limit_bytes / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(previous, device)
+
+
+def runs_consecutive_steps(
+    batch_size: int,
+    *,
+    train_step: Callable[[Any], None],
+    make_batch: Callable[[int], Any],
+    device: torch.device,
+    state: Dict[str, Any],
+    budget_bytes: Optional[int] = None,
+    agree: Callable[[bool], bool] = lambda failed: failed,
+    log: Optional[Callable[[str], None]] = None,
+) -> bool:
+    """Whether ``batch_size`` runs :func:`verify_steps` consecutive real steps now, as the
+    caller's loop will, with the training state put back afterwards.
+
+    Args:
+        batch_size: the size to check.
+        train_step: one full training step.
+        make_batch: a worst-case batch of a given size.
+        device: where the step runs.
+        state: :class:`TrainingStateSnapshot`'s arguments (model, optimizer, ...).
+        budget_bytes: on CUDA the steps are held to it; ``None`` for the device as it is.
+        agree: turns this process's outcome into every rank's (``RankGroup.any`` of the failures).
+        log: called with a line when the check fails.
+
+    Returns:
+        ``True`` when every step ran (on every rank).
+
+    Raises:
+        Whatever the step raises other than an out-of-memory error.
+    """
+    steps = verify_steps(device)
+
+    def run() -> None:
+        for _ in range(steps):
+            train_step(make_batch(batch_size))
+
+    with TrainingStateSnapshot(**state), cuda_memory_cap(device, budget_bytes):
+        _, failure = catch_oom(run)
+    release_memory(device)
+    failed = agree(failure is not None)
+    if failed and log is not None:
+        log(f"probe: batch {batch_size} ran out of memory within {steps} consecutive steps ({failure or 'another rank'}).")
+    return not failed
+
+
+def largest_that_trains(batch_size: int, **check: Any) -> int:
+    """The largest size up to ``batch_size`` that passes :func:`runs_consecutive_steps`
+    (``check`` is its keyword arguments): 2% lower at a time until one passes, then a bisection
+    back up to the size just below one that failed.
+
+    Returns:
+        ``batch_size`` if it passes, else the largest smaller size that does (1 at the least).
+    """
+    if batch_size <= 1 or runs_consecutive_steps(batch_size, **check):
+        return batch_size
+    bad, good = batch_size, _step_down(batch_size)
+    while good > 1 and not runs_consecutive_steps(good, **check):
+        bad, good = good, _step_down(good)
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if runs_consecutive_steps(middle, **check):
+            good = middle
+        else:
+            bad = middle
+    if check.get("log") is not None:
+        check["log"](f"probe: the answer is {good}, which runs {verify_steps(check['device'])} consecutive steps; {bad} did not.")
+    return good
+
+
+def _step_down(batch_size: int) -> int:
+    return max(1, min(batch_size - 1, int(batch_size * (1 - STEP_DOWN))))

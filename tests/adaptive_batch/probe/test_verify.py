@@ -1,0 +1,99 @@
+"""The probe's answer runs consecutive steps as training will, and steps down until it does."""
+
+import pytest
+import torch
+
+from adaptive_batch.probe import verify
+from adaptive_batch.probe.verify import cuda_memory_cap, largest_that_trains, runs_consecutive_steps
+
+OOM = "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"
+
+
+def _parts(second_step_fails_above: int):
+    """A model whose step at a size above the threshold fits once and fails the next time, as
+    on the card (reserved memory creeping) and on CPU (glibc's kept heap)."""
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sizes, kept = [], []
+
+    def step(batch):
+        sizes.append(batch.shape[0])
+        kept.append(batch.shape[0])
+        if batch.shape[0] > second_step_fails_above and len(kept) > 1:
+            raise RuntimeError(OOM)
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def make_batch(b):
+        if sizes and sizes[-1] != b:
+            kept.clear()  # a new check starts afresh
+        return torch.randn(b, 4)
+
+    state = dict(model=model, optimizer=optimizer, lr_scheduler=None, directory=None, log=None)
+    check = dict(train_step=step, make_batch=make_batch, device=torch.device("cpu"), state=state)
+    return model, sizes, check
+
+
+def test_steps_down_then_back_up_to_the_largest_that_trains():
+    model, sizes, check = _parts(second_step_fails_above=90)
+    before = [p.detach().clone() for p in model.parameters()]
+    lines = []
+    assert largest_that_trains(100, log=lines.append, **check) == 90
+    steps = verify.VERIFY_STEPS["cpu"]
+    # 2% at a time until one passes, then 91 (between 90 and 92) fails its second step.
+    assert sizes == [100, 100, 98, 98, 96, 96, 94, 94, 92, 92] + [90] * steps + [91, 91]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # put back after every check
+    assert f"probe: batch 100 ran out of memory within {steps} consecutive steps" in lines[0]
+    assert lines[-1] == f"probe: the answer is 90, which runs {steps} consecutive steps; 91 did not."
+
+
+def test_bisects_between_a_passing_and_a_failing_size():
+    _, sizes, check = _parts(second_step_fails_above=97)
+    assert largest_that_trains(100, **check) == 97
+    assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [100, 98, 96, 97]
+
+
+def test_an_answer_that_trains_costs_one_check():
+    _, sizes, check = _parts(second_step_fails_above=1000)
+    assert largest_that_trains(100, **check) == 100
+    assert sizes == [100] * verify.VERIFY_STEPS["cpu"]
+
+
+def test_another_ranks_failure_fails_every_rank():
+    """The ranks agree (``RankGroup.any``): a size that fails on one fails on all."""
+    _, _, check = _parts(second_step_fails_above=1000)
+    lines = []
+    assert not runs_consecutive_steps(8, agree=lambda failed: True, log=lines.append, **check)
+    assert "(another rank)" in lines[0]
+    assert largest_that_trains(8, agree=lambda failed: True, **check) == 1
+
+
+def test_other_errors_propagate():
+    _, _, check = _parts(second_step_fails_above=1000)
+    check["train_step"] = lambda batch: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        runs_consecutive_steps(4, **check)
+
+
+def test_cuda_checks_are_held_to_the_budget_and_the_fraction_put_back(monkeypatch):
+    """On the card the reserved memory counts: the steps run under set_per_process_memory_fraction
+    at the budget, and whatever fraction was set before is back afterwards, also after a failure."""
+    calls = []
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.9, raising=False)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append(round(f, 4)))
+    with cuda_memory_cap(torch.device("cuda", 0), 40 * 2**30):
+        assert calls == [0.5]
+    with pytest.raises(RuntimeError), cuda_memory_cap(torch.device("cuda", 0), 76 * 2**30):
+        assert calls[-1] == 0.9  # a tighter fraction already set stays
+        raise RuntimeError("step failed")
+    assert calls == [0.5, 0.9, 0.9, 0.9]
+    with cuda_memory_cap(torch.device("cpu"), 2**30), cuda_memory_cap(torch.device("cuda", 0), None):
+        pass
+    assert len(calls) == 4
+    assert verify.verify_steps(torch.device("cuda", 0)) == verify.VERIFY_STEPS["cuda"] > verify.VERIFY_STEPS["cpu"]
