@@ -280,8 +280,9 @@ def probe_batch_size(
         state=dict(model=model, optimizer=optimizer, directory=output_dir, log=log), log=log,
     )
     cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
-    if cached is not None and not runs_consecutive_steps(int(cached["batch_size"]), **check):
-        log(f"use_maximum_batch_size: the probe cache's batch_size={cached['batch_size']} did not train here; probing again.")
+    largest = None if cached is None else int(cached.get("verified_batch_size", cached["batch_size"]))
+    if largest is not None and not runs_consecutive_steps(largest, **check):
+        log(f"use_maximum_batch_size: the probe cache's batch_size={largest} did not train here; probing again.")
         cached = None
     if cached is not None:
         report = dict(cached, cache={"hit": True, "path": cache.path(key)})

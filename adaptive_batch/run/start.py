@@ -71,9 +71,10 @@ def starting_batch(
         micro = report["batch_size"]
         log(f"use_maximum_batch_size: training with batch_size={micro}")
         return micro * accumulation, micro
-    # Growth is bounded by the largest batch that fits, whatever batch the objective chose.
+    # Growth is bounded by the largest batch that ran consecutive steps (not the search's answer,
+    # which may have failed them), whatever batch the objective chose.
     bound = (
-        round_batch_size(report["max_batch_size"], probe.batch_size_rounding)
+        round_batch_size(report.get("verified_batch_size", report["batch_size"]), probe.batch_size_rounding)
         if report is not None
         else probe.max_batch_size
     )

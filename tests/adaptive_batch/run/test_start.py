@@ -24,7 +24,7 @@ def test_without_growth_the_probed_batch_is_the_micro_batch():
 
 
 def test_with_growth_the_largest_fit_rounded_bounds_the_micro_batch_and_the_start():
-    report = {"batch_size": 5, "max_batch_size": 13}
+    report = {"batch_size": 5, "max_batch_size": 13, "verified_batch_size": 13}
     rounded = ProbeOptions(batch_size_rounding="power_of_two")
     assert start(report, rounded, GROW)[0] == (4, 8)
     (got, _, warnings) = start(report, rounded, GROW, batch_size=16)
@@ -32,6 +32,16 @@ def test_with_growth_the_largest_fit_rounded_bounds_the_micro_batch_and_the_star
     with_accumulation = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch",
                                       grow_with_accumulation=True)
     assert start(report, rounded, with_accumulation, batch_size=16)[0] == (16, 8)
+
+
+def test_growth_is_bounded_by_the_verified_batch_not_the_search():
+    """On an H100 the search found 173 and 173 failed within 10 consecutive steps (the answer
+    was 170), yet growth was bounded by 173."""
+    report = {"batch_size": 170, "max_batch_size": 173, "verified_batch_size": 170}
+    (got, lines, _) = start(report, ProbeOptions(), GROW, batch_size=2)
+    assert got == (2, 170) and "micro-batches of up to 170" in lines[0]
+    # A report without the field (a cache entry from before it) falls back to the batch it chose.
+    assert start({"batch_size": 9, "max_batch_size": 13}, ProbeOptions(), GROW)[0] == (4, 9)
 
 
 def test_a_global_batch_splits_into_micro_batches_of_at_most_the_probed_one():
