@@ -199,6 +199,7 @@ def probe_max_batch_size(
                 max_batch_size=max_batch_size,
                 release=lambda: release_memory(device),
                 log=log,
+                settle_slope=device.type == "cuda",  # no operator timeline there
             )
         except BatchSizeTooLargeError as e:
             raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget_source) from None

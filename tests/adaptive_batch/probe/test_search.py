@@ -283,3 +283,47 @@ def test_an_unbounded_search_jumps_to_the_prediction_without_a_start():
     step = LinearStep(fixed=1_000, per_sample=100)
     result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release, max_overshoot=math.inf)
     assert step.calls == [1, 1, 2, 37, 38]
+
+
+class ConvexStep:
+    """A step whose backward peak is the larger of two lines, as an H100 measured a
+    152K-vocabulary model's (MiB): 971 + 123 b sets it at batch 1-2, 530 + 307 b from 3 on. Past
+    the card's 78.4 GiB a step runs out of memory."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, b):
+        self.calls.append(b)
+        mib = 2**20
+        if 530 + 307 * b > 80_250:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 4.47 GiB.")
+        return StepMemory({"forward": (220 + 160 * b) * mib, "backward": max(971 + 123 * b, 530 + 307 * b) * mib,
+                           "optimizer": 979 * mib}, start_bytes=528 * mib)
+
+
+def test_on_cuda_estimate_steps_double_until_the_slope_settles():
+    """The line through batch 1 and 2 predicted 476 where 246 fit on the card (5 out-of-memory
+    trials); doubling the estimate steps until two pairs agree predicts 246 itself."""
+    budget = 76_250 * 2**20
+    step = ConvexStep()
+    result = search_max_batch_size(step, budget_bytes=budget, release=no_release, settle_slope=True)
+    assert result.max_batch_size == 246 == result.predicted_max_batch_size
+    assert step.calls == [1, 1, 2, 4, 8, 16, 246, 247]
+    assert not any(t.batch_size > 247 for t in result.trials)
+    check_bracket(result)
+    unsettled = ConvexStep()
+    before = search_max_batch_size(unsettled, budget_bytes=budget, release=no_release)
+    assert before.max_batch_size == 246 and before.predicted_max_batch_size == 475  # the old guess (476 on the card)
+    assert sum(t.oom for t in before.trials) >= 3 and sum(t.oom for t in result.trials) == 0
+
+
+def test_settling_stops_at_the_cap_and_at_a_step_that_does_not_fit():
+    capped = ConvexStep()
+    result = search_max_batch_size(capped, budget_bytes=76_250 * 2**20, max_batch_size=6, release=no_release,
+                                   settle_slope=True)
+    assert result.max_batch_size == 6 and max(capped.calls) == 6
+    small = ConvexStep()  # 12 fits a budget of 4.5 GiB, 16 does not
+    result = search_max_batch_size(small, budget_bytes=4_608 * 2**20, release=no_release, settle_slope=True)
+    assert result.max_batch_size == (4_608 - 530) // 307
+    check_bracket(result)
