@@ -234,10 +234,11 @@ def cells(row: Dict[str, Any]) -> List[str]:
     trained, over = row["trained"], row.get("over")
     measured = trained.get("allocated_peak")
     epoch = row.get("epoch_seconds")
+    searched = row.get("searched", row["found"])  # the search's answer, before the consecutive steps
+    found = str(row["found"]) if searched == row["found"] else f"{row['found']} (search {searched})"
     return [
         row["row"], str(row["vocab"]), row["dtype"], "on" if row["ac"] else "off", str(row["max_memory"]),
-        format_bytes(row["budget_bytes"]),
-        str(row["found"]) if row.get("searched", row["found"]) == row["found"] else f"{row['found']} (search {row['searched']})", str(len(trials)), str(sum(t["oom"] for t in trials)),
+        format_bytes(row["budget_bytes"]), found, str(len(trials)), str(sum(t["oom"] for t in trials)),
         f"{row['probe_seconds']:.1f}", f"{row['probe_seconds'] / epoch:.1%}" if epoch else "n/a",
         f"{'yes' if trained['error'] is None else 'no: ' + trained['error'][:40]} ({trained['steps_run']})",
         "n/a (no CUDA)" if over is None else ("OOMs" if over["error"] == "OOM" else f"no: {over['error'] or 'ran'}"),

@@ -20,7 +20,8 @@ The guarantees are the recipes': every trial is a real step on a batch of the ca
 case, the answer fitted and the size above it did not, and the model, optimizer, scheduler and
 RNG come out as they went in. The answer is then run as the caller's loop will run it, several
 consecutive steps after the probe has put everything back, under the limits in place (what the
-probe itself left mapped counts), and steps down until they fit. The call sets no allocator
+probe itself left mapped counts; on CUDA held to the budget), and the largest size that runs
+them is the answer (:mod:`adaptive_batch.probe.verify`). The call sets no allocator
 option: the process's malloc settings are the ones the caller trains with.
 """
 
