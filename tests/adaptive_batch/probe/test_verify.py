@@ -1,5 +1,7 @@
 """The probe's answer runs consecutive steps as training will, and steps down until it does."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,12 +37,15 @@ def _parts(second_step_fails_above: int):
     return model, sizes, check
 
 
-def test_steps_down_then_back_up_to_the_largest_that_trains():
+def test_steps_down_then_back_up_to_the_largest_that_trains(monkeypatch):
     model, sizes, check = _parts(second_step_fails_above=90)
+    check["device"] = torch.device("cuda", 0)  # bisects back up there; nothing here touches CUDA
+    monkeypatch.setattr(verify, "cuda_memory_cap", lambda device, limit: contextlib.nullcontext())
+    monkeypatch.setattr(verify, "release_memory", lambda device: None)
     before = [p.detach().clone() for p in model.parameters()]
     lines = []
     assert largest_that_trains(100, log=lines.append, **check) == 90
-    steps = verify.VERIFY_STEPS["cpu"]
+    steps = verify.VERIFY_STEPS["cuda"]
     # 2% at a time until one passes, then 91 (between 90 and 92) fails its second step.
     assert sizes == [100, 100, 98, 98, 96, 96, 94, 94, 92, 92] + [90] * steps + [91, 91]
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # put back after every check
@@ -48,8 +53,19 @@ def test_steps_down_then_back_up_to_the_largest_that_trains():
     assert lines[-1] == f"probe: the answer is 90, which runs {steps} consecutive steps; 91 did not."
 
 
-def test_bisects_between_a_passing_and_a_failing_size():
+def test_on_cpu_only_steps_down():
+    """glibc's heap moves between runs by more than a size's step: a size bisected up to on CPU
+    failed the caller's next step (test_under_a_real_process_limit, 2 of 3 runs under load)."""
     _, sizes, check = _parts(second_step_fails_above=97)
+    assert largest_that_trains(100, **check) == 96
+    assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [100, 98, 96]
+
+
+def test_bisects_between_a_passing_and_a_failing_size_on_cuda(monkeypatch):
+    _, sizes, check = _parts(second_step_fails_above=97)
+    check["device"] = torch.device("cuda", 0)
+    monkeypatch.setattr(verify, "cuda_memory_cap", lambda device, limit: contextlib.nullcontext())
+    monkeypatch.setattr(verify, "release_memory", lambda device: None)
     assert largest_that_trains(100, **check) == 97
     assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [100, 98, 96, 97]
 
