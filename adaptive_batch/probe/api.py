@@ -81,7 +81,10 @@ def find_max_batch_size(
     if device is None:
         device = next(model.parameters()).device
     budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
-    address_space = trial_address_space(budget, capacity, device=device, model=model, optimizer=optimizer)
+    limits = dict(device=device, model=model, optimizer=optimizer)
+    address_space = trial_address_space(budget, capacity, **limits)
+    reserve_bytes = 0 if address_space is None else address_space - trial_address_space(
+        budget, capacity, held_back=budget.safety_margin, **limits)
     result = probe_max_batch_size(
         train_step=train_step,
         make_batch=make_batch,
@@ -99,5 +102,5 @@ def find_max_batch_size(
     state = dict(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, directory=snapshot_dir, log=log)
     return largest_that_trains(
         result.max_batch_size, train_step=train_step, make_batch=make_batch, device=device, state=state,
-        budget_bytes=budget.budget_bytes, log=log,
+        budget_bytes=budget.budget_bytes, address_space=address_space, reserve_bytes=reserve_bytes, log=log,
     )

@@ -175,8 +175,10 @@ def trial_address_space(
     device: torch.device,
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
+    held_back: float = 0.0,
 ) -> Optional[int]:
-    """The soft ``RLIMIT_AS`` the probe's trials run under on CPU, ``None`` elsewhere.
+    """The soft ``RLIMIT_AS`` the probe's trials run under on CPU, ``None`` elsewhere; with
+    ``held_back`` (the safety margin) that share of its headroom less, for the answer's check.
 
     Available RAM and a cgroup limit are soft: a trial past them is ended by the kernel's OOM
     killer, not refused. Under this limit (the address space now plus a headroom: what
@@ -190,7 +192,8 @@ def trial_address_space(
     if vm_size is None:
         return None
     budget_headroom = max(0, budget.limit_bytes - training_state_bytes(model, optimizer))
-    return vm_size + min(capacity.headroom_bytes, int(MAX_TRIAL_OVERSHOOT * budget_headroom))
+    headroom = min(capacity.headroom_bytes, int(MAX_TRIAL_OVERSHOOT * budget_headroom))
+    return vm_size + int(headroom * (1 - held_back))
 
 
 @contextmanager
@@ -274,9 +277,15 @@ def probe_batch_size(
             return _report_path(output_dir)
         return save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
 
+    # Read before any step grows the heap: the trials' limit and the check's, the margin less.
+    limits = dict(device=device, model=model, optimizer=optimizer)
+    address_space = trial_address_space(budget, capacity, **limits)
+    reserve_bytes = 0 if address_space is None else address_space - trial_address_space(
+        budget, capacity, held_back=budget.safety_margin, **limits)
     # Training's own steps at the answer, held to the budget: the check every answer passes.
     check = dict(
-        train_step=train_step, make_batch=make_batch, device=device, budget_bytes=common_budget, agree=ranks.any,
+        train_step=train_step, make_batch=make_batch, device=device, budget_bytes=common_budget,
+        address_space=address_space, reserve_bytes=reserve_bytes, agree=ranks.any,
         state=dict(model=model, optimizer=optimizer, directory=output_dir, log=log), log=log,
     )
     cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
@@ -307,7 +316,6 @@ def probe_batch_size(
         lockstep.append(LockstepTrial(ranks, run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget))
         return lockstep[-1]
 
-    address_space = trial_address_space(budget, capacity, device=device, model=model, optimizer=optimizer)
     result = probe_max_batch_size(
         budget_bytes=common_budget,
         max_batch_size=cap,

@@ -95,10 +95,15 @@ class TrainingStateSnapshot:
         for p in self.model.parameters():
             p.grad = None
         if self.optimizer is not None:
-            # Drop the probe's optimizer state before loading: load_state_dict replaces it.
+            # The saved values go back into the tensors the steps left (load_state_dict would
+            # allocate new ones): the memory the caller trains on is then laid out as it was
+            # for the checked steps. Under an address-space limit a reallocated optimizer state
+            # fragmented glibc's heap enough that the checked batch failed the caller's 2nd step.
+            kept = _state_tensors(self.optimizer)
             self.optimizer.state.clear()
             self.optimizer.load_state_dict(state["optimizer"])
-            _own_memory(self.optimizer)
+            _into_kept_memory(self.optimizer, kept)
+            del kept
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         del state
@@ -145,14 +150,33 @@ def remove_stale_snapshots(directory: Optional[str], log: Optional[Callable[[str
     return removed
 
 
-def _own_memory(optimizer: torch.optim.Optimizer) -> None:
-    """Copies optimizer state that still points into the memory-mapped snapshot.
+def _state_tensors(optimizer: torch.optim.Optimizer) -> Dict[Any, torch.Tensor]:
+    """The optimizer's state tensors by (parameter, key)."""
+    return {
+        (id(param), key): value
+        for param, state in optimizer.state.items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _into_kept_memory(optimizer: torch.optim.Optimizer, kept: Dict[Any, torch.Tensor]) -> None:
+    """Copies the loaded state into the tensors in ``kept`` where one of the same shape, dtype
+    and device exists, and otherwise into new memory.
 
     ``Optimizer.load_state_dict`` keeps a loaded CPU tensor as it is when dtype and device
-    already match, so the state would live in a mapping of the (deleted) snapshot file, and
-    keep the whole file mapped: address space a later step under a limit cannot use.
+    already match, so without the copy the state would live in a mapping of the (deleted)
+    snapshot file and keep the whole file mapped: address space a later step under a limit
+    cannot use.
     """
-    for state in optimizer.state.values():
+    for param, state in optimizer.state.items():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            if not isinstance(value, torch.Tensor):
+                continue
+            old = kept.get((id(param), key))
+            if old is not None and (old.shape, old.dtype, old.device) == (value.shape, value.dtype, value.device):
+                with torch.no_grad():
+                    old.copy_(value)
+                state[key] = old
+            elif value.device.type == "cpu":
                 state[key] = value.clone()
