@@ -30,7 +30,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from adaptive_batch.probe.service import MemorySpec, ProbeOptions, step_budget, trial_address_space, trial_memory_limit
+from adaptive_batch.probe.service import (
+    DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, check_reserve_bytes, step_budget, trial_address_space,
+    trial_memory_limit,
+)
 from adaptive_batch.probe.trials import probe_max_batch_size
 from adaptive_batch.probe.verify import largest_that_trains
 from adaptive_batch.validation import check_safety_margin
@@ -48,6 +51,7 @@ def find_max_batch_size(
     device: Optional[torch.device] = None,
     lr_scheduler: Optional[Any] = None,
     snapshot_dir: Optional[str] = None,
+    time_budget: Optional[float] = DEFAULT_PROBE_TIME_BUDGET_S,
     log: Optional[Callable[[str], None]] = None,
 ) -> int:
     """The largest batch whose full training step fits in ``max_memory``.
@@ -65,6 +69,8 @@ def find_max_batch_size(
         lr_scheduler: restored with the rest, when given.
         snapshot_dir: where the temporary copy of the training state goes (a temporary
             directory when ``None``).
+        time_budget: seconds the search may take; past it the largest size that fitted so
+            far is checked and returned, with a line saying so. ``None``: no limit.
         log: called with one line per trial.
 
     Returns:
@@ -72,19 +78,22 @@ def find_max_batch_size(
         this process as it stands after the probe.
 
     Raises:
-        ConfigError: for a bad ``max_memory``, ``safety_margin`` or ``max_batch_size``.
+        ConfigError: for a bad ``max_memory``, ``safety_margin``, ``max_batch_size`` or
+            ``time_budget``.
         BatchSizeTooLargeError: when batch 1 does not fit.
     """
     if safety_margin is not None:
         check_safety_margin(safety_margin, key="safety_margin")
-    options = ProbeOptions(max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size)
+    options = ProbeOptions(
+        max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size,
+        probe_time_budget=time_budget,
+    )
     if device is None:
         device = next(model.parameters()).device
     budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
     limits = dict(device=device, model=model, optimizer=optimizer)
     address_space = trial_address_space(budget, capacity, **limits)
-    reserve_bytes = 0 if address_space is None else address_space - trial_address_space(
-        budget, capacity, held_back=budget.safety_margin, **limits)
+    reserve_bytes = check_reserve_bytes(budget, capacity, **limits)
     result = probe_max_batch_size(
         train_step=train_step,
         make_batch=make_batch,
@@ -98,9 +107,10 @@ def find_max_batch_size(
         log=log,
         trial_limit=lambda: trial_memory_limit(address_space, log=log),
         budget_source=budget.source,
+        time_budget_s=options.probe_time_budget,
     )
     state = dict(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, directory=snapshot_dir, log=log)
     return largest_that_trains(
         result.max_batch_size, train_step=train_step, make_batch=make_batch, device=device, state=state,
-        budget_bytes=budget.budget_bytes, address_space=address_space, reserve_bytes=reserve_bytes, log=log,
+        budget_bytes=budget.budget_bytes, reserve_bytes=reserve_bytes, log=log,
     )

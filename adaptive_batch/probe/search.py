@@ -61,6 +61,7 @@ class SearchResult:
     predicted_max_batch_size: Optional[int]
     trials: List[Trial] = field(default_factory=list)
     total_seconds: float = 0.0
+    stopped_by_time: bool = False  # the time budget ended the search at the largest fit so far
 
     @property
     def num_trials(self) -> int:
@@ -88,6 +89,7 @@ class SearchResult:
             "trials": [asdict(t) for t in self.trials],
             "max_overshoot": self.max_overshoot,
             "total_seconds": self.total_seconds,
+            "stopped_by_time": self.stopped_by_time,
         }
 
 
@@ -127,6 +129,8 @@ def search_max_batch_size(
     max_trials: int = 64,
     max_overshoot: float = MAX_TRIAL_OVERSHOOT,
     settle_slope: bool = False,
+    time_budget_s: Optional[float] = None,
+    agree: Callable[[bool], bool] = lambda stop: stop,
 ) -> SearchResult:
     """Finds the largest batch size whose step fits in ``budget_bytes``.
 
@@ -163,6 +167,11 @@ def search_max_batch_size(
         settle_slope: where no operator timeline is measured (CUDA), add estimate steps at
             4, 8, ... until two successive pairs of them predict the same answer
             (:func:`_settled_points`), and fit the last two.
+        time_budget_s: seconds the search may take; a search trial that the time of the steps
+            so far says would end past it is not run, and the largest fit so far is the answer
+            (:class:`_Clock`). ``None``: no limit.
+        agree: turns this process's wish to stop into every rank's (``RankGroup.any``), so
+            ranks searching in lockstep stop together.
 
     Returns:
         The result, with every trial.
@@ -182,8 +191,12 @@ def search_max_batch_size(
     trials = _Trials(run_trial, budget_bytes, release=release, log=log, max_trials=max_trials)
     bracket = _Bracket(trials, budget_bytes, max_batch_size, max_overshoot)
 
+    clock = _Clock(trials, time_budget_s, start, agree=agree, log=log)
+
     def result(estimate: Optional[Estimate], predicted: Optional[int]) -> SearchResult:
-        return SearchResult(bracket.lo, budget_bytes, estimate, predicted, trials.done, time.perf_counter() - start)
+        return SearchResult(
+            bracket.lo, budget_bytes, estimate, predicted, trials.done, time.perf_counter() - start, clock.stopped
+        )
 
     if warmup and not bracket.run(1, "warmup"):
         raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
@@ -206,7 +219,8 @@ def search_max_batch_size(
     predicted = estimate.max_batch_size(budget_bytes)
     if predicted is not None and max_batch_size is not None:
         predicted = min(predicted, max_batch_size)
-    _Search(bracket, predicted).run()
+    clock.say_eta(predicted)
+    _Search(bracket, predicted, clock).run()
     return result(estimate, predicted)
 
 
@@ -332,8 +346,8 @@ class _Search:
     trials in a row on the same side fall back to one halving.
     """
 
-    def __init__(self, bracket: _Bracket, predicted: Optional[int]) -> None:
-        self.bracket, self.predicted = bracket, predicted
+    def __init__(self, bracket: _Bracket, predicted: Optional[int], clock: "_Clock") -> None:
+        self.bracket, self.predicted, self.clock = bracket, predicted, clock
         self.direction = 0  # +1 while trials fit, -1 while they fail, until bracketed
         self.step = 1  # the gallop's next stride
         self.bracketed = False
@@ -345,6 +359,8 @@ class _Search:
         # With no bound from the line (flat peaks), start by doubling.
         candidate = b.clamp(self.predicted if self.predicted is not None else 2 * b.lo)
         while not b.settled():
+            if not self.clock.allows(candidate, b.lo):
+                break
             fits = b.run(candidate, "search")
             moved = 1 if fits else -1
             if self.direction and moved != self.direction:
@@ -369,6 +385,53 @@ class _Search:
             return b.clamp((b.lo + b.upper() + 1) // 2)
         stride, self.step = self.step, self.step * 2
         return b.clamp(b.lo + stride if fits else b.hi - stride)
+
+
+class _Clock:
+    """How long the search's next trial will take, by the line through the times of the two
+    largest sizes that ran so far, and whether the time budget allows it."""
+
+    def __init__(self, trials: _Trials, budget_s: Optional[float], start: float, *,
+                 agree: Callable[[bool], bool], log: Optional[Callable[[str], None]]) -> None:
+        self.trials, self.budget_s, self.start, self.agree, self.log = trials, budget_s, start, agree, log
+        self.stopped = False
+
+    def seconds(self, batch_size: int) -> Optional[float]:
+        """The predicted time of a trial at ``batch_size`` (``None`` before two sizes ran)."""
+        ran = {t.batch_size: t.seconds for t in self.trials.done if not t.oom and t.phase != "warmup"}
+        if len(ran) < 2:
+            return None
+        (b1, s1), (b2, s2) = sorted(ran.items())[-2:]
+        return s2 + max(0.0, (s2 - s1) / (b2 - b1)) * (batch_size - b2)
+
+    def say_eta(self, predicted: Optional[int]) -> None:
+        """One line: the time a trial at the prediction should take, and the budget."""
+        seconds = None if predicted is None else self.seconds(predicted)
+        if self.log is None or seconds is None:
+            return
+        limit = "no time budget" if self.budget_s is None else f"a time budget of {self.budget_s:g}s"
+        self.log(
+            f"probe: a step at the predicted batch {predicted} should take about {seconds:.1f}s by the "
+            f"steps so far: the search about {2 * seconds:.0f}s at the least, with {limit}."
+        )
+
+    def allows(self, batch_size: int, largest_fit: int) -> bool:
+        """Whether a trial at ``batch_size`` ends within the budget (every rank agreeing);
+        logs the stop once when not."""
+        elapsed = time.perf_counter() - self.start
+        seconds = self.seconds(batch_size)
+        over = self.budget_s is not None and seconds is not None and elapsed + seconds > self.budget_s
+        if not self.agree(over):
+            return True
+        self.stopped = True
+        if self.log is not None:
+            about = "" if seconds is None else f" a trial at batch {batch_size} would take about {seconds:.0f}s more, and"
+            self.log(
+                f"probe: stopped at batch {largest_fit}, the largest that fitted so far:{about} the search has "
+                f"run {elapsed:.0f}s of probe_time_budget={self.budget_s:g}; raise probe_time_budget "
+                "(or set it to null) to search further."
+            )
+        return False
 
 
 # Where no operator timeline is measured (CUDA), a phase's peak is the largest of what is live

@@ -56,6 +56,11 @@ def default_safety_margin(device_type: str) -> float:
     return 0.05 if device_type == "cuda" else 0.01
 
 
+# Ten minutes: a probe on a GPU takes under one; on a CPU with no max_memory a single trial of
+# a tiny model at batch 848 took 332 s (issue 26).
+DEFAULT_PROBE_TIME_BUDGET_S = 600.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProbeOptions:
     """The offline probe's settings; they check themselves when built.
@@ -76,6 +81,9 @@ class ProbeOptions:
         probe_cache: reuse a cached probe result with the same key.
         probe_cache_dir: where the cache lives, or ``None`` for the user's cache directory.
         plot: draw memory against batch size to ``batch_probe.png``.
+        probe_time_budget: seconds the search may take: it stops at the largest size that
+            fitted when the next trial would end past it (a trial's time is predicted from the
+            steps so far); ``None`` for no limit.
 
     Raises:
         ConfigError: for the first bad value.
@@ -91,6 +99,7 @@ class ProbeOptions:
     probe_cache: bool = True
     probe_cache_dir: Optional[str] = None
     plot: bool = False
+    probe_time_budget: Optional[float] = DEFAULT_PROBE_TIME_BUDGET_S
 
     def __post_init__(self) -> None:
         check_bool("use_maximum_batch_size", self.use_maximum_batch_size)
@@ -113,6 +122,12 @@ class ProbeOptions:
             self.throughput_tolerance,
             "0.02 takes the smallest batch within 2% of the best samples per second",
         )
+        budget = self.probe_time_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
+            raise ConfigError(
+                f"probe_time_budget={budget!r} must be a positive number of seconds or null: e.g. "
+                f"{DEFAULT_PROBE_TIME_BUDGET_S:g} (the default) or null for no limit."
+            )
         check_bool("probe_cache", self.probe_cache)
         if self.probe_cache_dir is not None and not isinstance(self.probe_cache_dir, str):
             raise ConfigError(f"probe_cache_dir={self.probe_cache_dir!r} must be a directory path or null.")
@@ -175,10 +190,8 @@ def trial_address_space(
     device: torch.device,
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
-    held_back: float = 0.0,
 ) -> Optional[int]:
-    """The soft ``RLIMIT_AS`` the probe's trials run under on CPU, ``None`` elsewhere; with
-    ``held_back`` (the safety margin) that share of its headroom less, for the answer's check.
+    """The soft ``RLIMIT_AS`` the probe's trials run under on CPU, ``None`` elsewhere.
 
     Available RAM and a cgroup limit are soft: a trial past them is ended by the kernel's OOM
     killer, not refused. Under this limit (the address space now plus a headroom: what
@@ -191,9 +204,30 @@ def trial_address_space(
     vm_size = proc_status_bytes("VmSize") if device.type == "cpu" else None
     if vm_size is None:
         return None
+    return vm_size + _trial_headroom(budget, capacity, model=model, optimizer=optimizer)
+
+
+def check_reserve_bytes(
+    budget: MemoryBudget,
+    capacity: DeviceCapacity,
+    *,
+    device: torch.device,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+) -> int:
+    """On CPU, the heap the answer's consecutive-step check holds back (``verify.heap_reserve``):
+    the safety margin's share of the trials' headroom, which training then has to spare; 0
+    elsewhere (on CUDA the check is held to the budget itself)."""
+    if device.type != "cpu":
+        return 0
+    return int(budget.safety_margin * _trial_headroom(budget, capacity, model=model, optimizer=optimizer))
+
+
+def _trial_headroom(
+    budget: MemoryBudget, capacity: DeviceCapacity, *, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
+) -> int:
     budget_headroom = max(0, budget.limit_bytes - training_state_bytes(model, optimizer))
-    headroom = min(capacity.headroom_bytes, int(MAX_TRIAL_OVERSHOOT * budget_headroom))
-    return vm_size + int(headroom * (1 - held_back))
+    return min(capacity.headroom_bytes, int(MAX_TRIAL_OVERSHOOT * budget_headroom))
 
 
 @contextmanager
@@ -277,15 +311,14 @@ def probe_batch_size(
             return _report_path(output_dir)
         return save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
 
-    # Read before any step grows the heap: the trials' limit and the check's, the margin less.
+    # Read before any step grows the heap: the trials' limit, and the heap the check holds back.
     limits = dict(device=device, model=model, optimizer=optimizer)
     address_space = trial_address_space(budget, capacity, **limits)
-    reserve_bytes = 0 if address_space is None else address_space - trial_address_space(
-        budget, capacity, held_back=budget.safety_margin, **limits)
+    reserve_bytes = check_reserve_bytes(budget, capacity, **limits)
     # Training's own steps at the answer, held to the budget: the check every answer passes.
     check = dict(
         train_step=train_step, make_batch=make_batch, device=device, budget_bytes=common_budget,
-        address_space=address_space, reserve_bytes=reserve_bytes, agree=ranks.any,
+        reserve_bytes=reserve_bytes, agree=ranks.any,
         state=dict(model=model, optimizer=optimizer, directory=output_dir, log=log), log=log,
     )
     cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
@@ -322,6 +355,8 @@ def probe_batch_size(
         wrap_trial=agree_on_outcomes,
         trial_limit=lambda: trial_memory_limit(address_space, log=log),
         budget_source=budget.source,
+        time_budget_s=options.probe_time_budget,
+        agree=ranks.any,
         **steps,
     )
     verified = largest_that_trains(result.max_batch_size, **check)
@@ -338,7 +373,7 @@ def probe_batch_size(
         extra["throughput"] = choice.to_dict()
         batch_size = choice.batch_size
     report = probe_report(result, batch_size=batch_size, seq_len=seq_len, device=device, budget=budget, extra=extra)
-    if cache is not None:
+    if cache is not None and not result.stopped_by_time:  # a longer search may find more
         stored = ranks.decide_on_main(lambda: cache.store(key, report))
         report["cache"] = {"hit": False, "path": stored}
     log(describe_result(result, budget))

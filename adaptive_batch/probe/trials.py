@@ -149,6 +149,8 @@ def probe_max_batch_size(
     wrap_trial: Optional[Callable[[Callable[[int], int]], Callable[[int], int]]] = None,
     trial_limit: Optional[Callable[[], ContextManager]] = None,
     budget_source: str = "max_memory",
+    time_budget_s: Optional[float] = None,
+    agree: Callable[[bool], bool] = lambda stop: stop,
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
@@ -176,6 +178,8 @@ def probe_max_batch_size(
             :func:`adaptive_batch.probe.service.trial_memory_limit`.
         budget_source: what set ``budget_bytes`` (:attr:`MemoryBudget.source`), for the advice
             when batch 1 does not fit.
+        time_budget_s: seconds the search may take (see :func:`search_max_batch_size`).
+        agree: makes a rank's wish to stop for time every rank's (``RankGroup.any``).
 
     Returns:
         The search result with every trial.
@@ -200,6 +204,8 @@ def probe_max_batch_size(
                 release=lambda: release_memory(device),
                 log=log,
                 settle_slope=device.type == "cuda",  # no operator timeline there
+                time_budget_s=time_budget_s,
+                agree=agree,
             )
         except BatchSizeTooLargeError as e:
             raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget_source) from None

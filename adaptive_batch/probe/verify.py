@@ -8,12 +8,11 @@ consecutive real steps with the training state put back afterwards, on CUDA held
 and the largest size that passes is the answer.
 """
 
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from adaptive_batch.memory.device import address_space_limit_at
 from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.probe.snapshot import TrainingStateSnapshot
 
@@ -55,27 +54,23 @@ RESERVE_BLOCK = 2 * 2**20
 
 
 @contextmanager
-def held_to_budget(
-    device: torch.device, budget_bytes: Optional[int], address_space: Optional[int], reserve_bytes: int = 0
-) -> Iterator[None]:
-    """Holds the block to the budget: on CUDA through :func:`cuda_memory_cap`; on CPU under a
-    soft ``RLIMIT_AS`` of ``address_space`` with ``reserve_bytes`` (the safety margin's share)
-    taken from the heap first, so training, with it back, keeps the margin for what glibc's heap
-    lays out differently from one step to the next. A limit alone does not hold back room in a
-    heap the trials already grew to it; the taken blocks do.
+def heap_reserve(device: torch.device, reserve_bytes: int) -> Iterator[None]:
+    """On CPU, takes ``reserve_bytes`` (the safety margin's share of the headroom) from the heap
+    for the block, so the steps in it pass with that much less room than training will have:
+    the room for what glibc's heap lays out differently from one step to the next. An
+    ``RLIMIT_AS`` lowered by as much would hold back nothing in a heap the trials already grew
+    to the limit; the taken blocks do. Elsewhere (CUDA is held by :func:`cuda_memory_cap`) does
+    nothing.
 
     Raises:
         RuntimeError: an out-of-memory error when the reserve itself does not fit.
     """
-    with ExitStack() as stack:
-        stack.enter_context(cuda_memory_cap(device, budget_bytes))
-        if device.type == "cpu" and address_space is not None:
-            stack.enter_context(address_space_limit_at(address_space))
-        taken = [torch.empty(RESERVE_BLOCK, dtype=torch.uint8) for _ in range(reserve_bytes // RESERVE_BLOCK)] if device.type == "cpu" else []
-        try:
-            yield
-        finally:
-            del taken
+    blocks = reserve_bytes // RESERVE_BLOCK if device.type == "cpu" else 0
+    taken = [torch.empty(RESERVE_BLOCK, dtype=torch.uint8) for _ in range(blocks)]
+    try:
+        yield
+    finally:
+        del taken
 
 
 def runs_consecutive_steps(
@@ -86,7 +81,6 @@ def runs_consecutive_steps(
     device: torch.device,
     state: Dict[str, Any],
     budget_bytes: Optional[int] = None,
-    address_space: Optional[int] = None,
     reserve_bytes: int = 0,
     agree: Callable[[bool], bool] = lambda failed: failed,
     log: Optional[Callable[[str], None]] = None,
@@ -101,8 +95,7 @@ def runs_consecutive_steps(
         device: where the step runs.
         state: :class:`TrainingStateSnapshot`'s arguments (model, optimizer, ...).
         budget_bytes: on CUDA the steps are held to it; ``None`` for the device as it is.
-        address_space: on CPU the soft ``RLIMIT_AS`` the steps run under; ``None`` for none.
-        reserve_bytes: on CPU the heap held back from the steps (see :func:`held_to_budget`).
+        reserve_bytes: on CPU the heap held back from the steps (see :func:`heap_reserve`).
         agree: turns this process's outcome into every rank's (``RankGroup.any`` of the failures).
         log: called with a line when the check fails.
 
@@ -115,11 +108,12 @@ def runs_consecutive_steps(
     steps = verify_steps(device)
 
     def run() -> None:
-        for _ in range(steps):
-            train_step(make_batch(batch_size))
+        with heap_reserve(device, reserve_bytes):
+            for _ in range(steps):
+                train_step(make_batch(batch_size))
 
-    # The state goes back after the limit is lifted: restoring is not training's to pay for.
-    with TrainingStateSnapshot(**state), held_to_budget(device, budget_bytes, address_space, reserve_bytes):
+    # The state goes back after the cap is lifted: restoring is not training's to pay for.
+    with TrainingStateSnapshot(**state), cuda_memory_cap(device, budget_bytes):
         _, failure = catch_oom(run)
     release_memory(device)
     failed = agree(failure is not None)

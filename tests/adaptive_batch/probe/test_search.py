@@ -2,6 +2,7 @@ import pytest
 
 from adaptive_batch import BatchSizeTooLargeError
 from adaptive_batch.memory.tracker import StepMemory
+from adaptive_batch.probe import search
 from adaptive_batch.probe.search import round_batch_size, search_max_batch_size
 
 CPU_OOM = "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"
@@ -327,3 +328,47 @@ def test_settling_stops_at_the_cap_and_at_a_step_that_does_not_fit():
     result = search_max_batch_size(small, budget_bytes=4_608 * 2**20, release=no_release, settle_slope=True)
     assert result.max_batch_size == (4_608 - 530) // 307
     check_bracket(result)
+
+
+class FakeClock:
+    """Time that passes only in the steps: 0.1 s plus 10 ms a sample."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def step(self, batch_size):
+        self.now += 0.1 + 0.01 * batch_size
+        return 1000 + 10 * batch_size  # peak bytes: 1000 fits within 11_000
+
+
+@pytest.mark.parametrize("time_budget_s,found,stopped", [(None, 1000, False), (5.0, 283, True), (60.0, 1000, False)])
+def test_a_time_budget_stops_at_the_largest_fit_when_the_next_trial_would_end_past_it(
+    monkeypatch, time_budget_s, found, stopped
+):
+    """On a CPU with no max_memory a single trial of the tiny config at batch 848 took 332 s: the
+    search says what a trial at its prediction should cost, and does not start one past the budget."""
+    clock = FakeClock()
+    monkeypatch.setattr(search.time, "perf_counter", clock.perf_counter)
+    lines = []
+    result = search_max_batch_size(clock.step, budget_bytes=11_000, time_budget_s=time_budget_s, log=lines.append)
+    assert (result.max_batch_size, result.stopped_by_time, result.to_dict()["stopped_by_time"]) == (found, stopped, stopped)
+    eta = [line for line in lines if "should take about" in line]
+    assert len(eta) == 1 and "predicted batch 1000 should take about 10.1s" in eta[0]
+    stop = [line for line in lines if line.startswith("probe: stopped")]
+    if stopped:
+        assert stop == [
+            "probe: stopped at batch 283, the largest that fitted so far: a trial at batch 1000 would take about 10s more, "
+            "and the search has run 4s of probe_time_budget=5; raise probe_time_budget (or set it to null) to search further."
+        ]
+        assert max(t.batch_size for t in result.trials) == 283  # trials that fitted the budget still ran
+    else:
+        assert stop == []
+
+
+def test_ranks_stop_for_time_together():
+    """Ranks search in lockstep: one rank's wish to stop (its clock) is every rank's."""
+    result = search_max_batch_size(lambda b: 1000 + 10 * b, budget_bytes=11_000, time_budget_s=None, agree=lambda stop: True)
+    assert result.stopped_by_time and result.max_batch_size == 2

@@ -48,6 +48,9 @@ def test_max_memory_in_bytes():
         ("probe_cache", "no", "probe_cache='no' must be true or false"),
         ("probe_cache_dir", 5, "probe_cache_dir=5 must be a directory path or null"),
         ("plot", "yes", "plot='yes' must be true or false"),
+        ("probe_time_budget", 0, "probe_time_budget=0 must be a positive number of seconds or null"),
+        ("probe_time_budget", "10m", "probe_time_budget='10m' must be a positive number of seconds or null"),
+        ("probe_time_budget", True, "probe_time_budget=True must be a positive number"),
     ],
 )
 def test_bad_values(key, value, message):

@@ -120,22 +120,23 @@ def test_cuda_checks_are_held_to_the_budget_and_the_fraction_put_back(monkeypatc
 
 RESERVE_SCRIPT = textwrap.dedent(
     """
-    import resource, sys
+    import resource
     import torch
     from adaptive_batch.memory.device import proc_status_bytes
-    from adaptive_batch.probe.verify import held_to_budget
+    from adaptive_batch.memory.oom import is_oom_error
+    from adaptive_batch.probe.verify import heap_reserve
 
     headroom = 256 * 2**20
-    limit = proc_status_bytes("VmSize") + headroom
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + headroom, resource.RLIM_INFINITY))
     cpu = torch.device("cpu")
-    with held_to_budget(cpu, None, limit, reserve_bytes=0):
+    with heap_reserve(cpu, 0):
         torch.ones(int(0.7 * headroom), dtype=torch.uint8)  # fits
     try:
-        with held_to_budget(cpu, None, limit, reserve_bytes=int(0.4 * headroom)):
+        with heap_reserve(cpu, int(0.4 * headroom)):
             torch.ones(int(0.7 * headroom), dtype=torch.uint8)
         print("fit")
-    except RuntimeError:
+    except RuntimeError as e:
+        assert is_oom_error(e)
         print("held back")
     torch.ones(int(0.7 * headroom), dtype=torch.uint8)  # the reserve is back
     print("back")
@@ -144,8 +145,8 @@ RESERVE_SCRIPT = textwrap.dedent(
 
 
 def test_on_cpu_the_margin_is_held_back_from_the_check_inside_the_heap(tmp_path):
-    """The trials grow glibc's heap to the limit, so an RLIMIT_AS lowered for the check held
-    nothing back; the reserve taken from the heap does, and is given back afterwards."""
+    """The trials grow glibc's heap to the limit, so an RLIMIT_AS lowered for the check would
+    hold nothing back; the reserve taken from the heap does, and is given back afterwards."""
     script = tmp_path / "reserve.py"
     script.write_text(RESERVE_SCRIPT)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
