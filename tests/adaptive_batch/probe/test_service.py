@@ -92,6 +92,18 @@ def test_probe_finds_caches_and_reports(tmp_path):
     assert again["cache"]["hit"] is True and again["batch_size"] == report["batch_size"]
 
 
+def test_a_search_stopped_by_its_time_budget_says_so_and_is_not_cached(tmp_path):
+    parts = _mlp_parts()
+    opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache_dir=str(tmp_path / "cache"),
+                        probe_time_budget=1e-9)
+    lines = []
+    report = probe_batch_size(opts, **parts, device=torch.device("cpu"), seq_len=256, dataset_size=10_000,
+                              output_dir=str(tmp_path / "out"), log=lines.append)
+    assert report["stopped_by_time"] and report["batch_size"] == 2  # the estimate steps ran; no search trial
+    assert any(line.startswith("probe: stopped at batch 2") for line in lines)
+    assert "cache" not in report and not list((tmp_path / "cache").glob("**/*.json"))
+
+
 def test_rounding_and_cap(tmp_path):
     common = dict(device=torch.device("cpu"), seq_len=1, output_dir=str(tmp_path), log=lambda line: None)
     opts = ProbeOptions(max_memory=4 * 2**20, probe_cache=False, batch_size_rounding="power_of_two")
