@@ -418,9 +418,11 @@ class _Clock:
     def allows(self, batch_size: int, largest_fit: int) -> bool:
         """Whether a trial at ``batch_size`` ends within the budget (every rank agreeing);
         logs the stop once when not."""
+        if self.budget_s is None:  # the same config on every rank: none of them asks
+            return True
         elapsed = time.perf_counter() - self.start
         seconds = self.seconds(batch_size)
-        over = self.budget_s is not None and seconds is not None and elapsed + seconds > self.budget_s
+        over = seconds is not None and elapsed + seconds > self.budget_s
         if not self.agree(over):
             return True
         self.stopped = True

@@ -40,7 +40,7 @@ from adaptive_batch.probe.trials import (
     write_probe_report,
 )
 from adaptive_batch.probe.verify import largest_that_trains, runs_consecutive_steps, verify_steps
-from adaptive_batch.validation import check_bool, check_choice, check_fraction, check_positive_int, check_safety_margin
+from adaptive_batch.validation import check_bool, check_choice, check_fraction, check_positive_int, check_positive_number, check_safety_margin
 
 MemorySpec = Union[None, int, float, str]
 _ANY_CAPACITY = 1 << 62
@@ -122,11 +122,10 @@ class ProbeOptions:
             self.throughput_tolerance,
             "0.02 takes the smallest batch within 2% of the best samples per second",
         )
-        budget = self.probe_time_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
-            raise ConfigError(
-                f"probe_time_budget={budget!r} must be a positive number of seconds or null: e.g. "
-                f"{DEFAULT_PROBE_TIME_BUDGET_S:g} (the default) or null for no limit."
+        if self.probe_time_budget is not None:
+            check_positive_number(
+                "probe_time_budget", self.probe_time_budget,
+                f"seconds, e.g. {DEFAULT_PROBE_TIME_BUDGET_S:g} (the default), or null for no limit",
             )
         check_bool("probe_cache", self.probe_cache)
         if self.probe_cache_dir is not None and not isinstance(self.probe_cache_dir, str):

@@ -370,5 +370,9 @@ def test_a_time_budget_stops_at_the_largest_fit_when_the_next_trial_would_end_pa
 
 def test_ranks_stop_for_time_together():
     """Ranks search in lockstep: one rank's wish to stop (its clock) is every rank's."""
-    result = search_max_batch_size(lambda b: 1000 + 10 * b, budget_bytes=11_000, time_budget_s=None, agree=lambda stop: True)
+    lines = []
+    result = search_max_batch_size(
+        lambda b: 1000 + 10 * b, budget_bytes=11_000, time_budget_s=1e9, agree=lambda stop: True, log=lines.append
+    )
     assert result.stopped_by_time and result.max_batch_size == 2
+    assert [line for line in lines if line.startswith("probe: stopped at batch 2, the largest that fitted so far: a trial at")]

@@ -48,9 +48,10 @@ def test_max_memory_in_bytes():
         ("probe_cache", "no", "probe_cache='no' must be true or false"),
         ("probe_cache_dir", 5, "probe_cache_dir=5 must be a directory path or null"),
         ("plot", "yes", "plot='yes' must be true or false"),
-        ("probe_time_budget", 0, "probe_time_budget=0 must be a positive number of seconds or null"),
-        ("probe_time_budget", "10m", "probe_time_budget='10m' must be a positive number of seconds or null"),
-        ("probe_time_budget", True, "probe_time_budget=True must be a positive number"),
+        ("probe_time_budget", 0, "probe_time_budget=0 must be a positive finite number: seconds, e.g. 600 (the default), or null for no limit."),
+        ("probe_time_budget", "10m", "probe_time_budget='10m' must be a positive finite number: seconds, e.g. 600"),
+        ("probe_time_budget", True, "probe_time_budget=True must be a positive finite number"),
+        ("probe_time_budget", float("nan"), "probe_time_budget=nan must be a positive finite number"),
     ],
 )
 def test_bad_values(key, value, message):
