@@ -644,6 +644,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             steps = self._batching.start_epoch(curr_epoch, self._dataloader)
             t0 = time.perf_counter()
             # Closed (its line ended) before the epoch checkpoint or whatever stops the run.
+            # No monitor thread: its 8 MiB stack, started after the probe measured the process,
+            # would come out of the found batch's room under an address-space limit.
+            tqdm.monitor_interval = 0
             with tqdm(total=steps, disable=not self._ranks.is_main) as pbar:
                 for idx, batch in enumerate(itertools.islice(self._dataloader, steps)):
                     self._record_memory_history(curr_epoch, idx, before_step=True)

@@ -369,9 +369,17 @@ def use_expandable_segments(log: Callable[[str], None], warn: Callable[[str], No
                 "it); remove expandable_segments:False to keep the probed batch."
             )
             return False
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:  # torch before 2.9
-        setter = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
+    # Private setters: torch 2.9+ has the first, earlier releases the second (2.11 and 2.13 tested).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
+    )
+    if setter is None:
+        warn(
+            f"torch {torch.__version__} has no allocator-settings setter this library knows, so expandable segments "
+            "stay as they are: the probed batch may run out of memory after its first step (the OOM recovery then "
+            "halves it); start the run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to keep it."
+        )
+        return False
     setter("expandable_segments:True")
     log(
         "CUDA allocator: expandable_segments:True, so memory freed by one step fits the next step's tensors "

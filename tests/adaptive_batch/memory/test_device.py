@@ -163,6 +163,16 @@ def test_expandable_segments_the_user_turned_on_are_left_alone(monkeypatch, name
     assert settings.calls == [] and logged == []
 
 
+def test_a_torch_without_the_private_setter_is_said_with_the_variable_to_set(monkeypatch):
+    AllocatorSettings(monkeypatch)
+    for name in ("_accelerator_setAllocatorSettings", "_cuda_cudaCachingAllocator_set_allocator_settings"):
+        monkeypatch.delattr(torch._C, name, raising=False)
+    logged, warned = [], []
+    assert not use_expandable_segments(log=logged.append, warn=warned.append)
+    assert logged == [] and len(warned) == 1
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in warned[0] and torch.__version__ in warned[0]
+
+
 def test_expandable_segments_the_user_turned_off_stay_off_with_a_warning(monkeypatch):
     settings = AllocatorSettings(monkeypatch)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
