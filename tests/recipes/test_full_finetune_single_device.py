@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import threading
+import traceback
 
 import pytest
 import torch
@@ -205,6 +207,24 @@ def test_probing_leaves_training_identical(probed_run, tmp_path):
     probed = [r["loss"] for r in read_metric_log(out)]
     plain = [r["loss"] for r in read_metric_log(tmp_path)]
     assert probed == plain  # bitwise: same weights, optimizer, RNG and data order
+
+
+def test_training_starts_no_thread(tmp_path, monkeypatch):
+    """A thread started after the probe measured the process takes its stack (8 MiB of address
+    space) from the found batch's room: under a 1 GiB RLIMIT_AS, tqdm's monitor thread made the
+    found 39 fail its second step."""
+    started = []
+    start = threading.Thread.start
+
+    def recording_start(thread):
+        if any(frame.name == "_train_epochs" for frame in traceback.extract_stack()):
+            started.append(thread.name)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    proc = run_tune(tmp_path, FIXED, "max_steps_per_epoch=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_metric_log(tmp_path)) == 2 and started == []
 
 
 def test_batch_one_too_large_says_needed_and_available(tmp_path):
