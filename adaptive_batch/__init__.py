@@ -23,6 +23,7 @@ This module exports the names a user needs; everything else is reached through i
 subpackage.
 """
 
+from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.samplers import BatchState
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import (
@@ -60,6 +61,7 @@ __all__ = [
     "AdaptiveBatchOptions",
     "StepOutcome",
     "BatchState",
+    "BatchLayout",
     "RunState",
     "StepCheckpoints",
     "RankGroup",

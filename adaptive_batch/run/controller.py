@@ -8,10 +8,12 @@ the batch (probing if asked), builds its dataloader on
 in its loop; ``docs/library.md`` walks through it.
 """
 
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.samplers import BATCH_STATE_KEY, BatchState
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.faults import fault_point
@@ -42,7 +44,8 @@ class AdaptiveBatchController:
         batch_size: the configured batch (per rank): the starting batch with growth, the
             batch without growth and probing.
         input_key: the collated batch's ``[samples, sequence]`` tensor the model reads
-            (torchtune: ``"tokens"``): its rows are the samples, its elements the padded tokens.
+            (torchtune: ``"tokens"``; Hugging Face: ``"input_ids"``): its elements are the
+            padded tokens (none are counted where the batch holds no such key).
         gradient_accumulation_steps: micro-batches a configured step has.
         device: where training runs.
         output_dir: where the probe report goes.
@@ -52,6 +55,7 @@ class AdaptiveBatchController:
         ranks: the data-parallel ranks (this process alone when ``None``).
         log: where decisions are reported.
         warn: where recoveries are reported (``log`` when ``None``).
+        layout: where a batch's samples lie (any structure; the first dimension by default).
 
     Raises:
         ConfigError: for the first setting, or combination of settings, the run cannot use.
@@ -72,12 +76,13 @@ class AdaptiveBatchController:
         ranks: Optional[RankGroup] = None,
         log: Callable[[str], None] = print,
         warn: Optional[Callable[[str], None]] = None,
+        layout: Optional[BatchLayout] = None,
     ) -> None:
         check_positive_int("batch_size", batch_size)
         check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
         self.options, self.device, self.ranks = options, device, ranks or RankGroup(device)
         self.output_dir, self.max_seq_len, self.input_key = output_dir, max_seq_len, input_key
-        self.log, self.warn = log, warn or log
+        self.log, self.warn, self.layout = log, warn or log, layout or BatchLayout()
         self._batch_size, self._accumulation = batch_size, gradient_accumulation_steps
         self._retry_on_oom = options.growth.retries_oom(optimizer_in_bwd)
         options.validate(RunContext(device, gradient_accumulation_steps, packed, optimizer_in_bwd,
@@ -247,7 +252,7 @@ class AdaptiveBatchController:
 
     def step(
         self,
-        batch: Dict[str, torch.Tensor],
+        batch: Any,
         *,
         forward_backward: Callable,
         optimizer_step: Callable[[float], Any],
@@ -259,7 +264,7 @@ class AdaptiveBatchController:
         norm or ``None``; then the step counted and the batch grown at the boundaries it reached.
 
         Args:
-            batch: the step's collated batch on the device.
+            batch: the step's collated batch on the device, of any structure (``layout``).
             forward_backward: one micro-batch's forward and backward; returns its summed loss
                 and its tokens that carry a loss.
             optimizer_step: scales the gradients by the tokens, steps and zeroes them.
@@ -268,14 +273,16 @@ class AdaptiveBatchController:
         Raises:
             MicroBatchOutOfMemoryError: when one-sample micro-batches run out of memory.
         """
-        samples, padded = batch[self.input_key].shape[0], batch[self.input_key].numel()
+        samples = self.layout.rows(batch)
+        inputs = batch.get(self.input_key) if isinstance(batch, Mapping) else None
+        padded = inputs.numel() if isinstance(inputs, torch.Tensor) else 0
         if self.lr is not None:
             self.lr.start_step()
         accumulated = accumulate_gradients(
             forward_backward, batch, rows=samples, micro_batch_limit=self.batch.max_micro_batch_size,
             zero_grad=zero_grad, retry_on_oom=self._retry_on_oom, device=self.device, log=self.warn,
             agree_on_oom=self.ranks.any if self.ranks.distributed else None, observer=self.grower.gradients,
-            min_micro_batches=2 if self.options.noise.noise_scale_split_step else 1,
+            min_micro_batches=2 if self.options.noise.noise_scale_split_step else 1, layout=self.layout,
         )
         global_samples, tokens, padded, loss_sum = self.ranks.sums(samples, accumulated.num_tokens, padded, accumulated.loss_sum)
         outcome = StepOutcome(

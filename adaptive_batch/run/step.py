@@ -14,10 +14,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.errors import MicroBatchOutOfMemoryError, PeerOutOfMemoryError
 from adaptive_batch.memory.oom import catch_oom, release_memory
 
-Batch = Dict[str, torch.Tensor]
+Batch = Any  # any structure of tensors (see adaptive_batch.data.layout)
 ForwardBackward = Callable[[Batch], Tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -34,31 +35,6 @@ def micro_batch_sizes(batch_size: int, micro_batch_limit: int, min_micro_batches
     count = max(math.ceil(batch_size / micro_batch_limit), min(min_micro_batches, batch_size))
     base, extra = divmod(batch_size, count)
     return [base + 1] * extra + [base] * (count - extra)
-
-
-def split_batch(batch: Batch, sizes: List[int]) -> List[Batch]:
-    """Splits every tensor whose first dimension is the batch's ``sum(sizes)`` rows into
-    ``sizes`` rows each; other values are shared by all pieces.
-
-    Raises:
-        ValueError: if no tensor has ``sum(sizes)`` rows.
-    """
-    rows = sum(sizes)
-    if not any(_has_rows(value, rows) for value in batch.values()):
-        raise ValueError(f"micro-batch sizes {sizes} add up to {rows}, and no tensor of the batch has {rows} rows.")
-    pieces: List[Batch] = [{} for _ in sizes]
-    for key, value in batch.items():
-        if _has_rows(value, rows):
-            for piece, part in zip(pieces, torch.split(value, sizes)):
-                piece[key] = part
-        else:
-            for piece in pieces:
-                piece[key] = value
-    return pieces
-
-
-def _has_rows(value: Any, rows: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
 
 
 @dataclass
@@ -95,6 +71,7 @@ def accumulate_gradients(
     agree_on_oom: Optional[Callable[[bool], bool]] = None,
     observer: Optional[Any] = None,
     min_micro_batches: int = 1,
+    layout: BatchLayout = BatchLayout(),
 ) -> AccumulatedStep:
     """Runs forward and backward over ``batch`` in micro-batches, accumulating gradients.
 
@@ -102,7 +79,7 @@ def accumulate_gradients(
         forward_backward: runs one micro-batch's forward and backward; returns its summed
             loss (per-token loss x tokens) and token count.
         batch: the whole step's collated batch.
-        rows: its samples (every tensor with this first dimension is split).
+        rows: its samples (every tensor with this many along ``layout.batch_dim`` is split).
         micro_batch_limit: the most rows one micro-batch may have.
         zero_grad: drops the gradients, to restart a step that ran out of memory.
         retry_on_oom: restart the step in smaller micro-batches after an out-of-memory error;
@@ -119,6 +96,7 @@ def accumulate_gradients(
             noise measurement, :class:`~adaptive_batch.schedule.noise_scale.MicroBatchGradients`).
         min_micro_batches: split the step into at least this many (2: two gradients to
             compare, ``noise_scale_split_step``); the limit is unchanged by it.
+        layout: where the batch's samples lie (any structure; the first dimension by default).
 
     Returns:
         The step's summed loss, token count and what ran.
@@ -136,7 +114,7 @@ def accumulate_gradients(
             observer.start()
 
         def run() -> Tuple[torch.Tensor, torch.Tensor]:
-            return _run_micro_batches(forward_backward, batch, sizes, agree_on_oom, observer)
+            return _run_micro_batches(forward_backward, layout.split(batch, sizes), agree_on_oom, observer)
 
         sums, message = catch_oom(run) if retry_on_oom else (run(), None)
         if message is None:
@@ -159,13 +137,12 @@ def accumulate_gradients(
 
 def _run_micro_batches(
     forward_backward: ForwardBackward,
-    batch: Batch,
-    sizes: List[int],
+    pieces: List[Batch],
     agree_on_oom: Optional[Callable[[bool], bool]],
     observer: Optional[Any] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     loss_sum = num_tokens = None
-    for piece in split_batch(batch, sizes):
+    for piece in pieces:
         if agree_on_oom is None:
             loss, tokens = forward_backward(piece)
         else:
@@ -212,6 +189,10 @@ class StepOutcome:
 
     def metrics(self, *, samples_seen: int, tokens_seen: int, world_size: int, seconds: float) -> Dict[str, float]:
         """The batch's per-step metrics, for the metric logger (keys as the recipes log them)."""
+        # Without an input tensor to read (a batch with no ``input_key``) padding is not counted.
+        padding = {} if not self.padded_tokens else {
+            "padded_tokens": int(self.padded_tokens), "padding_fraction": 1 - self.num_tokens / self.padded_tokens,
+        }
         return {
             "batch_size": self.global_samples,
             "micro_batch_size": max(self.accumulated.micro_batch_sizes),
@@ -221,6 +202,5 @@ class StepOutcome:
             "oom_retries": self.accumulated.oom_retries,
             "tokens_per_second_per_gpu": self.num_tokens / world_size / seconds,
             "real_tokens": int(self.num_tokens),
-            "padded_tokens": int(self.padded_tokens),
-            "padding_fraction": 1 - self.num_tokens / self.padded_tokens,
+            **padding,
         }

@@ -220,6 +220,27 @@ def test_a_step_in_micro_batches_with_the_lr_counted_in_samples_and_scaled(tmp_p
     assert second.lr == lrs[1] == 0.5  # 4 samples = 2 schedule steps: 0.25, x 4/2
 
 
+def test_a_tuple_batch_steps_in_micro_batches_with_no_padding_counted(tmp_path):
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    seen = []
+
+    def forward_backward(batch):  # a TensorDataset's (inputs, targets)
+        inputs, targets = batch
+        seen.append(inputs.shape[0])
+        loss = torch.nn.functional.mse_loss(model(inputs), targets, reduction="sum")
+        loss.backward()
+        return loss.detach(), torch.tensor(inputs.shape[0])
+
+    ctl = controller(tmp_path, batch_size=3, accumulation=2)
+    ctl.settle(dataset_size=12)
+    step = ctl.step((torch.randn(6, 4), torch.randn(6, 1)), forward_backward=forward_backward,
+                    optimizer_step=lambda tokens: optimizer.step(), zero_grad=optimizer.zero_grad)
+    assert seen == [3, 3] and step.global_samples == 6 and step.num_tokens == 6
+    metrics = ctl.step_metrics(step, seconds=1.0)
+    assert metrics["batch_size"] == 6 and metrics["grad_accum_steps"] == 2 and "padding_fraction" not in metrics
+
+
 def test_token_batches_step_the_scheduler(tmp_path):
     model, optimizer, forward_backward = _linear_step_parts()
     ctl = controller(tmp_path, tokens=TokenBatchOptions(max_tokens=64))

@@ -3,7 +3,8 @@ import torch
 
 from adaptive_batch import MicroBatchOutOfMemoryError
 from adaptive_batch.memory.device import return_freed_memory_to_os
-from adaptive_batch.run.step import accumulate_gradients, micro_batch_sizes, split_batch
+from adaptive_batch.data.layout import BatchLayout
+from adaptive_batch.run.step import accumulate_gradients, micro_batch_sizes
 
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes."
 
@@ -26,16 +27,6 @@ def test_micro_batch_sizes_reject_zero():
         micro_batch_sizes(0, 4)
     with pytest.raises(ValueError):
         micro_batch_sizes(4, 0)
-
-
-def test_split_batch_splits_rows_and_shares_the_rest():
-    batch = {"tokens": torch.arange(12).reshape(6, 2), "labels": torch.arange(6), "scale": torch.tensor(2.0)}
-    pieces = split_batch(batch, [4, 2])
-    assert [p["tokens"].shape[0] for p in pieces] == [4, 2]
-    assert torch.equal(torch.cat([p["labels"] for p in pieces]), batch["labels"])
-    assert all(p["scale"] is batch["scale"] for p in pieces)
-    with pytest.raises(ValueError, match="add up to 5"):
-        split_batch(batch, [3, 2])
 
 
 class Setup:
@@ -149,6 +140,6 @@ def test_real_out_of_memory_under_an_address_space_limit(limited_address_space):
     assert max(step.micro_batch_sizes) < rows and sum(step.micro_batch_sizes) == rows
     got = weight.grad.clone()
     weight.grad = None
-    for piece in split_batch(batch, [6, 6, 6, 6]):
+    for piece in BatchLayout().split(batch, [6, 6, 6, 6]):
         forward_backward(piece)
     assert torch.allclose(got, weight.grad, rtol=1e-4, atol=1e-5)
