@@ -16,7 +16,8 @@ subpackages, in the order they import each other (each imports only those before
   entry points (:func:`find_max_batch_size` and :func:`probe_batch_size`).
 - :mod:`~adaptive_batch.data`: batch samplers, fixed-sample and token-budget.
 - :mod:`~adaptive_batch.run`: a training run's decisions behind
-  :class:`AdaptiveBatchController`; steps in micro-batches; step checkpoints.
+  :class:`AdaptiveBatchController`, and :class:`AdaptiveBatch` for a plain loop; steps in
+  micro-batches; step checkpoints.
 - :mod:`~adaptive_batch.torchtune`: config adapter, tokenizer, data, planner for configs, CLI.
 
 This module exports the names a user needs; everything else is reached through its
@@ -24,7 +25,6 @@ subpackage.
 """
 
 from adaptive_batch.data.layout import BatchLayout
-from adaptive_batch.data.samplers import BatchState
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import (
     BatchIncreaseFunctionError,
@@ -41,6 +41,7 @@ from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.plan import MemoryPlan, plan_memory
 from adaptive_batch.probe.service import ProbeOptions, probe_batch_size
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
+from adaptive_batch.run.loop import AdaptiveBatch
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.state import RunState
 from adaptive_batch.run.step_checkpoints import StepCheckpoints
@@ -56,11 +57,11 @@ from adaptive_batch.schedule.growth import (
 from adaptive_batch.schedule.noise_scale import noise_scale_growth
 
 __all__ = [
-    # the run: facade, options, state
+    # the run: a plain loop's wrapper, the recipes' facade, options, state
+    "AdaptiveBatch",
     "AdaptiveBatchController",
     "AdaptiveBatchOptions",
     "StepOutcome",
-    "BatchState",
     "BatchLayout",
     "RunState",
     "StepCheckpoints",

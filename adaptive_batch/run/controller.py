@@ -66,7 +66,7 @@ class AdaptiveBatchController:
         options: AdaptiveBatchOptions,
         *,
         batch_size: int,
-        input_key: str,
+        input_key: Optional[str],
         gradient_accumulation_steps: int = 1,
         device: torch.device,
         output_dir: str,

@@ -2,7 +2,8 @@ import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from adaptive_batch import BatchState, double_every_epoch, linear_ramp
+from adaptive_batch import double_every_epoch, linear_ramp
+from adaptive_batch.data.samplers import BatchState
 from adaptive_batch.data.samplers import ResizableBatchSampler
 
 

@@ -1,0 +1,196 @@
+"""The library in a plain PyTorch loop: two calls beside the loop's own lines.
+
+    adaptive = AdaptiveBatch(model, optimizer, dataset, loss_fn, batch_size=8, batch_increase_function=double_every_epoch)
+    for epoch in range(3):
+        for batch in adaptive.batches(epoch):
+            adaptive.step(batch)
+
+Everything else a recipe gets comes with it: growth by the same functions and schedules, a
+fixed ``global_batch_size`` in micro-batches, the LR (and weight decay) scaled with the batch,
+an out-of-memory step rerun in halves, the probe, and ``state_dict()`` for checkpoints.
+"""
+
+from functools import partial
+from itertools import islice
+import tempfile
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+from torch.utils.data import default_collate
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from adaptive_batch.data.layout import BatchLayout
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.probe.service import probe_batch_size
+from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
+from adaptive_batch.run.options import AdaptiveBatchOptions
+
+
+class AdaptiveBatch:
+    """A training loop's batch: what it holds, how it grows and what the LR does about it.
+
+    ``loss_fn(micro_batch)`` returns that micro-batch's mean loss; each is weighted by its
+    samples (or by ``count_of(micro_batch)``, e.g. the tokens that carry a loss) and the
+    gradients divided by the step's total, so a step in micro-batches makes the update one step
+    on the whole batch would. Batches come as ``dataset`` and ``collate_fn`` make them (move them
+    to the device in ``loss_fn``), of any structure (``layout``).
+
+    Args:
+        model: what trains.
+        optimizer: its optimizer.
+        dataset: a map-style dataset; an epoch is one pass over it.
+        loss_fn: ``f(micro_batch) -> `` its mean loss (a scalar tensor with a graph).
+        batch_size: the first batch (per step, before any growth).
+        collate_fn: turns a list of samples into a batch (torch's ``default_collate``).
+        lr_scheduler: stepped once per optimizer step (by samples, with ``lr_scaling``).
+        shuffle: shuffle the samples, in another order each epoch.
+        clip_grad_norm: clip the gradients' norm to this before each optimizer step.
+        make_batch: ``f(b) -> `` a worst-case batch of ``b`` samples, for the probe.
+        count_of: ``f(micro_batch) -> `` what its mean loss is over (samples by default).
+        layout: where a batch's samples lie (the first dimension of its tensors by default).
+        output_dir: where the probe's report goes (a new temporary directory when ``None``).
+        log: where decisions are reported.
+        **settings: the adaptive keys of ``docs/configuration.md`` (``batch_increase_function``,
+            ``max_batch_size``, ``global_batch_size``, ``lr_scaling``, ``use_maximum_batch_size``,
+            ``max_memory``, ``retry_on_oom``, ...), with their defaults.
+
+    Raises:
+        ConfigError: for a bad setting or combination, before any step.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        loss_fn: Callable[[Any], torch.Tensor],
+        *,
+        batch_size: int,
+        collate_fn: Callable = default_collate,
+        lr_scheduler: Any = None,
+        shuffle: bool = True,
+        clip_grad_norm: Optional[float] = None,
+        make_batch: Optional[Callable[[int], Any]] = None,
+        count_of: Optional[Callable[[Any], Any]] = None,
+        layout: Optional[BatchLayout] = None,
+        output_dir: Optional[str] = None,
+        log: Callable[[str], None] = print,
+        **settings: Any,
+    ) -> None:
+        options = AdaptiveBatchOptions.from_flat(settings)
+        if options.tokens.max_tokens is not None:
+            raise ConfigError("max_tokens: token-budget batches need the recipes' tokenized samples; use batch_size here.")
+        if options.needs_probe and make_batch is None:
+            raise ConfigError(
+                "use_maximum_batch_size=True (or a batch_increase_function without max_batch_size) probes the "
+                "largest batch that fits: pass make_batch=f(b) -> a worst-case batch of b samples, or set max_batch_size."
+            )
+        self.model, self.optimizer, self.dataset, self.log = model, optimizer, dataset, log
+        self._lr_scheduler, self._clip, self._make_batch = lr_scheduler, clip_grad_norm, make_batch
+        self._loss_fn, self._collate, self._shuffle = loss_fn, collate_fn, shuffle
+        self._layout = layout or BatchLayout()
+        self._count_of = count_of or self._layout.rows
+        device = next(model.parameters()).device
+        self.controller = AdaptiveBatchController(
+            options, batch_size=batch_size, input_key=None, device=device, layout=self._layout, log=log,
+            output_dir=output_dir or tempfile.mkdtemp(prefix="adaptive-batch-"), max_seq_len=0,
+        )
+        self._dataloader: Optional[StatefulDataLoader] = None
+        self._resumed: Dict[str, Any] = {}
+
+    @property
+    def batch_size(self) -> int:
+        """The batch the next step takes."""
+        self._settle()
+        return self.controller.batch.batch_size
+
+    def batches(self, epoch: int) -> Iterator[Any]:
+        """The batches of ``epoch`` (growth at its start; after a resume, the steps it has left).
+
+        Raises:
+            BatchIncreaseFunctionError: when the growth function fails.
+        """
+        self._settle()
+        steps = self.controller.start_epoch(epoch, self._dataloader)
+        return islice(self._dataloader, steps)
+
+    def step(self, batch: Any) -> StepOutcome:
+        """One optimizer step of ``batch``: forward and backward in micro-batches that fit, the
+        LR scaled for the batch, the optimizer and scheduler stepped, the batch grown when due.
+
+        Returns:
+            What ran: ``loss`` (the batch's mean), ``lr``, micro-batches, retries, ``global_step``.
+
+        Raises:
+            MicroBatchOutOfMemoryError: when one-sample micro-batches run out of memory.
+        """
+        self._settle()
+        return self.controller.step(
+            batch, forward_backward=self._forward_backward, optimizer_step=self._optimizer_step,
+            zero_grad=self._zero_grad,
+        )
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The batch, probe result, data position and LR schedule, for a checkpoint beside the
+        model's and optimizer's."""
+        self._settle()
+        state = dict(self.controller.state_dict(), dataloader=self._dataloader.state_dict())
+        if self._lr_scheduler is not None:
+            state["lr_scheduler"] = self._lr_scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resumes from :meth:`state_dict`'s answer; call it before the first :meth:`batches`.
+
+        Raises:
+            ValueError: when batches have already been drawn.
+        """
+        if self._dataloader is not None:
+            raise ValueError("load_state_dict() after batches(): load the state first, then draw the batches.")
+        self.controller.load_state_dict(state)
+        self._resumed = state
+
+    def _settle(self) -> None:
+        """The first batch (probing if asked), its sampler, data loader and the LR coupling."""
+        if self._dataloader is not None:
+            return
+        ctl = self.controller
+        probe = None
+        if ctl.options.needs_probe:
+            probe = partial(
+                probe_batch_size, train_step=self._train_step, make_batch=self._make_batch, model=self.model,
+                optimizer=self.optimizer, seq_len=0,
+            )
+        ctl.settle(dataset_size=len(self.dataset), probe=probe)
+        sampler = ctl.batch_sampler(self.dataset, shuffle=self._shuffle)
+        self._dataloader = StatefulDataLoader(self.dataset, batch_sampler=sampler, collate_fn=self._collate)
+        if "dataloader" in self._resumed:
+            self._dataloader.load_state_dict(self._resumed["dataloader"])
+        if "lr_scheduler" in self._resumed and self._lr_scheduler is not None:
+            self._lr_scheduler.load_state_dict(self._resumed["lr_scheduler"])
+        ctl.attach_lr(self.optimizer, self._lr_scheduler, read_lr=lambda: self.optimizer.param_groups[0]["lr"])
+
+    def _forward_backward(self, piece: Any):
+        """One micro-batch's summed loss (its mean times its count) and count, backward run."""
+        count = torch.as_tensor(self._count_of(piece), dtype=torch.float32)
+        loss = self._loss_fn(piece) * count.to(self.controller.device)
+        loss.backward()
+        return loss.detach(), count
+
+    def _optimizer_step(self, total: float) -> Optional[torch.Tensor]:
+        """Divides the summed gradients by the step's count, clips, steps and zeroes them."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(float(total))
+        norm = None if self._clip is None else torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._clip)
+        self.optimizer.step()
+        self._zero_grad()
+        return norm
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _train_step(self, batch: Any) -> None:
+        """One whole step, as :meth:`step` runs it, for the probe."""
+        _, count = self._forward_backward(batch)
+        self._optimizer_step(float(count))

@@ -1,0 +1,89 @@
+"""AdaptiveBatch: the library in a plain loop, two calls beside the loop's own lines."""
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from adaptive_batch import AdaptiveBatch, ConfigError, double_every_epoch
+
+
+def _parts(seed=0, samples=48):
+    torch.manual_seed(seed)
+    data = TensorDataset(torch.randn(samples, 8), torch.randn(samples, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(batch):  # the micro-batch's mean loss, as any loop writes it
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(model(inputs), targets)
+
+    return data, model, optimizer, loss_fn
+
+
+def test_the_loop_grows_the_batch_each_epoch_with_the_lr_following():
+    data, model, optimizer, loss_fn = _parts()
+    adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, max_batch_size=16,
+                             batch_increase_function=double_every_epoch, lr_scaling="linear", log=lambda m: None)
+    seen = []
+    for epoch in range(3):
+        for batch in adaptive.batches(epoch):
+            step = adaptive.step(batch)
+            seen.append((epoch, step.global_samples, step.lr))
+    assert [(e, b) for e, b, _ in seen] == [(0, 4)] * 12 + [(1, 8)] * 6 + [(2, 16)] * 3
+    assert {lr for _, b, lr in seen} == {0.1, 0.2, 0.4}  # linear in the batch, from 0.1 at 4
+    assert optimizer.param_groups[0]["lr"] == 0.1  # the configured LR between steps
+
+
+def test_a_step_in_micro_batches_is_the_whole_batch_step():
+    data, model, optimizer, loss_fn = _parts()
+    # the same model and data, stepped by hand on the whole batch
+    _, plain, plain_optimizer, plain_loss = _parts()
+    adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, global_batch_size=12, shuffle=False,
+                             log=lambda m: None)
+    batch = next(iter(adaptive.batches(0)))
+    step = adaptive.step(batch)
+    assert step.accumulated.micro_batch_sizes == [4, 4, 4] and step.global_samples == 12
+    whole = plain_loss(batch)
+    whole.backward()
+    plain_optimizer.step()
+    assert step.loss == pytest.approx(float(whole), rel=1e-5)
+    for (name, got), want in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.allclose(got, want, atol=1e-6), name
+
+
+def test_probing_needs_a_worst_case_batch_said_before_any_step():
+    data, model, optimizer, loss_fn = _parts()
+    with pytest.raises(ConfigError, match="pass make_batch=f"):
+        AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, use_maximum_batch_size=True)
+    with pytest.raises(ConfigError, match="unknown adaptive-batch setting 'batch_sise'"):
+        AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, batch_sise=8)
+
+
+def _run(state=None, stop_after=None):
+    """Three epochs of growth with a shuffled sampler and a step-counted scheduler; stops after
+    ``stop_after`` steps with the checkpoint, or resumes from ``state``."""
+    data, model, optimizer, loss_fn = _parts()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** (step // 5))
+    adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, max_batch_size=16, lr_scheduler=scheduler,
+                             batch_increase_function=double_every_epoch, log=lambda m: None)
+    start = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        adaptive.load_state_dict(state["adaptive"])
+        start = state["epoch"]
+    losses = []
+    for epoch in range(start, 3):
+        for batch in adaptive.batches(epoch):
+            losses.append(adaptive.step(batch).loss)
+            if len(losses) == stop_after:
+                return losses, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "adaptive": adaptive.state_dict(), "epoch": epoch}
+    return losses, None
+
+
+def test_stopped_inside_an_epoch_and_resumed_from_its_state_equals_the_uninterrupted_run():
+    whole, _ = _run()
+    first, state = _run(stop_after=5)
+    rest, _ = _run(state=state)
+    assert len(whole) == 21 and first + rest == pytest.approx(whole, rel=1e-6)
