@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[torchtune,test]"
+	$(BIN)/python -m pip install --quiet -e ".[torchtune,hf,test]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -44,7 +44,7 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/adaptive_batch -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e ".[torchtune,test,bench]"
+	$(BIN)/python -m pip install --quiet -e ".[torchtune,hf,test,bench]"
 	$(BIN)/python benchmarks/bench_probe.py $(ARGS)
 
 bench-estimate: $(STAMP)

@@ -87,3 +87,50 @@ def test_stopped_inside_an_epoch_and_resumed_from_its_state_equals_the_uninterru
     first, state = _run(stop_after=5)
     rest, _ = _run(state=state)
     assert len(whole) == 21 and first + rest == pytest.approx(whole, rel=1e-6)
+
+
+def _llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def _hf_samples(count=24, length=32):
+    """Hugging Face's batch layout (input_ids, attention_mask, labels), each sample's loss over
+    a different number of tokens (the rest of its labels -100)."""
+    generator = torch.Generator().manual_seed(1)
+    samples = []
+    for i in range(count):
+        ids = torch.randint(0, 512, (length,), generator=generator)
+        labels = ids.clone()
+        labels[length - 1 - 3 * (i % 8):] = -100
+        samples.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels})
+    return samples
+
+
+def _tokens_with_a_loss(batch):  # what a causal LM's mean loss is over: the shifted labels kept
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+def test_a_random_init_transformers_model_steps_in_micro_batches_as_on_the_whole_batch():
+    model, plain = _llama(), _llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    adaptive = AdaptiveBatch(model, optimizer, _hf_samples(), lambda batch: model(**batch).loss, batch_size=4,
+                             global_batch_size=8, count_of=_tokens_with_a_loss, shuffle=False, log=lambda m: None)
+    losses = []
+    for batch in adaptive.batches(0):
+        step = adaptive.step(batch)
+        assert step.accumulated.micro_batch_sizes == [4, 4]
+        whole = plain(**batch).loss  # the same batch in one piece
+        whole.backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+        losses.append((step.loss, float(whole)))
+    assert len(losses) == 3
+    assert [a for a, _ in losses] == pytest.approx([b for _, b in losses], rel=1e-4)
+    for got, want in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(got, want, atol=1e-5)
