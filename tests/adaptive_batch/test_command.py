@@ -28,6 +28,7 @@ def test_with_torchtune_installed_the_command_is_the_torchtune_cli():
 
 
 def test_without_the_torchtune_extra_the_library_trains_and_the_command_says_what_to_install(tmp_path):
+    """The core and the [hf] extra import, and the library probes; the command answers in one line."""
     # A process where torchtune, torchao, omegaconf and datasets cannot be imported, as after
     # `pip install adaptive-batch` alone.
     script = textwrap.dedent("""
@@ -37,6 +38,7 @@ def test_without_the_torchtune_extra_the_library_trains_and_the_command_says_wha
         import torch
         from adaptive_batch import find_max_batch_size
         from adaptive_batch.command import main
+        from adaptive_batch.hf import AdaptiveBatchTrainer  # the [hf] extra needs no torchtune either
 
         model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

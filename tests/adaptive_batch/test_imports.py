@@ -31,7 +31,7 @@ def _imports(path: Path) -> set:
 
 
 # The layers, each importing only itself and those before it (the package docstring's order).
-LAYERS = ["memory.device", "errors", "faults", "files", "validation", "rng", "memory", "distributed", "schedule", "probe", "data", "run", "torchtune", "command"]
+LAYERS = ["memory.device", "errors", "faults", "files", "validation", "rng", "memory", "distributed", "schedule", "probe", "data", "run", "torchtune", "hf", "command"]
 
 
 def _layer(module: str) -> int:

@@ -1,0 +1,160 @@
+"""Hugging Face's ``Trainer`` with the batch found before training instead of guessed.
+
+``auto_find_batch_size`` halves the batch after each out-of-memory error (tens of failed steps)
+and changes the effective batch as it goes. Here one probe (:func:`find_max_batch_size`) finds
+the largest per-device batch before the first step, and the user's effective batch
+(``per_device_train_batch_size x gradient_accumulation_steps``) is kept exactly: it is trained
+in the fewest equal micro-batches that fit, so the LR the user chose stays right. The evaluation
+batch gets a forward-only probe. The answer goes into every checkpoint and a resumed run takes
+it from there, so the data position and the schedule stay those of the run that saved it.
+"""
+
+import json
+import math
+import os
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.probe.api import find_max_batch_size
+from adaptive_batch.probe.service import ProbeOptions
+
+STATE_FILE = "adaptive_batch.json"
+
+
+class AdaptiveBatchTrainer(Trainer):
+    """A ``Trainer`` that probes its per-device batches before training.
+
+    Args:
+        *args: ``Trainer``'s.
+        max_memory: the budget for a step's peak (bytes, ``"6GiB"``, a fraction of the device),
+            or ``None`` for what the device has.
+        make_batch: ``f(b) -> `` a worst-case batch of ``b`` samples; by default the longest
+            training sample, ``b`` times, through the data collator.
+        probe_eval: also probe ``per_device_eval_batch_size`` with forward passes alone.
+        log: where the batches are reported.
+        **kwargs: ``Trainer``'s.
+
+    Raises:
+        ConfigError: for a ``max_memory`` that cannot be parsed, before the model is touched.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        max_memory: Any = None,
+        make_batch: Optional[Callable[[int], Any]] = None,
+        probe_eval: bool = True,
+        log: Callable[[str], None] = print,
+        **kwargs: Any,
+    ) -> None:
+        ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
+        super().__init__(*args, **kwargs)
+        self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, log
+        self.adaptive_batch: Optional[Dict[str, int]] = None
+        self.add_callback(_SaveTheBatch(self))
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Probes (or, resuming, reads the checkpoint's batches), then trains as ``Trainer`` does."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        saved = _read_state(checkpoint) if isinstance(checkpoint, str) else None
+        if saved is not None:
+            self._apply(saved, f"from the checkpoint {checkpoint}")
+        else:
+            self._apply(self._probe(), "probed")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _probe(self) -> Dict[str, int]:
+        """The per-device batches: the largest training micro-batch that fits, the effective
+        batch split into the fewest equal micro-batches no larger, and the evaluation batch."""
+        args = self.args
+        effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        optimizer = self.create_optimizer()  # the one training will use (Trainer keeps it)
+        make_batch = self._make_batch or _longest_sample_batch(self.train_dataset, self.data_collator)
+        found = find_max_batch_size(
+            self._train_step, make_batch=make_batch, model=self.model, optimizer=optimizer,
+            max_memory=self.max_memory, max_batch_size=effective,
+        )
+        accumulation = next(a for a in range(math.ceil(effective / found), effective + 1) if effective % a == 0)
+        state = {"effective_batch_size": effective, "max_micro_batch_size": found,
+                 "per_device_train_batch_size": effective // accumulation, "gradient_accumulation_steps": accumulation}
+        if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
+            eval_batch = _longest_sample_batch(self.eval_dataset, self.data_collator)
+            state["per_device_eval_batch_size"] = find_max_batch_size(
+                self._eval_step, make_batch=eval_batch, model=self.model, optimizer=None,
+                max_memory=self.max_memory, max_batch_size=len(self.eval_dataset),
+            )
+        return state
+
+    def _apply(self, state: Dict[str, int], source: str) -> None:
+        args = self.args
+        args.per_device_train_batch_size = state["per_device_train_batch_size"]
+        args.gradient_accumulation_steps = state["gradient_accumulation_steps"]
+        self._train_batch_size = args.train_batch_size
+        if "per_device_eval_batch_size" in state:
+            args.per_device_eval_batch_size = state["per_device_eval_batch_size"]
+        self.adaptive_batch = dict(state)
+        budget = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
+        self._log(
+            f"adaptive-batch ({source}): the effective batch of {state['effective_batch_size']} trains as "
+            f"{state['gradient_accumulation_steps']} x {state['per_device_train_batch_size']} per device (the largest "
+            f"that fits {budget}: {state['max_micro_batch_size']}); evaluation batch "
+            f"{args.per_device_eval_batch_size}."
+        )
+
+    def _train_step(self, batch: Any) -> None:
+        """One optimizer step as training runs it: forward, loss, backward, step."""
+        self.model.train()
+        loss = self.compute_loss(self.model, self._prepare_inputs(batch))
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _eval_step(self, batch: Any) -> None:
+        self.model.eval()
+        with torch.no_grad():
+            self.model(**self._prepare_inputs(batch))
+
+
+class _SaveTheBatch(TrainerCallback):
+    """Writes the batches into each checkpoint, beside ``trainer_state.json``."""
+
+    def __init__(self, trainer: AdaptiveBatchTrainer) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if self.trainer.adaptive_batch is not None and os.path.isdir(folder) and state.is_world_process_zero:
+            with open(os.path.join(folder, STATE_FILE), "w") as f:
+                json.dump(self.trainer.adaptive_batch, f, indent=2)
+
+
+def _read_state(checkpoint: str) -> Optional[Dict[str, int]]:
+    path = os.path.join(checkpoint, STATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _longest_sample_batch(dataset: Any, collate: Callable) -> Callable[[int], Any]:
+    """``f(b)``: the dataset's longest sample (by ``input_ids``) ``b`` times, collated: no
+    batch the collator pads is longer.
+
+    Raises:
+        ConfigError: when the samples have no ``input_ids`` to measure (pass ``make_batch``).
+    """
+    try:
+        longest = max(range(len(dataset)), key=lambda i: len(dataset[i]["input_ids"]))
+    except (KeyError, TypeError, IndexError) as e:
+        raise ConfigError(
+            f"the worst-case batch is built from the longest sample's input_ids, and the samples have none ({e!r}): "
+            "pass make_batch=f(b) -> a batch of b of your longest samples."
+        ) from None
+    sample = dataset[longest]
+    return lambda b: collate([sample] * b)

@@ -1,0 +1,97 @@
+"""AdaptiveBatchTrainer: transformers' Trainer with its batches probed, on a random-init Llama."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DataCollatorForLanguageModeling, LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from adaptive_batch import ConfigError
+from adaptive_batch.hf import AdaptiveBatchTrainer
+from adaptive_batch.hf.trainer import STATE_FILE
+
+
+class ByteCollator(DataCollatorForLanguageModeling):
+    """Pads input_ids with 0 and labels with -100 (a tokenizer-free causal-LM collator)."""
+
+    def __init__(self):  # no tokenizer: the samples are ids already
+        pass
+
+    def __call__(self, samples):
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = torch.zeros(len(samples), longest, dtype=torch.long)
+        mask = torch.zeros(len(samples), longest, dtype=torch.long)
+        for i, s in enumerate(samples):
+            ids[i, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+            mask[i, : len(s["input_ids"])] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _samples(count, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, 512, (int(n),), generator=generator).tolist()}
+            for n in torch.randint(8, 64, (count,), generator=generator)]
+
+
+def _trainer(tmp_path, per_device=16, accumulation=1, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+        max_steps=2, save_steps=1, learning_rate=1e-3, report_to=[], use_cpu=True, seed=seed, data_seed=seed,
+        logging_steps=1, disable_tqdm=True,
+    )
+    lines = []
+    trainer = AdaptiveBatchTrainer(
+        model=LlamaForCausalLM(config), args=args, train_dataset=_samples(64), eval_dataset=_samples(16, seed=1),
+        data_collator=ByteCollator(), log=lines.append, **kwargs,
+    )
+    trainer.lines = lines
+    return trainer
+
+
+def test_the_effective_batch_trains_in_the_micro_batches_that_fit(tmp_path):
+    trainer = _trainer(tmp_path, per_device=16, max_memory="20MiB")
+    trainer.train()
+    state = trainer.adaptive_batch
+    found = state["max_micro_batch_size"]
+    assert 1 < found < 16  # the budget holds less than the configured 16
+    assert state["per_device_train_batch_size"] <= found
+    assert state["per_device_train_batch_size"] * state["gradient_accumulation_steps"] == 16  # the user's batch
+    assert trainer.args.gradient_accumulation_steps == state["gradient_accumulation_steps"]
+    assert trainer.state.global_step == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+    assert state["per_device_eval_batch_size"] >= found  # forward passes alone take less
+    assert "adaptive-batch (probed): the effective batch of 16 trains as" in trainer.lines[0]
+    saved = json.loads((Path(tmp_path) / "checkpoint-2" / STATE_FILE).read_text())
+    assert saved == state
+
+
+def test_a_resumed_run_takes_the_checkpoints_batches_without_probing(tmp_path):
+    first = _trainer(tmp_path, max_memory="20MiB")
+    first.train()
+    resumed = _trainer(tmp_path, max_memory="20MiB")
+    resumed.args.max_steps = 3
+    resumed._probe = lambda: pytest.fail("probed again")  # noqa: E731
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.adaptive_batch == first.adaptive_batch and resumed.state.global_step == 3
+    assert "adaptive-batch (from the checkpoint" in resumed.lines[0]
+
+
+def test_the_micro_batched_run_trains_what_the_whole_batch_run_trains(tmp_path):
+    probed = _trainer(tmp_path / "a", max_memory="20MiB", probe_eval=False)
+    probed.train()
+    assert probed.adaptive_batch["gradient_accumulation_steps"] > 1
+    plain = _trainer(tmp_path / "b", max_memory="20MiB", probe_eval=False)
+    plain._probe = lambda: {"effective_batch_size": 16, "max_micro_batch_size": 16,  # noqa: E731
+                            "per_device_train_batch_size": 16, "gradient_accumulation_steps": 1}
+    plain.train()
+    losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
+    assert losses(probed) == pytest.approx(losses(plain), rel=1e-4)
+
+
+def test_a_bad_budget_is_one_line_before_the_model_is_touched(tmp_path):
+    with pytest.raises(ConfigError, match="max_memory='lots' cannot be parsed"):
+        _trainer(tmp_path, max_memory="lots")
