@@ -46,7 +46,7 @@ def test_a_step_in_micro_batches_is_the_whole_batch_step():
     whole = plain_loss(batch)
     whole.backward()
     plain_optimizer.step()
-    assert step.loss == pytest.approx(float(whole), rel=1e-5)
+    assert step.loss == pytest.approx(whole.item(), rel=1e-5)
     for (name, got), want in zip(model.state_dict().items(), plain.state_dict().values()):
         assert torch.allclose(got, want, atol=1e-6), name
 
