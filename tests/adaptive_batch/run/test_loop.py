@@ -129,7 +129,7 @@ def test_a_random_init_transformers_model_steps_in_micro_batches_as_on_the_whole
         whole.backward()
         plain_optimizer.step()
         plain_optimizer.zero_grad()
-        losses.append((step.loss, float(whole)))
+        losses.append((step.loss, whole.item()))
     assert len(losses) == 3
     assert [a for a, _ in losses] == pytest.approx([b for _, b in losses], rel=1e-4)
     for got, want in zip(model.parameters(), plain.parameters()):
