@@ -5,7 +5,9 @@ and changes the effective batch as it goes. Here one probe (:func:`find_max_batc
 the largest per-device batch before the first step, and the user's effective batch
 (``per_device_train_batch_size x gradient_accumulation_steps``) is kept exactly: it is trained
 in the fewest equal micro-batches that fit, so the LR the user chose stays right. The evaluation
-batch gets a forward-only probe. The answer goes into every checkpoint and a resumed run takes
+batch gets a forward-only probe. Under several processes (``torchrun``, ``accelerate launch``) each
+rank probes its own device before the model is wrapped for data parallelism, and every rank takes
+the smallest answer. The answer goes into every checkpoint and a resumed run takes
 it from there, so the data position and the schedule stay those of the run that saved it.
 """
 
@@ -18,6 +20,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
@@ -55,6 +58,7 @@ class AdaptiveBatchTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, log
         self.adaptive_batch: Optional[Dict[str, int]] = None
+        self._ranks = RankGroup(self.args.device)
         self.add_callback(_SaveTheBatch(self))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -78,17 +82,19 @@ class AdaptiveBatchTrainer(Trainer):
         make_batch = self._make_batch or _longest_sample_batch(self.train_dataset, self.data_collator)
         found = find_max_batch_size(
             self._train_step, make_batch=make_batch, model=self.model, optimizer=optimizer,
-            max_memory=self.max_memory, max_batch_size=effective,
+            max_memory=self.max_memory, max_batch_size=effective, log=self._log,
         )
+        # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
+        found = -self._ranks.max(-found)
         accumulation = next(a for a in range(math.ceil(effective / found), effective + 1) if effective % a == 0)
         state = {"effective_batch_size": effective, "max_micro_batch_size": found,
                  "per_device_train_batch_size": effective // accumulation, "gradient_accumulation_steps": accumulation}
         if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
             eval_batch = _longest_sample_batch(self.eval_dataset, self.data_collator)
-            state["per_device_eval_batch_size"] = find_max_batch_size(
+            state["per_device_eval_batch_size"] = -self._ranks.max(-find_max_batch_size(
                 self._eval_step, make_batch=eval_batch, model=self.model, optimizer=None,
                 max_memory=self.max_memory, max_batch_size=len(self.eval_dataset),
-            )
+            ))
         return state
 
     def _apply(self, state: Dict[str, int], source: str) -> None:
