@@ -77,9 +77,9 @@ def worker(kind: str, vocab: int, batch: int) -> dict:
         if kind == "trainer_auto":
             inner = trainer._inner_training_loop
 
-            def counted(*args, batch_size=None, **kwargs):
+            def counted(batch_size, *args, **kwargs):  # find_executable_batch_size passes it first
                 tries.append(batch_size)
-                return inner(*args, batch_size=batch_size, **kwargs)
+                return inner(batch_size, *args, **kwargs)
 
             trainer._inner_training_loop = counted
         trainer.train()
