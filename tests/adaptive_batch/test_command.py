@@ -7,6 +7,8 @@ import sys
 import textwrap
 import tomllib
 
+import pytest
+
 from adaptive_batch.command import TORCHTUNE_EXTRA, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,3 +66,19 @@ def test_without_the_torchtune_extra_the_library_trains_and_the_command_says_wha
         "need it)."
     ]
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+def test_pip_resolves_the_core_and_the_hf_extra_without_torchtune(tmp_path):
+    """What `pip install 'adaptive-batch[hf]'` would install into an empty environment, as pip
+    resolves it (a dry run from the package index)."""
+    report = tmp_path / "report.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+         f"{REPO}[hf]"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    names = {item["metadata"]["name"].lower().replace("_", "-") for item in json.loads(report.read_text())["install"]}
+    assert {"adaptive-batch", "torch", "torchdata", "transformers", "accelerate"} <= names
+    assert not names & {"torchtune", "torchao", "omegaconf", "datasets", "kagglehub", "pandas", "pyarrow"}
