@@ -22,6 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.files import atomic_write
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 
@@ -136,8 +137,9 @@ class _SaveTheBatch(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if self.trainer.adaptive_batch is not None and os.path.isdir(folder) and state.is_world_process_zero:
-            with open(os.path.join(folder, STATE_FILE), "w") as f:
-                json.dump(self.trainer.adaptive_batch, f, indent=2)
+            # Written whole, as the checkpoint's other files: a resume never reads half of it.
+            atomic_write(os.path.join(folder, STATE_FILE), lambda f: json.dump(self.trainer.adaptive_batch, f, indent=2),
+                         text=True)
 
 
 def _read_state(checkpoint: str) -> Optional[Dict[str, int]]:

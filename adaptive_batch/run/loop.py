@@ -48,7 +48,8 @@ class AdaptiveBatch:
         make_batch: ``f(b) -> `` a worst-case batch of ``b`` samples, for the probe.
         count_of: ``f(micro_batch) -> `` what its mean loss is over (samples by default).
         layout: where a batch's samples lie (the first dimension of its tensors by default).
-        output_dir: where the probe's report goes (a new temporary directory when ``None``).
+        output_dir: where the probe's report goes (a new temporary directory when ``None``;
+            nothing is written without probing).
         log: where decisions are reported.
         **settings: the adaptive keys of ``docs/configuration.md`` (``batch_increase_function``,
             ``max_batch_size``, ``global_batch_size``, ``lr_scaling``, ``use_maximum_batch_size``,
@@ -79,7 +80,10 @@ class AdaptiveBatch:
     ) -> None:
         options = AdaptiveBatchOptions.from_flat(settings)
         if options.tokens.max_tokens is not None:
-            raise ConfigError("max_tokens: token-budget batches need the recipes' tokenized samples; use batch_size here.")
+            raise ConfigError(
+                f"max_tokens={options.tokens.max_tokens}: token-budget batches need the recipes' tokenized samples; "
+                "remove max_tokens and set batch_size."
+            )
         if options.needs_probe and make_batch is None:
             raise ConfigError(
                 "use_maximum_batch_size=True (or a batch_increase_function without max_batch_size) probes the "
@@ -93,7 +97,9 @@ class AdaptiveBatch:
         device = next(model.parameters()).device
         self.controller = AdaptiveBatchController(
             options, batch_size=batch_size, input_key=None, device=device, layout=self._layout, log=log,
-            output_dir=output_dir or tempfile.mkdtemp(prefix="adaptive-batch-"), max_seq_len=0,
+            # only the probe writes there (its report and snapshot)
+            output_dir=output_dir or (tempfile.mkdtemp(prefix="adaptive-batch-") if options.needs_probe else "."),
+            max_seq_len=0,
         )
         self._dataloader: Optional[StatefulDataLoader] = None
         self._resumed: Dict[str, Any] = {}

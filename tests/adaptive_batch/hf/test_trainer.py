@@ -1,6 +1,7 @@
 """AdaptiveBatchTrainer: transformers' Trainer with its batches probed, on a random-init Llama."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -121,7 +122,7 @@ def test_two_ranks_on_gloo_take_the_smaller_ranks_batch(tmp_path):
 
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_SCRIPT)
-    env = dict(__import__("os").environ, TEST_DIR=str(Path(__file__).parent), OUT=str(tmp_path / "out"),
+    env = dict(os.environ, TEST_DIR=str(Path(__file__).parent), OUT=str(tmp_path / "out"),
                PYTHONPATH=str(Path(__file__).resolve().parents[3]))
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     run = subprocess.run([torchrun, "--nproc_per_node", "2", str(script)], env=env, capture_output=True, text=True,

@@ -1,5 +1,7 @@
 """AdaptiveBatch: the library in a plain loop, two calls beside the loop's own lines."""
 
+import json
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -57,6 +59,38 @@ def test_probing_needs_a_worst_case_batch_said_before_any_step():
         AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, use_maximum_batch_size=True)
     with pytest.raises(ConfigError, match="unknown adaptive-batch setting 'batch_sise'"):
         AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, batch_sise=8)
+    with pytest.raises(ConfigError, match="max_tokens=512: .* remove max_tokens and set batch_size"):
+        AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, max_tokens=512)
+
+
+def test_the_probe_finds_the_largest_batch_that_fits_and_training_takes_it(tmp_path):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 256), torch.randn(4096, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = [p.clone() for p in model.parameters()]
+
+    def loss_fn(batch):
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(model(inputs), targets)
+
+    adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=1, use_maximum_batch_size=True,
+                             max_memory="32MiB", make_batch=lambda b: (torch.randn(b, 256), torch.randn(b, 1)),
+                             output_dir=str(tmp_path), log=lambda m: None)
+    found = adaptive.batch_size
+    report = json.loads((tmp_path / "batch_probe.json").read_text())
+    assert 1 < found < 4096 and report["batch_size"] == found
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the probe put the model back
+    step = adaptive.step(next(iter(adaptive.batches(0))))
+    assert step.global_samples == found and step.accumulated.oom_retries == 0
+
+
+def test_without_probing_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data, model, optimizer, loss_fn = _parts()
+    adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, log=lambda m: None)
+    adaptive.step(next(iter(adaptive.batches(0))))
+    assert list(tmp_path.iterdir()) == []
 
 
 def _run(state=None, stop_after=None):
