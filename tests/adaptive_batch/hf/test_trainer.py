@@ -110,7 +110,10 @@ trainer = _trainer(os.environ["OUT"], max_memory=["40MiB", "20MiB"][rank], probe
 trainer.args.max_steps = 1
 trainer.train()
 fits = [int(line.split("batch_size=")[1].split()[0]) for line in trainer.lines if line.startswith("probe trial") and " fits" in line]
-print("RESULT", rank, dist.get_world_size(), max(fits), json.dumps(trainer.adaptive_batch), flush=True)
+# one file per rank: two ranks printing to one pipe can interleave their lines
+os.makedirs(os.environ["OUT"], exist_ok=True)
+with open(os.path.join(os.environ["OUT"], f"result{rank}.json"), "w") as f:
+    json.dump([str(rank), str(dist.get_world_size()), max(fits), trainer.adaptive_batch], f)
 '''
 
 
@@ -128,9 +131,9 @@ def test_two_ranks_on_gloo_take_the_smaller_ranks_batch(tmp_path):
     run = subprocess.run([torchrun, "--nproc_per_node", "2", str(script)], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    results = sorted(line.split(" ", 4)[1:] for line in run.stdout.splitlines() if line.startswith("RESULT"))
+    results = [json.loads((tmp_path / "out" / f"result{rank}.json").read_text()) for rank in (0, 1)]
     assert [(rank, world) for rank, world, _, _ in results] == [("0", "2"), ("1", "2")]
-    (own0, first), (own1, second) = [(int(fit), json.loads(state)) for _, _, fit, state in results]
+    (own0, first), (own1, second) = [(fit, state) for _, _, fit, state in results]
     assert first == second  # the same micro-batches on both ranks
     # the 40 MiB rank fitted more on its own; both train what the 20 MiB rank's probe answered
     assert own0 > first["max_micro_batch_size"] and first["max_micro_batch_size"] <= own1
