@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test test-fast test-unit bench bench-plan bench-plan-torchtune bench-estimate gpu-check gpu-check-cpu gpu-wheels venv clean
+.PHONY: run run-distributed test test-fast test-unit bench bench-hf bench-plan bench-plan-torchtune bench-estimate gpu-check gpu-check-cpu gpu-wheels venv clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,11 @@ test-unit: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[torchtune,hf,test,bench]"
 	$(BIN)/python benchmarks/bench_probe.py $(ARGS)
+
+# The peers on a Hugging Face model (Trainer, Accelerate, Lightning): docs/benchmarks.md.
+bench-hf: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[torchtune,hf,test,bench]"
+	$(BIN)/python benchmarks/bench_hf.py $(ARGS)
 
 bench-estimate: $(STAMP)
 	$(BIN)/python benchmarks/bench_estimate.py $(ARGS)

@@ -1,21 +1,27 @@
-"""Hugging Face's Trainer beside ours, under one real process memory limit.
+"""Largest-batch finders on a Hugging Face model, side by side under one real memory limit.
 
-Each method runs in a fresh process: a random-init transformers Llama (4 layers, dim 512, the
-given vocabulary, sequence 512, AdamW), then RLIMIT_AS set to the process's size plus the
-headroom (as ``prlimit --as`` would), then ``Trainer.train()`` for one optimizer step of an
-effective batch of 64:
+Each method runs in a fresh process that imports the same packages, builds a random-init
+transformers Llama (4 layers, dim 512, the given vocabulary, sequence 512, AdamW), then sets
+RLIMIT_AS to the process's size plus the headroom (as ``prlimit --as`` would):
 
+- ``ours``: :class:`adaptive_batch.hf.AdaptiveBatchTrainer` (one probe, then the effective
+  batch of 64 in the fewest equal micro-batches that fit);
 - ``trainer_auto``: ``TrainingArguments(auto_find_batch_size=True)`` (Accelerate's
-  ``find_executable_batch_size``: the whole step again at 90% after each out-of-memory error);
-- ``ours``: :class:`adaptive_batch.hf.AdaptiveBatchTrainer` (one probe, then 64 in the fewest
-  equal micro-batches that fit).
+  ``find_executable_batch_size`` around the whole training loop; it keeps the accumulation
+  steps, so the effective batch falls with the batch);
+- ``accelerate``: ``find_executable_batch_size(starting_batch_size=64)`` around one step (-10%
+  per out-of-memory error);
+- ``lightning_power``, ``lightning_binsearch``: Lightning's ``Tuner.scale_batch_size`` (3 steps
+  per trial, from 2).
 
-The true maximum is the largest micro-batch whose training steps run in a fresh process under
-the same limit, found by walking from ours. ``trains`` is whether each method's batch then
-trains 10 steps in a fresh process.
+Every process runs with the glibc options :class:`AdaptiveBatchTrainer` sets for its own
+training under a limit (``M_MMAP_THRESHOLD`` 256 KiB, ``M_ARENA_MAX`` 1), so the methods and
+the truth share one allocator. The true maximum is the largest micro-batch that trains 10 steps in a fresh process under the
+same limit (plain ``Trainer``), found by walking from ours; each method's answer is tried the
+same way (``trains``).
 
-    python benchmarks/bench_hf.py                     # the 32K row: docs/benchmarks.md
-    python benchmarks/bench_hf.py --vocab 128256 --headroom 4GiB
+    make bench-hf                                       # the 32K row: docs/benchmarks.md
+    python benchmarks/bench_hf.py --vocab 128256 --headroom 6GiB
 """
 
 import argparse
@@ -33,65 +39,162 @@ from readme_table import write_readme_table
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ, EFFECTIVE = 512, 64
+METHODS = ["ours", "trainer_auto", "accelerate", "lightning_power", "lightning_binsearch"]
 
 
-def _trainer(kind: str, vocab: int, out: str, per_device: int, steps: int):
+# ----------------------------------------------------------------------------- worker side
+def _model(vocab: int):
+    import accelerate  # noqa: F401  (every worker imports the same packages, so all start the same size)
+    import lightning  # noqa: F401
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-
-    from adaptive_batch.hf import AdaptiveBatchTrainer
-    from adaptive_batch.memory.device import proc_status_bytes
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ)
     model = LlamaForCausalLM(config)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, vocab, (256, SEQ))]
+    return model, data
+
+
+def _limit() -> None:
+    from adaptive_batch.memory.device import proc_status_bytes, return_freed_memory_to_os
+
+    return_freed_memory_to_os()  # every method, and the truth, on the allocator ours trains with
+    limit = proc_status_bytes("VmSize") + int(os.environ["BENCH_HEADROOM"])
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+
+
+def _trainer(kind: str, vocab: int, out: str, per_device: int, steps: int):
+    from transformers import Trainer, TrainingArguments
+
+    from adaptive_batch.hf import AdaptiveBatchTrainer
+
+    model, data = _model(vocab)
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=EFFECTIVE // per_device,
         max_steps=steps, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no",
         auto_find_batch_size=kind == "trainer_auto", optim="adamw_torch",
     )
-    limit = proc_status_bytes("VmSize") + int(os.environ["BENCH_HEADROOM"])
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    _limit()
     if kind == "ours":
         lines = []
         return AdaptiveBatchTrainer(model=model, args=args, train_dataset=data, max_memory=None, log=lines.append), lines
     return Trainer(model=model, args=args, train_dataset=data), None
 
 
+def _truth(vocab: int, out: str, batch: int) -> dict:
+    trainer, _ = _trainer("plain", vocab, out, batch, 10)
+    trainer.args.gradient_accumulation_steps = 1  # 10 optimizer steps of one micro-batch each
+    try:
+        trainer.train()
+    except RuntimeError as e:
+        if "can't allocate memory" not in str(e):
+            raise
+        return {"trains": False}
+    return {"trains": True}
+
+
+def _trainers(kind: str, vocab: int, out: str) -> dict:
+    trainer, lines = _trainer(kind, vocab, out, EFFECTIVE, 1)
+    tries = []
+    if kind == "trainer_auto":
+        inner = trainer._inner_training_loop
+
+        def counted(batch_size, *args, **kwargs):  # find_executable_batch_size passes it first
+            tries.append(batch_size)
+            return inner(batch_size, *args, **kwargs)
+
+        trainer._inner_training_loop = counted
+    trainer.train()
+    if kind == "ours":
+        trials = [line for line in lines if line.startswith("probe trial")]
+        return {"found": trainer.adaptive_batch["max_micro_batch_size"], "trial_steps": len(trials),
+                "oom_trials": sum("out of memory" in line for line in trials), "effective": EFFECTIVE}
+    # auto_find_batch_size lowers the per-device batch and keeps the accumulation steps (1 here)
+    return {"found": tries[-1], "trial_steps": len(tries), "oom_trials": len(tries) - 1,
+            "effective": tries[-1] * trainer.args.gradient_accumulation_steps}
+
+
+def _plain_step(model, optimizer):
+    def step(batch):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _accelerate(vocab: int) -> dict:
+    import torch
+    from accelerate.utils import find_executable_batch_size
+
+    model, data = _model(vocab)
+    step = _plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False))
+    sample = {k: v.unsqueeze(0) for k, v in data[0].items()}
+    tries = []
+    _limit()
+
+    @find_executable_batch_size(starting_batch_size=EFFECTIVE)
+    def find(batch_size):
+        tries.append(batch_size)
+        step({k: v.expand(batch_size, -1).contiguous() for k, v in sample.items()})
+        return batch_size
+
+    found = find()
+    return {"found": found, "trial_steps": len(tries), "oom_trials": len(tries) - 1, "effective": found}
+
+
+def _lightning(vocab: int, mode: str, out: str) -> dict:
+    import lightning as L
+    from lightning.pytorch.tuner import Tuner, batch_size_scaling
+    import torch
+
+    model, data = _model(vocab)
+    counts = {"steps": 0, "oom": 0}
+    is_oom = batch_size_scaling.is_oom_error
+
+    def counted_oom(exc):  # the tuner's own test, counted
+        oom = is_oom(exc)
+        counts["oom"] += oom
+        return oom
+
+    batch_size_scaling.is_oom_error = counted_oom
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.batch_size = model, 2
+
+        def training_step(self, batch, _index):
+            counts["steps"] += 1
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=False)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
+    _limit()
+    found = int(Tuner(trainer).scale_batch_size(Module(), mode=mode, init_val=2, max_trials=25))
+    return {"found": found, "trial_steps": counts["steps"], "oom_trials": counts["oom"], "effective": found}
+
+
 def worker(kind: str, vocab: int, batch: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        if kind == "truth":  # ``batch`` per micro-batch, plain Trainer, 10 optimizer steps of one micro-batch
-            trainer, _ = _trainer("plain", vocab, out, batch, 10)
-            trainer.args.gradient_accumulation_steps = 1
-            try:
-                trainer.train()
-            except RuntimeError as e:
-                if "can't allocate memory" not in str(e):
-                    raise
-                return {"trains": False}
-            return {"trains": True}
-        trainer, lines = _trainer(kind, vocab, out, EFFECTIVE, 1)
-        tries = []
-        if kind == "trainer_auto":
-            inner = trainer._inner_training_loop
-
-            def counted(batch_size, *args, **kwargs):  # find_executable_batch_size passes it first
-                tries.append(batch_size)
-                return inner(batch_size, *args, **kwargs)
-
-            trainer._inner_training_loop = counted
-        trainer.train()
-        if kind == "ours":
-            trials = [line for line in lines if line.startswith("probe trial")]
-            return {"found": trainer.adaptive_batch["max_micro_batch_size"], "trial_steps": len(trials),
-                    "oom_trials": sum("out of memory" in line for line in trials), "effective": EFFECTIVE}
-        # auto_find_batch_size lowers the per-device batch and keeps the accumulation steps (1 here)
-        return {"found": tries[-1], "trial_steps": len(tries), "oom_trials": len(tries) - 1,
-                "effective": tries[-1] * trainer.args.gradient_accumulation_steps}
+        if kind == "truth":
+            return _truth(vocab, out, batch)
+        if kind == "accelerate":
+            return _accelerate(vocab)
+        if kind.startswith("lightning_"):
+            return _lightning(vocab, kind.split("_", 1)[1], out)
+        return _trainers(kind, vocab, out)
 
 
+# ----------------------------------------------------------------------------- driver side
 def _spawn(kind: str, vocab: int, headroom: int, batch: int = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), BENCH_HEADROOM=str(headroom))
     start = time.perf_counter()
@@ -107,6 +210,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--headroom", default="2.5GiB")
+    parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,31 +220,43 @@ def main() -> None:
     from adaptive_batch import parse_memory
 
     headroom = parse_memory(args.headroom, key="--headroom")
-    rows = {kind: _spawn(kind, args.vocab, headroom) for kind in ("ours", "trainer_auto")}
-    for kind, row in rows.items():
-        print(kind, row, flush=True)
-    truth = rows["ours"]["found"]
-    if _spawn("truth", args.vocab, headroom, truth)["trains"]:
-        while _spawn("truth", args.vocab, headroom, truth + 1)["trains"]:
+    rows = {}
+    for kind in args.methods.split(","):
+        rows[kind] = _spawn(kind, args.vocab, headroom)
+        print(kind, rows[kind], flush=True)
+    trains = {}  # batch -> whether it trains 10 steps in a fresh process
+
+    def fresh(batch: int) -> bool:
+        if batch not in trains:
+            trains[batch] = _spawn("truth", args.vocab, headroom, batch)["trains"]
+            print(f"truth {batch}: {trains[batch]}", flush=True)
+        return trains[batch]
+
+    truth = rows[next(iter(rows))]["found"]
+    if fresh(truth):
+        while fresh(truth + 1):
             truth += 1
     else:
-        while truth > 1 and not _spawn("truth", args.vocab, headroom, truth - 1)["trains"]:
+        while truth > 1 and not fresh(truth - 1):
             truth -= 1
         truth -= 1
+    first = next(iter(rows))
     lines = [
-        f"Random-init transformers Llama (4 layers, dim 512, vocabulary {args.vocab:,}), sequence {SEQ}, AdamW, an "
-        f"effective batch of {EFFECTIVE}, under {args.headroom} of address space over each process's size; "
-        f"true maximum micro-batch **{truth}** (fresh processes, 10 steps).",
+        f"Random-init transformers Llama (4 layers, dim 512, vocabulary {args.vocab:,}), sequence {SEQ}, AdamW, fp32, "
+        f"under {args.headroom} of address space over each process's size (RLIMIT_AS); true maximum micro-batch "
+        f"**{truth}** (the largest that trains 10 steps in a fresh process).",
         "",
-        "| method | found | found/true | trial steps | OOM trials | effective batch trained | seconds | seconds vs ours |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | found | found/true | trains 10 steps (fresh) | trial steps | OOM trials | effective batch trained "
+        f"| seconds | seconds / {first}'s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, row in rows.items():
-        lines.append(f"| {kind} | {row['found']} | {row['found'] / truth:.3f} | {row['trial_steps']} | {row['oom_trials']} "
-                     f"| {row['effective']} | {row['seconds']:.0f} | {row['seconds'] / rows['ours']['seconds']:.2f} |")
+        lines.append(f"| {kind} | {row['found']} | {row['found'] / max(truth, 1):.3f} | "
+                     f"{'yes' if fresh(row['found']) else 'no'} | {row['trial_steps']} | {row['oom_trials']} "
+                     f"| {row['effective']} | {row['seconds']:.0f} | {row['seconds'] / rows[first]['seconds']:.2f} |")
     lines += ["", f"Made by `python benchmarks/bench_hf.py --vocab {args.vocab} --headroom {args.headroom}` on "
-              f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; seconds include the process start and "
-              "one optimizer step of the effective batch."]
+              f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; seconds are each method's process, start to "
+              "end (for the two Trainers, the search and one optimizer step of the effective batch)."]
     table = "\n".join(lines)
     print(table)
     write_readme_table(f"bench_hf_{args.vocab}", table)

@@ -9,12 +9,18 @@ batch gets a forward-only probe. Under several processes (``torchrun``, ``accele
 rank probes its own device before the model is wrapped for data parallelism, and every rank takes
 the smallest answer. The answer goes into every checkpoint and a resumed run takes
 it from there, so the data position and the schedule stay those of the run that saved it.
+
+It trains in the process it probes, so, as the recipes do, it sets the allocator options its
+batch needs to hold from step to step and says so in one line (on CPU glibc's
+``M_MMAP_THRESHOLD`` and ``M_ARENA_MAX``, so address space follows live memory; on CUDA
+expandable segments): :func:`adaptive_batch.memory.device.prepare_allocator`.
 """
 
 import json
 import math
 import os
 from typing import Any, Callable, Dict, Optional
+import warnings
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -23,6 +29,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import atomic_write
+from adaptive_batch.memory.device import prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 
@@ -78,6 +85,8 @@ class AdaptiveBatchTrainer(Trainer):
         """The per-device batches: the largest training micro-batch that fits, the effective
         batch split into the fewest equal micro-batches no larger, and the evaluation batch."""
         args = self.args
+        # Set before the probe, so the trials see the allocator training will have.
+        prepare_allocator(args.device, probing=True, log=self._log, warn=warnings.warn)
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
         optimizer = self.create_optimizer()  # the one training will use (Trainer keeps it)
         make_batch = self._make_batch or _longest_sample_batch(self.train_dataset, self.data_collator)

@@ -329,8 +329,9 @@ def prepare_allocator(
     one line: on CPU under an address-space limit (the process's, or the probe's own),
     glibc's cache of freed blocks would count against it (:func:`return_freed_memory_to_os`);
     on CUDA, when probing, the caching allocator's split blocks would make the probed batch
-    fail its second step (:func:`use_expandable_segments`). For recipes only: the settings last
-    for the process, and :func:`~adaptive_batch.find_max_batch_size` changes none."""
+    fail its second step (:func:`use_expandable_segments`). For what trains in the process it
+    probes (the recipes, :class:`~adaptive_batch.AdaptiveBatch`, the Hugging Face trainer): the
+    settings last for the process, and :func:`~adaptive_batch.find_max_batch_size` changes none."""
     # Probing on CPU runs its trials under an address-space limit of its own (see
     # adaptive_batch.probe.service.trial_address_space), so it needs the same settings.
     if device.type == "cpu" and (probing or address_space_limit() is not None) and return_freed_memory_to_os():

@@ -66,6 +66,8 @@ def test_the_effective_batch_trains_in_the_micro_batches_that_fit(tmp_path):
     assert trainer.state.global_step == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
     assert state["per_device_eval_batch_size"] >= found  # forward passes alone take less
     assert any(line.startswith("probe trial") for line in trainer.lines)
+    # it trains in the process it probed, with the allocator the trials had, and says so
+    assert any(line.startswith("CPU allocator: glibc M_MMAP_THRESHOLD") for line in trainer.lines)
     assert "adaptive-batch (probed): the effective batch of 16 trains as" in trainer.lines[-1]
     saved = json.loads((Path(tmp_path) / "checkpoint-2" / STATE_FILE).read_text())
     assert saved == state
