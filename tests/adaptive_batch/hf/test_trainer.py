@@ -140,3 +140,61 @@ def test_two_ranks_on_gloo_take_the_smaller_ranks_batch(tmp_path):
     # the 40 MiB rank fitted more on its own; both train what the 20 MiB rank's probe answered
     assert own0 > first["max_micro_batch_size"] and first["max_micro_batch_size"] <= own1
     assert first["per_device_train_batch_size"] * first["gradient_accumulation_steps"] == 16
+
+
+LIMIT_SCRIPT = '''
+import json, os, resource, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from adaptive_batch.hf import AdaptiveBatchTrainer
+from adaptive_batch.memory.device import proc_status_bytes, return_freed_memory_to_os
+
+mode, batch, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+samples = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 8192, (64, 256))]
+args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=1 if mode == "probe" else 3,
+                         report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
+if mode == "fresh":  # the allocator the probed run trains with, as that run says in its line
+    return_freed_memory_to_os()
+resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + 400 * 2**20, resource.RLIM_INFINITY))
+if mode == "probe":
+    lines = []
+    trainer = AdaptiveBatchTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples, log=lines.append)
+    trainer.train()
+    trials = [line for line in lines if line.startswith("probe trial")]
+    print("RESULT", json.dumps({"found": trainer.adaptive_batch["max_micro_batch_size"],
+                                "oom_trials": sum("out of memory" in line for line in trials)}))
+else:
+    try:
+        Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples).train()
+        print("RESULT", json.dumps({"trains": True}))
+    except RuntimeError as e:
+        assert "can't allocate memory" in str(e), e
+        print("RESULT", json.dumps({"trains": False}))
+'''
+
+
+@pytest.mark.slow
+def test_under_a_real_limit_it_finds_the_true_maximum(tmp_path):
+    """Under 400 MiB of address space over the process (as ``prlimit --as`` gives), the probed
+    micro-batch trains 3 steps in a fresh process and one more does not, found with at most one
+    out-of-memory trial."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "limit.py"
+    script.write_text(LIMIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+
+    def run(mode, batch):
+        proc = subprocess.run([sys.executable, str(script), mode, str(batch), str(tmp_path / f"{mode}{batch}")],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+    probed = run("probe", 16)
+    found = probed["found"]
+    assert 1 < found < 16 and probed["oom_trials"] <= 1, probed
+    assert run("fresh", found)["trains"] and not run("fresh", found + 1)["trains"], found
