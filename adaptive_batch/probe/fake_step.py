@@ -17,10 +17,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 import torch.distributed as dist
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule
 
 # MemTracker's categories, as the table names them; temporaries of backward count as activations.
 CATEGORIES = {
@@ -107,6 +104,12 @@ class _NoHook:
 def _tracked_peak(model: nn.Module, optimizers: List[torch.optim.Optimizer], run: Callable[[], None]) -> "PlanRow":
     """Runs ``run`` under a fresh ``MemTracker`` (``FSDPMemTracker`` for a sharded model) that
     knows the model and optimizers; its peak by category (``batch_size`` 0: the caller sets it)."""
+    # Imported here: they bring torch's compiler and DTensor (about a second of start-up for
+    # every process that imports adaptive_batch and never plans).
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
     if isinstance(model, FSDPModule):
         tracker = FSDPMemTracker(mod=model, optm=optimizers[0] if optimizers else None)
     else:

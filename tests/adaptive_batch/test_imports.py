@@ -19,6 +19,18 @@ def test_core_imports_without_torchtune_torchao_or_datasets():
     assert run.stdout.strip() == "[]"
 
 
+def test_the_library_starts_without_torchs_compiler():
+    """The planner's trackers bring torch's compiler and DTensor (a second of start-up in every
+    process, each torchrun rank included): imported where a plan is made, not with the package."""
+    code = (
+        "import sys, adaptive_batch, adaptive_batch.probe.plan, adaptive_batch.run.controller; "
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'torch.distributed._tools') if m in sys.modules))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
+
+
 def _imports(path: Path) -> set:
     """The adaptive_batch modules ``path`` imports at its top level."""
     names = set()
