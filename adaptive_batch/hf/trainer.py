@@ -75,6 +75,9 @@ class AdaptiveBatchTrainer(Trainer):
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
         saved = _read_state(checkpoint) if isinstance(checkpoint, str) else None
+        # Before the probe, so the trials see the allocator training will have; a resumed run
+        # trains the saved batch on the same allocator as the run that probed it.
+        prepare_allocator(self.args.device, probing=saved is None, log=self._log, warn=warnings.warn)
         if saved is not None:
             self._apply(saved, f"from the checkpoint {checkpoint}")
         else:
@@ -85,8 +88,6 @@ class AdaptiveBatchTrainer(Trainer):
         """The per-device batches: the largest training micro-batch that fits, the effective
         batch split into the fewest equal micro-batches no larger, and the evaluation batch."""
         args = self.args
-        # Set before the probe, so the trials see the allocator training will have.
-        prepare_allocator(args.device, probing=True, log=self._log, warn=warnings.warn)
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
         optimizer = self.create_optimizer()  # the one training will use (Trainer keeps it)
         make_batch = self._make_batch or _longest_sample_batch(self.train_dataset, self.data_collator)
