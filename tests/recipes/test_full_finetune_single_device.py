@@ -237,7 +237,7 @@ def test_batch_one_too_large_says_needed_and_available(tmp_path):
 
 @pytest.mark.slow
 def test_found_batch_trains_under_a_real_limit_ten_percent_more_is_split(tmp_path):
-    headroom = 1024**3
+    headroom = 512 * 2**20
     probe_out = tmp_path / "probe"
     proc = run_tune(
         probe_out, FIXED, "use_maximum_batch_size=True", "max_steps_per_epoch=2", headroom_bytes=headroom
