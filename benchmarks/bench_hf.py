@@ -272,7 +272,8 @@ def main() -> None:
                      f"| {row['effective']} | {row['search_s']:.0f} | {row['search_s'] / rows[first]['search_s']:.2f} |")
     lines += ["", f"Made by `python benchmarks/bench_hf.py --vocab {args.vocab} --headroom {args.headroom}` on "
               f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; search s: from the limit to the answer (ours: "
-              "the probe and its consecutive-step check; the peers: their last trial, which is their first step)."]
+              "the probe and its consecutive-step check; the peers: until their search returns, the Trainer's after its "
+              "step at its answer)."]
     table = "\n".join(lines)
     print(table)
     write_readme_table(f"bench_hf_{args.vocab}", table)
