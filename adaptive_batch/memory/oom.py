@@ -5,6 +5,8 @@ from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
 
+from adaptive_batch.memory.device import free_mkl_buffers
+
 # Allocation failures that arrive as a plain RuntimeError, marked only by their message: the
 # CPU allocator's; CUDA's from outside the caching allocator (a kernel launch, a context);
 # cuDNN's and cuBLAS's when their workspace cannot be allocated (cuDNN reports some of those as
@@ -55,11 +57,14 @@ def catch_oom(fn: Callable[[], T]) -> Tuple[Optional[T], Optional[str]]:
 
 
 def release_memory(device: Optional[torch.device] = None) -> None:
-    """Frees what an abandoned step left: cyclic garbage and, on CUDA, the allocator's cache.
+    """Frees what an abandoned or measured step left: cyclic garbage, the buffers MKL keeps for
+    the step's product shapes (:func:`~adaptive_batch.memory.device.free_mkl_buffers`) and, on
+    CUDA, the allocator's cache.
 
     Call it after the exception (and its traceback, which holds the step's frames) is gone.
     """
     gc.collect()
+    free_mkl_buffers()
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
