@@ -55,13 +55,16 @@ def _limit(headroom_gib: float) -> None:
 def worker(mode: str, vocab: int, headroom_gib: float, batch_size: int, steps: int) -> dict:
     import torchtune.models.llama3  # noqa: F401  (imported before the limit, as a user's script would)
 
-    from adaptive_batch import find_max_batch_size, is_oom_error
+    from adaptive_batch import BatchSizeTooLargeError, find_max_batch_size, is_oom_error
 
     _limit(headroom_gib)
     model, optimizer, step, make_batch = _parts(vocab)
     if mode == "probe":
         start = time.perf_counter()
-        found = find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory=None)
+        try:
+            found = find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory=None)
+        except BatchSizeTooLargeError:
+            found = 0  # batch 1 does not fit this headroom: a row that says so
         return {"found": found, "seconds": round(time.perf_counter() - start, 1)}
     done = 0
     try:
@@ -99,6 +102,10 @@ def main() -> None:
         vocab, headroom = row.split(":")
         probe = _run("probe", vocab, headroom, 0, 0)
         found = probe["found"]
+        if not found:
+            lines.append(f"| {int(vocab) // 1000}K | {headroom} GiB | - | {probe['seconds']} | - | - | batch 1 does not fit |")
+            print(lines[-1], flush=True)
+            continue
         at = _run("train", vocab, headroom, found, args.steps)["steps"]
         over = _run("train", vocab, headroom, found + 1, args.steps)["steps"]
         holds = "yes" if at == args.steps and over < args.steps else ("no" if at < args.steps else "undershoot")
