@@ -29,12 +29,12 @@ import json
 import os
 from pathlib import Path
 import re
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 
+from limits import limit_address_space
 from readme_table import write_readme_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,11 +59,8 @@ def _model(vocab: int):
 
 
 def _limit() -> None:
-    from adaptive_batch.memory.device import proc_status_bytes, return_freed_memory_to_os
-
-    return_freed_memory_to_os()  # every method, and the truth, on the allocator ours trains with
-    limit = proc_status_bytes("VmSize") + int(os.environ["BENCH_HEADROOM"])
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    # every method, and the truth, on the allocator ours trains with
+    limit_address_space(int(os.environ["BENCH_HEADROOM"]), recipe_allocator=True)
     LIMITED_AT[0] = time.perf_counter()
 
 

@@ -12,11 +12,11 @@ The answer holds when it trains every step and answer + 1 does not.
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 
+from limits import limit_address_space
 from readme_table import write_readme_table
 
 ROWS = "32000:1.5,32000:2.0,32000:2.5,32000:3.0,128256:3.0,128256:4.0"
@@ -46,10 +46,8 @@ def _parts(vocab: int):
 
 
 def _limit(headroom_gib: float) -> None:
-    from adaptive_batch.memory.device import proc_status_bytes
-
-    limit = proc_status_bytes("VmSize") + int(headroom_gib * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    # glibc's defaults: the answer is handed to a plain script, which sets no option
+    limit_address_space(int(headroom_gib * 2**30), recipe_allocator=False)
 
 
 def worker(mode: str, vocab: int, headroom_gib: float, batch_size: int, steps: int) -> dict:

@@ -18,12 +18,12 @@ import json
 import os
 from pathlib import Path
 import re
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 
+from limits import limit_address_space
 from readme_table import write_readme_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,11 +67,7 @@ def _setup(seed: int = 0):
 
 
 def _limit(headroom: int) -> None:
-    from adaptive_batch.memory.device import proc_status_bytes, return_freed_memory_to_os
-
-    return_freed_memory_to_os()  # the same allocator settings for every method
-    vm_size = proc_status_bytes("VmSize")
-    resource.setrlimit(resource.RLIMIT_AS, (vm_size + headroom, resource.RLIM_INFINITY))
+    limit_address_space(headroom, recipe_allocator=True)  # the same allocator settings for every method
 
 
 def _run_ours(headroom: int, margin: float) -> dict:
