@@ -106,6 +106,14 @@ def test_a_bad_budget_is_one_line_before_the_model_is_touched(tmp_path):
         _trainer(tmp_path, max_memory="lots")
 
 
+def test_samples_without_input_ids_ask_for_make_batch_before_any_trial(tmp_path):
+    trainer = _trainer(tmp_path, max_memory="20MiB")
+    trainer.train_dataset = [{"tokens": s["input_ids"]} for s in _samples(8)]
+    with pytest.raises(ConfigError, match="the samples have none .* pass make_batch=f"):
+        trainer.train()
+    assert not any(line.startswith("probe trial") for line in trainer.lines)
+
+
 RANKS_SCRIPT = '''
 import json, os, sys
 sys.path.insert(0, os.environ["TEST_DIR"])
