@@ -22,7 +22,10 @@ RNG come out as they went in. The answer is then run as the caller's loop will r
 consecutive steps after the probe has put everything back, under the limits in place (what the
 probe itself left mapped counts; on CUDA held to the budget), and the largest size that runs
 them is the answer (:mod:`adaptive_batch.probe.verify`). The call sets no allocator
-option: the process's malloc settings are the ones the caller trains with.
+option: the process's malloc settings are the ones the caller trains with. The answer is this
+process's: after a trial that ran out of memory, glibc serves the thread from a new arena for
+the rest of the process (in a process with several threads), so a fresh process may fit one
+more (docs/probe.md).
 """
 
 from typing import Any, Callable, Optional

@@ -182,3 +182,41 @@ def test_expandable_segments_the_user_turned_off_stay_off_with_a_warning(monkeyp
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in warned[0]
     assert "remove expandable_segments:False" in warned[0]
 
+
+
+# One process per setting: glibc's options and the thread's arena last for the process.
+_ARENA_AFTER_OOM = r"""
+import ctypes, resource, sys, threading
+import torch
+from adaptive_batch.memory.device import proc_status_bytes, return_freed_memory_to_os
+
+# A second thread, as training has (torch's workers, a data loader's): a single-threaded
+# process always allocates from the main heap.
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+if sys.argv[1] == "recipe":
+    return_freed_memory_to_os()
+resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + 256 * 2**20, resource.RLIM_INFINITY))
+try:
+    torch.empty(2**30, dtype=torch.uint8)  # a step past the limit, as a probe's largest trial is
+except RuntimeError:
+    pass
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+block = libc.malloc(64 * 1024)  # under either mmap threshold: served by this thread's arena
+heap = next(line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]"))
+start, end = (int(x, 16) for x in heap.split("-"))
+print("main heap" if start <= block < end else "another arena")
+"""
+
+
+@pytest.mark.parametrize("setting,arena", [("defaults", "another arena"), ("recipe", "main heap")])
+def test_a_failed_allocation_moves_the_thread_off_its_heap_unless_the_recipe_allocator_is_set(setting, arena):
+    # glibc retries a failed allocation in a new arena and keeps the thread there: its 64 MiB
+    # heaps then hold a step's blocks beside the old heap's, 240 MiB more at a 4-layer Llama's
+    # batch 3 (docs/probe.md). M_ARENA_MAX=1 leaves no other arena to move to.
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _ARENA_AFTER_OOM, setting], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == arena
