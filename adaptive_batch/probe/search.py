@@ -158,7 +158,7 @@ def search_max_batch_size(
         max_batch_size: the largest size worth trying (e.g. the dataset size); ``None``: no cap.
         warmup: run one step at batch 1 first and leave it out of the estimate, so one-time
             allocations (optimizer state) are in place for the measured steps.
-        release: frees what a step left behind (after every trial).
+        release: frees what a failed step left behind.
         log: called with one line per trial.
         max_trials: a guard against a step that never runs out of memory with no cap.
         max_overshoot: the bound on a trial's peak, as a multiple of the budget, that limits
@@ -248,26 +248,23 @@ class _Trials:
             )
         t0 = time.perf_counter()
         measured, failure = catch_oom(lambda: self.run_trial(batch_size))
-        seconds = time.perf_counter() - t0
-        # After every trial, not only a failed one: what a step at this size left cached (MKL's
-        # buffers for its product shapes) would otherwise pile up over the sizes tried, in a
-        # process that trains one size.
-        self.release()
         peak: Optional[int] = None
         phases: Optional[Dict[str, int]] = None
         start_bytes: Optional[int] = None
-        if isinstance(measured, StepMemory):
+        if failure is not None:
+            self.release()
+        elif isinstance(measured, StepMemory):
             phases, peak, start_bytes = dict(measured.phase_peak_bytes), measured.peak_bytes, measured.start_bytes
             if phase == "estimate" and measured.timeline:
                 self.estimate_steps[batch_size] = measured
         elif isinstance(measured, Mapping):
             phases = {name: int(value) for name, value in measured.items()}
             peak = max(phases.values())
-        elif failure is None:
+        else:
             peak = int(measured)
         oom = failure is not None
         fits = not oom and peak is not None and peak <= self.budget_bytes
-        trial = Trial(batch_size, fits, peak, seconds, oom, phase, phases, start_bytes)
+        trial = Trial(batch_size, fits, peak, time.perf_counter() - t0, oom, phase, phases, start_bytes)
         self.done.append(trial)
         if self.log is not None:
             outcome = "fits" if fits else ("out of memory" if oom else "over budget")
