@@ -303,12 +303,12 @@ def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:
 
     Two glibc settings: large blocks are served with ``mmap`` (freeing them returns the
     address space; otherwise glibc keeps freed heap blocks, and a batch that fits in live
-    tensors fails on space only the allocator's cache holds), and threads share one malloc
-    arena. Without the second, each new thread's arena reserves 64 MiB of address space (e.g.
-    the first time a progress bar starts its monitor thread, after the probe has measured the
-    headroom), and in a process with more than one thread a failed allocation (a probe trial
-    past the limit) moves the thread that made it to a new arena for good: its heaps of 64 MiB
-    then hold a step's blocks beside the old heap's.
+    tensors fails on space only the allocator's cache holds), and no new malloc arena is made
+    (arenas made before the call stay). Without the second, each new thread's arena reserves
+    64 MiB of address space (e.g. the first time a progress bar starts its monitor thread, after
+    the probe has measured the headroom), and in a process with more than one thread a failed
+    allocation (a probe trial past the limit) moves the thread that made it to a new arena for
+    good: its heaps of 64 MiB then hold a step's blocks beside the old heap's.
 
     Returns:
         ``True`` when glibc accepted both settings, ``False`` on another C library.

@@ -23,7 +23,7 @@ consecutive steps after the probe has put everything back, under the limits in p
 probe itself left mapped counts; on CUDA held to the budget), and the largest size that runs
 them is the answer (:mod:`adaptive_batch.probe.verify`). The call sets no allocator
 option: the process's malloc settings are the ones the caller trains with. The answer is this
-process's: after a trial that ran out of memory, glibc serves the thread from a new arena for
+process's: after a trial that ran out of memory, glibc serves the thread from another arena for
 the rest of the process (in a process with several threads), so a fresh process may fit one
 more (docs/probe.md).
 """
