@@ -183,7 +183,6 @@ def test_expandable_segments_the_user_turned_off_stay_off_with_a_warning(monkeyp
     assert "remove expandable_segments:False" in warned[0]
 
 
-
 # One process per setting: glibc's options and the thread's arena last for the process.
 _ARENA_AFTER_OOM = r"""
 import ctypes, resource, sys, threading
