@@ -74,7 +74,8 @@ def _run_ours(headroom: int, margin: float) -> dict:
     import torch
 
     from adaptive_batch.memory.device import device_capacity
-    from adaptive_batch.probe.trials import memory_budget, probe_max_batch_size, training_state_bytes
+    from adaptive_batch.memory.budget import memory_budget, training_state_bytes
+    from adaptive_batch.probe.trials import probe_max_batch_size
 
     model, opt, _, train_step, make_batch, _, _ = _setup()
     _limit(headroom)

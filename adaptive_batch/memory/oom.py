@@ -19,25 +19,43 @@ _OOM_MARKERS = (
     "CUDNN_STATUS_ALLOC_FAILED",
     "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
     "CUBLAS_STATUS_ALLOC_FAILED",
+    # A C++ allocation failure inside a kernel (MKL's and oneDNN's scratch, a std::vector).
+    "std::bad_alloc",
+)
+# Failures that are an allocation failure only once a smaller batch of the same step has run:
+# oneDNN reports a scratchpad it could not allocate as a primitive it could not create, and
+# cuBLAS a handle it could not allocate as not initialised; at the first step either may be a
+# real misconfiguration, which must not pass for "batch 1 does not fit".
+_OOM_MARKERS_AFTER_A_SMALLER_STEP = (
+    "could not create a primitive",
+    "CUBLAS_STATUS_NOT_INITIALIZED",
 )
 
 
-def is_oom_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation failure (CUDA, cuDNN, cuBLAS, the CPU allocator, or
-    Python's ``MemoryError``)."""
+def is_oom_error(exc: BaseException, *, after_a_smaller_step: bool = False) -> bool:
+    """Whether ``exc`` is an allocation failure (CUDA, cuDNN, cuBLAS, the CPU allocator, a C++
+    ``std::bad_alloc``, or Python's ``MemoryError``).
+
+    Args:
+        exc: the exception.
+        after_a_smaller_step: a smaller batch of the same step has run, so oneDNN's "could not
+            create a primitive" and cuBLAS's "not initialized" can only be a failed allocation.
+    """
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     if isinstance(exc, RuntimeError):
         message = str(exc)
-        return any(marker in message for marker in _OOM_MARKERS)
+        markers = _OOM_MARKERS + (_OOM_MARKERS_AFTER_A_SMALLER_STEP if after_a_smaller_step else ())
+        return any(marker in message for marker in markers)
     return False
 
 
 T = TypeVar("T")
 
 
-def catch_oom(fn: Callable[[], T]) -> Tuple[Optional[T], Optional[str]]:
-    """Runs ``fn()``; an out-of-memory error comes back as its first line instead of raising.
+def catch_oom(fn: Callable[[], T], *, after_a_smaller_step: bool = False) -> Tuple[Optional[T], Optional[str]]:
+    """Runs ``fn()``; an out-of-memory error (:func:`is_oom_error`, with ``after_a_smaller_step``)
+    comes back as its first line instead of raising.
 
     The error and its traceback (which hold the failed step's frames, and through them its
     tensors) are gone when this returns, so a :func:`release_memory` after it frees them.
@@ -51,7 +69,7 @@ def catch_oom(fn: Callable[[], T]) -> Tuple[Optional[T], Optional[str]]:
     try:
         return fn(), None
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
-        if not is_oom_error(exc):
+        if not is_oom_error(exc, after_a_smaller_step=after_a_smaller_step):
             raise
         return None, str(exc).splitlines()[0]
 

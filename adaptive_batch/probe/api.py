@@ -115,5 +115,5 @@ def find_max_batch_size(
     state = dict(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, directory=snapshot_dir, log=log)
     return largest_that_trains(
         result.max_batch_size, train_step=train_step, make_batch=make_batch, device=device, state=state,
-        budget_bytes=budget.budget_bytes, reserve_bytes=reserve_bytes, log=log,
+        budget_bytes=budget.budget_bytes, reserve_bytes=reserve_bytes, soft_budget=budget.is_soft, log=log,
     )

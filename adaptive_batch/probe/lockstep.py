@@ -62,7 +62,8 @@ class LockstepTrial:
         Raises:
             PeerOutOfMemoryError: on every rank, when any rank ran out of memory.
         """
-        measured, failure = catch_oom(lambda: self.run_trial(batch_size))
+        smaller_ran = any(not t.oom and t.batch_size < batch_size for t in self.trials)
+        measured, failure = catch_oom(lambda: self.run_trial(batch_size), after_a_smaller_step=smaller_ran)
         if failure is not None:
             release_memory()
         if isinstance(measured, StepMemory):

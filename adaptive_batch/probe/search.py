@@ -12,15 +12,13 @@ import time
 from typing import Callable, Dict, List, Mapping, Optional, Union
 
 from adaptive_batch.errors import BatchSizeTooLargeError
+from adaptive_batch.memory.budget import MAX_TRIAL_OVERSHOOT
 from adaptive_batch.memory.device import format_bytes
 from adaptive_batch.memory.estimator import LinearMemoryEstimate, OperatorMemoryEstimate, PhaseMemoryEstimate
 from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.memory.tracker import StepMemory
 
 ROUNDING_MODES = ("none", "power_of_two")
-# No trial is launched whose peak could exceed the budget by more than this factor, judged from
-# the largest fit so far (see ``search_max_batch_size``).
-MAX_TRIAL_OVERSHOOT = 1.25
 
 
 @dataclass
@@ -220,7 +218,9 @@ def search_max_batch_size(
     if predicted is not None and max_batch_size is not None:
         predicted = min(predicted, max_batch_size)
     clock.say_eta(predicted)
-    _Search(bracket, predicted, clock).run()
+    # A line per operator through two steps that ran the same operators is the step's own
+    # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.
+    _Search(bracket, predicted, clock, trust_prediction=isinstance(estimate, OperatorMemoryEstimate)).run()
     return result(estimate, predicted)
 
 
@@ -247,7 +247,8 @@ class _Trials:
                 f"(largest fit {lo}, smallest failure {hi}): set max_batch_size to cap it."
             )
         t0 = time.perf_counter()
-        measured, failure = catch_oom(lambda: self.run_trial(batch_size))
+        smaller_ran = any(not t.oom and t.batch_size < batch_size for t in self.done)
+        measured, failure = catch_oom(lambda: self.run_trial(batch_size), after_a_smaller_step=smaller_ran)
         peak: Optional[int] = None
         phases: Optional[Dict[str, int]] = None
         start_bytes: Optional[int] = None
@@ -317,9 +318,10 @@ class _Bracket:
             return None
         return int(self.lo * (self.max_overshoot * self.budget_bytes - start) // added)
 
-    def clamp(self, candidate: int) -> int:
-        """``candidate`` within the overshoot bound, above ``lo`` and at most :meth:`upper`."""
-        top, bound = self.upper(), self.bounded()
+    def clamp(self, candidate: int, *, bounded: bool = True) -> int:
+        """``candidate`` within the overshoot bound (when ``bounded``), above ``lo`` and at most
+        :meth:`upper`."""
+        top, bound = self.upper(), (self.bounded() if bounded else None)
         if bound is not None:
             candidate = min(candidate, bound)
         candidate = max(candidate, self.lo + 1)
@@ -346,8 +348,9 @@ class _Search:
     trials in a row on the same side fall back to one halving.
     """
 
-    def __init__(self, bracket: _Bracket, predicted: Optional[int], clock: "_Clock") -> None:
+    def __init__(self, bracket: _Bracket, predicted: Optional[int], clock: "_Clock", *, trust_prediction: bool) -> None:
         self.bracket, self.predicted, self.clock = bracket, predicted, clock
+        self.trust_prediction = trust_prediction
         self.direction = 0  # +1 while trials fit, -1 while they fail, until bracketed
         self.step = 1  # the gallop's next stride
         self.bracketed = False
@@ -357,7 +360,7 @@ class _Search:
     def run(self) -> None:
         b = self.bracket
         # With no bound from the line (flat peaks), start by doubling.
-        candidate = b.clamp(self.predicted if self.predicted is not None else 2 * b.lo)
+        candidate = b.clamp(self.predicted if self.predicted is not None else 2 * b.lo, bounded=not self.trust_prediction)
         while not b.settled():
             if not self.clock.allows(candidate, b.lo):
                 break
@@ -380,7 +383,7 @@ class _Search:
         if guess is not None:
             return b.clamp(guess)
         if fits and self.predicted is not None and b.lo < self.predicted and not self.bracketed:
-            return b.clamp(self.predicted)  # the bound stopped short of the prediction: go on towards it
+            return b.clamp(self.predicted, bounded=not self.trust_prediction)  # the bound stopped short of it
         if self.bracketed or halve:
             return b.clamp((b.lo + b.upper() + 1) // 2)
         stride, self.step = self.step, self.step * 2

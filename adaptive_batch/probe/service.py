@@ -16,6 +16,14 @@ from torch import nn
 
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.memory.budget import (
+    MemoryBudget,
+    check_reserve_bytes as _check_reserve_bytes,
+    default_safety_margin,
+    memory_budget,
+    training_state_bytes,
+    trial_headroom_bytes,
+)
 from adaptive_batch.memory.device import (
     DeviceCapacity,
     address_space_limit_at,
@@ -27,16 +35,13 @@ from adaptive_batch.memory.device import (
 )
 from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_versions
 from adaptive_batch.probe.lockstep import LockstepTrial
-from adaptive_batch.probe.search import MAX_TRIAL_OVERSHOOT, ROUNDING_MODES, round_batch_size
+from adaptive_batch.probe.search import ROUNDING_MODES, round_batch_size
 from adaptive_batch.probe.throughput import OBJECTIVES, probe_throughput
 from adaptive_batch.probe.trials import (
     PROBE_FILENAME,
-    MemoryBudget,
     describe_result,
-    memory_budget,
     probe_max_batch_size,
     probe_report,
-    training_state_bytes,
     write_probe_report,
 )
 from adaptive_batch.probe.verify import largest_that_trains, runs_consecutive_steps, verify_steps
@@ -44,16 +49,6 @@ from adaptive_batch.validation import check_bool, check_choice, check_fraction, 
 
 MemorySpec = Union[None, int, float, str]
 _ANY_CAPACITY = 1 << 62
-
-
-def default_safety_margin(device_type: str) -> float:
-    """The fraction of the budget held back when the config leaves it to the device.
-
-    CUDA's caching allocator reserves more than it hands out (fragmentation), so 5%. On the CPU
-    the probe counts live tensor bytes and glibc returns freed blocks at once, so 1% covers
-    what kernels allocate outside tensors.
-    """
-    return 0.05 if device_type == "cuda" else 0.01
 
 
 # Ten minutes: a probe on a GPU takes under one; on a CPU with no max_memory a single trial of
@@ -193,17 +188,14 @@ def trial_address_space(
     """The soft ``RLIMIT_AS`` the probe's trials run under on CPU, ``None`` elsewhere.
 
     Available RAM and a cgroup limit are soft: a trial past them is ended by the kernel's OOM
-    killer, not refused. Under this limit (the address space now plus a headroom: what
-    ``prlimit --as`` would give) a trial that overshoots fails to allocate, which the search
-    catches. The headroom is what the machine can give (``capacity``); with ``max_memory``
-    below that, the budget's headroom times the trials' overshoot bound, so the user's budget
-    is judged by the probe's measure (tensor bytes), as the planner's is, and a runaway trial
-    still stops well short of the machine.
+    killer, not refused. Under this limit (the address space now plus
+    :func:`~adaptive_batch.memory.budget.trial_headroom_bytes`: what ``prlimit --as`` would give)
+    a trial that overshoots fails to allocate, which the search catches.
     """
     vm_size = proc_status_bytes("VmSize") if device.type == "cpu" else None
     if vm_size is None:
         return None
-    return vm_size + _trial_headroom(budget, capacity, model=model, optimizer=optimizer)
+    return vm_size + trial_headroom_bytes(budget, capacity, state_bytes=training_state_bytes(model, optimizer))
 
 
 def check_reserve_bytes(
@@ -214,19 +206,9 @@ def check_reserve_bytes(
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
 ) -> int:
-    """On CPU, the heap the answer's consecutive-step check holds back (``verify.heap_reserve``):
-    the safety margin's share of the trials' headroom, which training then has to spare; 0
-    elsewhere (on CUDA the check is held to the budget itself)."""
-    if device.type != "cpu":
-        return 0
-    return int(budget.safety_margin * _trial_headroom(budget, capacity, model=model, optimizer=optimizer))
-
-
-def _trial_headroom(
-    budget: MemoryBudget, capacity: DeviceCapacity, *, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
-) -> int:
-    budget_headroom = max(0, budget.limit_bytes - training_state_bytes(model, optimizer))
-    return min(capacity.headroom_bytes, int(MAX_TRIAL_OVERSHOOT * budget_headroom))
+    """The heap the answer's consecutive-step check holds back
+    (:func:`~adaptive_batch.memory.budget.check_reserve_bytes`)."""
+    return _check_reserve_bytes(budget, capacity, device=device, state_bytes=training_state_bytes(model, optimizer))
 
 
 @contextmanager
@@ -317,7 +299,7 @@ def probe_batch_size(
     # Training's own steps at the answer, held to the budget: the check every answer passes.
     check = dict(
         train_step=train_step, make_batch=make_batch, device=device, budget_bytes=common_budget,
-        reserve_bytes=reserve_bytes, agree=ranks.any,
+        reserve_bytes=reserve_bytes, soft_budget=budget.is_soft, agree=ranks.any,
         state=dict(model=model, optimizer=optimizer, directory=output_dir, log=log), log=log,
     )
     cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
@@ -335,8 +317,8 @@ def probe_batch_size(
         return report
 
     log(
-        f"use_maximum_batch_size: probing up to batch {cap} at seq_len={seq_len} with a "
-        f"budget of {format_bytes(budget.budget_bytes)} ({budget.source})."
+        f"use_maximum_batch_size: probing up to batch {cap} at seq_len={seq_len} with "
+        f"{budget.describe()}."
     )
     steps = dict(
         train_step=train_step, make_batch=make_batch, model=model, optimizer=optimizer, device=device,

@@ -12,10 +12,9 @@ any loop, not only the recipes in this repository::
 """
 
 from contextlib import nullcontext
-from dataclasses import dataclass
 import json
 import os
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 from torch import nn
@@ -24,91 +23,16 @@ from torch.utils._pytree import tree_leaves
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.faults import fault_point
 from adaptive_batch.files import atomic_write
-from adaptive_batch.memory.device import DeviceCapacity, format_bytes, free_mkl_buffers
+from adaptive_batch.memory.budget import MemoryBudget, state_tensors
+from adaptive_batch.memory.device import format_bytes, free_mkl_buffers
 from adaptive_batch.memory.oom import release_memory
-from adaptive_batch.memory.tracker import StepMemory, live_tensor_bytes, measure_phase_peaks
+from adaptive_batch.memory.tracker import StepMemory, measure_phase_peaks
 from adaptive_batch.probe.search import SearchResult, search_max_batch_size
 from adaptive_batch.probe.snapshot import TrainingStateSnapshot
-from adaptive_batch.validation import check_safety_margin
 
 PROBE_FILENAME = "batch_probe.json"
 # Key of the probe result in the recipe state (recipe_state.pt), so a resumed run does not probe.
 PROBE_STATE_KEY = "batch_probe"
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """The bytes a training step's peak may reach.
-
-    Attributes:
-        budget_bytes: the limit the probe holds steps to, after the safety margin.
-        limit_bytes: the limit before the margin (``max_memory``, or what the device holds).
-        safety_margin: the fraction of ``limit_bytes`` held back for fragmentation.
-        source: where ``limit_bytes`` came from (``"max_memory"`` or the device's limit).
-    """
-
-    budget_bytes: int
-    limit_bytes: int
-    safety_margin: float
-    source: str
-
-    def to_dict(self) -> dict:
-        return {
-            "budget_bytes": self.budget_bytes,
-            "limit_bytes": self.limit_bytes,
-            "safety_margin": self.safety_margin,
-            "source": self.source,
-        }
-
-
-def memory_budget(
-    *,
-    max_memory_bytes: Optional[int],
-    capacity: DeviceCapacity,
-    live_bytes: int,
-    safety_margin: float,
-) -> MemoryBudget:
-    """The budget for a step's peak, from ``max_memory`` or from the device's headroom.
-
-    Args:
-        max_memory_bytes: the user's limit for a step's peak (parameters and optimizer state
-            included), or ``None`` for the whole device.
-        capacity: the device's headroom, read after the model and optimizer were built.
-        live_bytes: tensor bytes alive when ``capacity`` was read; they count in every peak.
-        safety_margin: fraction in ``[0, 1)`` held back.
-
-    Raises:
-        ValueError: if ``safety_margin`` is outside ``[0, 1)``.
-    """
-    check_safety_margin(safety_margin)
-    device_limit = live_bytes + capacity.headroom_bytes
-    if max_memory_bytes is not None and max_memory_bytes <= device_limit:
-        limit, source = max_memory_bytes, "max_memory"
-    else:
-        limit, source = device_limit, capacity.source
-    return MemoryBudget(
-        budget_bytes=int(limit * (1 - safety_margin)),
-        limit_bytes=int(limit),
-        safety_margin=float(safety_margin),
-        source=source,
-    )
-
-
-def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
-    for p in model.parameters():
-        if p.grad is not None:
-            yield p.grad
-    if optimizer is not None:
-        for leaf in tree_leaves(list(optimizer.state.values())):
-            if isinstance(leaf, torch.Tensor):
-                yield leaf
-
-
-def training_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> int:
-    """Bytes of the tensors a training run keeps between steps."""
-    return live_tensor_bytes(_state_tensors(model, optimizer))
 
 
 def measure_training_step(
@@ -128,7 +52,7 @@ def measure_training_step(
     Raises:
         Whatever the step raises, out-of-memory errors included (its gradients are dropped).
     """
-    baseline = list(_state_tensors(model, optimizer)) + [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    baseline = state_tensors(model, optimizer) + [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     try:
         return measure_phase_peaks(lambda: train_step(batch), device, baseline, model=model, optimizer=optimizer)
     finally:

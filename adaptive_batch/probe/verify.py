@@ -12,8 +12,11 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
+from torch.utils._pytree import tree_leaves
 
+from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.memory.oom import catch_oom, release_memory
+from adaptive_batch.memory.tracker import measure_peak_bytes
 from adaptive_batch.probe.snapshot import TrainingStateSnapshot
 
 # How far the answer steps down after a failed check: a few sizes of a large batch at once,
@@ -82,6 +85,7 @@ def runs_consecutive_steps(
     state: Dict[str, Any],
     budget_bytes: Optional[int] = None,
     reserve_bytes: int = 0,
+    soft_budget: bool = False,
     agree: Callable[[bool], bool] = lambda failed: failed,
     log: Optional[Callable[[str], None]] = None,
 ) -> bool:
@@ -96,6 +100,8 @@ def runs_consecutive_steps(
         state: :class:`TrainingStateSnapshot`'s arguments (model, optimizer, ...).
         budget_bytes: on CUDA the steps are held to it; ``None`` for the device as it is.
         reserve_bytes: on CPU the heap held back from the steps (see :func:`heap_reserve`).
+        soft_budget: on CPU, judge ``budget_bytes`` by each step's live tensor bytes (a soft
+            budget's measure, the same in every process); a step over it fails the check.
         agree: turns this process's outcome into every rank's (``RankGroup.any`` of the failures).
         log: called with a line when the check fails.
 
@@ -106,20 +112,35 @@ def runs_consecutive_steps(
         Whatever the step raises other than an out-of-memory error.
     """
     steps = verify_steps(device)
+    by_tensors = soft_budget and device.type == "cpu" and budget_bytes is not None
 
-    def run() -> None:
+    def run() -> Optional[str]:
         with heap_reserve(device, reserve_bytes):
-            for _ in range(steps):
-                train_step(make_batch(batch_size))
+            for step in range(steps):
+                batch = make_batch(batch_size)
+                if not by_tensors:
+                    train_step(batch)
+                    continue
+                baseline = state_tensors(state["model"], state.get("optimizer")) + _tensors_of(batch)
+                peak = measure_peak_bytes(lambda: train_step(batch), device, baseline)
+                if peak > budget_bytes:
+                    return f"step {step + 1}'s live tensors peaked at {peak} bytes, over the budget's {budget_bytes}"
+        return None
 
     # The state goes back after the cap is lifted: restoring is not training's to pay for.
     with TrainingStateSnapshot(**state), cuda_memory_cap(device, budget_bytes):
-        _, failure = catch_oom(run)
+        # The check runs a size the search saw fit, or one below it.
+        over_budget, failure = catch_oom(run, after_a_smaller_step=True)
     release_memory(device)
+    failure = failure or over_budget
     failed = agree(failure is not None)
     if failed and log is not None:
-        log(f"probe: batch {batch_size} ran out of memory within {steps} consecutive steps ({failure or 'another rank'}).")
+        log(f"probe: batch {batch_size} did not run {steps} consecutive steps within the budget ({failure or 'another rank'}).")
     return not failed
+
+
+def _tensors_of(batch: Any) -> list:
+    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 
 def largest_that_trains(batch_size: int, **check: Any) -> int:

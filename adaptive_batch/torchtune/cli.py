@@ -21,7 +21,7 @@ from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 from adaptive_batch.memory.device import device_capacity, format_bytes, parse_memory
 from adaptive_batch.probe.fake_step import CATEGORY_ORDER
 from adaptive_batch.probe.plan import MemoryPlan
-from adaptive_batch.probe.service import default_safety_margin
+from adaptive_batch.memory.budget import default_safety_margin
 from adaptive_batch.schedule.global_batch import check_global_batch, split_global_batch
 from adaptive_batch.validation import check_positive_int, check_safety_margin
 

@@ -63,7 +63,7 @@ def test_the_safety_margin_is_checked_by_one_function_at_every_entry():
 
     from adaptive_batch import find_max_batch_size, plan_memory, ProbeOptions
     from adaptive_batch.memory.device import DeviceCapacity
-    from adaptive_batch.probe.trials import memory_budget
+    from adaptive_batch.memory.budget import memory_budget
     from adaptive_batch.validation import check_safety_margin
 
     assert check_safety_margin(0.05) == 0.05

@@ -106,3 +106,27 @@ def test_release_memory_gives_back_the_buffers_mkl_kept_for_other_shapes():
     kept = malloc_in_use()
     release_memory(torch.device("cpu"))
     assert kept - malloc_in_use() >= 2**20
+
+
+def test_cpp_allocation_failures_are_out_of_memory():
+    assert is_oom_error(RuntimeError("std::bad_alloc"))
+
+
+@pytest.mark.parametrize(
+    "message",
+    ["could not create a primitive", "CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"],
+)
+def test_backend_failures_are_out_of_memory_only_once_a_smaller_batch_ran(message):
+    """oneDNN's scratchpad failure under an address-space limit arrives as a primitive it could
+    not create (a conv net's probe died of it); at the first step it may be a real bug."""
+    from adaptive_batch.memory.oom import catch_oom
+
+    assert not is_oom_error(RuntimeError(message))
+    assert is_oom_error(RuntimeError(message), after_a_smaller_step=True)
+
+    def fail():
+        raise RuntimeError(message)
+
+    with pytest.raises(RuntimeError):
+        catch_oom(fail)
+    assert catch_oom(fail, after_a_smaller_step=True) == (None, message.splitlines()[0])

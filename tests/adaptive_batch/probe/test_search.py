@@ -266,6 +266,31 @@ def test_operator_lines_land_on_the_answer_with_one_failure_and_batch_three_when
     assert d["trials"][1]["phase_peak_bytes"] == {"forward": 650, "backward": 650, "optimizer": 1_300}
 
 
+def test_operator_lines_are_tried_at_their_prediction_where_the_overshoot_bound_would_crawl():
+    """A step whose peak at batch 1-2 is a large fixed optimizer temporary (an MLP under AdamW):
+    the bound from the largest fit allowed a factor of ~4 a trial (7, 27, 106, 416, 747: 9 trial
+    steps); operator lines from two steps that ran the same operators are the step's own memory."""
+
+    class FlatThenLinear(StepWithOperators):
+        def timeline(self, b):
+            return [100 + 10 * b, 150 + 2 * b, 10_000, 120 + 30 * b]
+
+        def __call__(self, b):
+            from adaptive_batch.memory.tracker import StepMemory
+
+            self.calls.append(b)
+            line = self.timeline(b)
+            return StepMemory({"forward": line[0], "backward": line[3], "optimizer": line[2]}, line,
+                              ["mm", "relu", "adamw", "mm_backward"], start_bytes=100)
+
+    step = FlatThenLinear()
+    result = search_max_batch_size(step, budget_bytes=10_000, release=no_release)
+    # 120 + 30 b is within 10_000 up to 329; the optimizer step's flat 10_000 fits at any size, and
+    # the bound from 2 would have allowed 2 x (1.25 x 10_000 - 100) / 9_900 = 2 (so 3, then 4, ...)
+    assert result.max_batch_size == result.predicted_max_batch_size == 329
+    assert step.calls == [1, 1, 2, 329, 330]
+
+
 def test_phase_lines_where_a_step_gives_phases_only():
     def step(b):
         return {"forward": 300 + 160 * b, "backward": 700 + 300 * b, "optimizer": 1_300}

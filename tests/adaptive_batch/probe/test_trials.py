@@ -6,12 +6,11 @@ from torchtune.models.llama3_2 import llama3_2
 
 from adaptive_batch import BatchSizeTooLargeError
 from adaptive_batch.memory.device import DeviceCapacity, device_capacity
+from adaptive_batch.memory.budget import memory_budget, training_state_bytes
 from adaptive_batch.probe.trials import (
     PROBE_FILENAME,
-    memory_budget,
     probe_max_batch_size,
     probe_report,
-    training_state_bytes,
     worst_case_text_batch,
     write_probe_report,
 )
@@ -122,19 +121,6 @@ def test_batch_one_too_large(tmp_path):
         )
     assert info.value.bytes_needed > 1024
     assert torch.equal(model.tok_embeddings.weight, tiny()[0].tok_embeddings.weight)
-
-
-def test_memory_budget_from_max_memory_or_device():
-    cap = DeviceCapacity(device="cpu", headroom_bytes=1_000, source="RLIMIT_AS", hard_limit=True)
-    b = memory_budget(max_memory_bytes=800, capacity=cap, live_bytes=100, safety_margin=0.1)
-    assert (b.limit_bytes, b.budget_bytes, b.source) == (800, 720, "max_memory")
-    b = memory_budget(max_memory_bytes=None, capacity=cap, live_bytes=100, safety_margin=0.0)
-    assert (b.limit_bytes, b.source) == (1_100, "RLIMIT_AS")
-    # max_memory above what the device holds now: the device's limit wins
-    b = memory_budget(max_memory_bytes=5_000, capacity=cap, live_bytes=100, safety_margin=0.0)
-    assert b.limit_bytes == 1_100
-    with pytest.raises(ValueError, match="memory_safety_margin=1.5"):
-        memory_budget(max_memory_bytes=None, capacity=cap, live_bytes=0, safety_margin=1.5)
 
 
 def test_report_has_the_documented_fields(tmp_path):

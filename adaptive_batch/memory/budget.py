@@ -1,0 +1,160 @@
+"""The one memory budget: what a training step's peak may reach, and how that is judged.
+
+Two kinds, said in the log and the report:
+
+- **soft** (``max_memory`` below what the device can give): judged by the live tensor bytes of
+  training's step (allocated bytes on CUDA), so every process gets the same answer. The machine
+  guard the trials run under (:func:`trial_headroom_bytes`) is the machine's, never the budget's:
+  glibc's arenas, MKL's and oneDNN's scratch are not tensors, and a guard at the budget made them
+  decide (an MLP at 96 MiB answered anything from 2 to 747 in fresh processes).
+- **hard** (an ``RLIMIT_AS``, a cgroup, available RAM, a card's memory): judged by real allocation
+  failures under the limit's own unit (address space on CPU).
+
+The recipes, the library, the Trainer, the planner and the CLI all call this module.
+"""
+
+from dataclasses import dataclass
+from typing import Iterator, Literal, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from adaptive_batch.memory.device import DeviceCapacity, format_bytes
+from adaptive_batch.memory.tracker import live_tensor_bytes
+from adaptive_batch.validation import check_safety_margin
+
+BudgetKind = Literal["soft", "hard"]
+SOFT: BudgetKind = "soft"
+HARD: BudgetKind = "hard"
+# The source of a budget set by ``max_memory``.
+MAX_MEMORY_SOURCE = "max_memory"
+# How far past the budget's headroom a trial may reach under a hard limit (the search's own bound).
+MAX_TRIAL_OVERSHOOT = 1.25
+
+
+def default_safety_margin(device_type: str) -> float:
+    """The fraction of the budget held back when the config leaves it to the device.
+
+    CUDA's caching allocator reserves more than it hands out (fragmentation), so 5%. On the CPU
+    the probe counts live tensor bytes and glibc returns freed blocks at once, so 1% covers
+    what kernels allocate outside tensors.
+    """
+    return 0.05 if device_type == "cuda" else 0.01
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The bytes a training step's peak may reach.
+
+    Attributes:
+        budget_bytes: the limit the probe holds steps to, after the safety margin.
+        limit_bytes: the limit before the margin (``max_memory``, or what the device holds).
+        safety_margin: the fraction of ``limit_bytes`` held back for fragmentation.
+        source: where ``limit_bytes`` came from (``"max_memory"`` or the device's limit).
+        kind: ``"soft"`` (judged by tensor bytes) or ``"hard"`` (judged by allocation failures).
+    """
+
+    budget_bytes: int
+    limit_bytes: int
+    safety_margin: float
+    source: str
+    kind: BudgetKind = HARD
+
+    @property
+    def is_soft(self) -> bool:
+        return self.kind == SOFT
+
+    def describe(self) -> str:
+        """The budget in words, for the log: its size, where it came from and how it is judged."""
+        judged = "live tensor bytes" if self.is_soft else "real allocation failures"
+        return f"a {self.kind} budget of {format_bytes(self.budget_bytes)} ({self.source}; judged by {judged})"
+
+    def to_dict(self) -> dict:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "limit_bytes": self.limit_bytes,
+            "safety_margin": self.safety_margin,
+            "source": self.source,
+            "kind": self.kind,
+        }
+
+
+def memory_budget(
+    *,
+    max_memory_bytes: Optional[int],
+    capacity: DeviceCapacity,
+    live_bytes: int,
+    safety_margin: float,
+) -> MemoryBudget:
+    """The budget for a step's peak, from ``max_memory`` or from the device's headroom.
+
+    Args:
+        max_memory_bytes: the user's limit for a step's peak (parameters and optimizer state
+            included), or ``None`` for the whole device.
+        capacity: the device's headroom, read after the model and optimizer were built.
+        live_bytes: tensor bytes alive when ``capacity`` was read; they count in every peak.
+        safety_margin: fraction in ``[0, 1)`` held back.
+
+    Raises:
+        ValueError: if ``safety_margin`` is outside ``[0, 1)``.
+    """
+    check_safety_margin(safety_margin)
+    device_limit = live_bytes + capacity.headroom_bytes
+    if max_memory_bytes is not None and max_memory_bytes <= device_limit:
+        limit, source, kind = max_memory_bytes, MAX_MEMORY_SOURCE, SOFT
+    else:
+        limit, source, kind = device_limit, capacity.source, HARD
+    return MemoryBudget(
+        budget_bytes=int(limit * (1 - safety_margin)),
+        limit_bytes=int(limit),
+        safety_margin=float(safety_margin),
+        source=source,
+        kind=kind,
+    )
+
+
+def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+    for p in model.parameters():
+        if p.grad is not None:
+            yield p.grad
+    if optimizer is not None:
+        for leaf in tree_leaves(list(optimizer.state.values())):
+            if isinstance(leaf, torch.Tensor):
+                yield leaf
+
+
+def state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list:
+    """The tensors a training run keeps between steps: parameters, buffers, gradients and
+    optimizer state."""
+    return list(_state_tensors(model, optimizer))
+
+
+def training_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> int:
+    """Bytes of the tensors a training run keeps between steps."""
+    return live_tensor_bytes(_state_tensors(model, optimizer))
+
+
+def trial_headroom_bytes(budget: MemoryBudget, capacity: DeviceCapacity, *, state_bytes: int) -> int:
+    """The address space the probe's CPU trials may add to the process (the machine guard).
+
+    Under a hard limit it is the budget's headroom times the trials' overshoot bound (never more
+    than the machine gives), so a runaway trial fails to allocate. Under a soft budget it is what
+    the machine can give: the budget is judged by tensor bytes, and the guard only keeps a trial
+    from waking the kernel's OOM killer.
+    """
+    if budget.is_soft:
+        return capacity.headroom_bytes
+    budget_headroom = max(0, budget.limit_bytes - state_bytes)
+    return min(capacity.headroom_bytes, int(MAX_TRIAL_OVERSHOOT * budget_headroom))
+
+
+def check_reserve_bytes(budget: MemoryBudget, capacity: DeviceCapacity, *, device: torch.device, state_bytes: int) -> int:
+    """On CPU under a hard limit, the heap the answer's consecutive-step check holds back: the
+    safety margin's share of the trials' headroom, which training then has to spare. 0 elsewhere:
+    on CUDA the check is held to the budget itself, and a soft budget by its tensor bytes."""
+    if device.type != "cpu" or budget.is_soft:
+        return 0
+    return int(budget.safety_margin * trial_headroom_bytes(budget, capacity, state_bytes=state_bytes))
