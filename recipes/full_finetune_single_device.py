@@ -603,8 +603,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         return grad_norm
 
     def _probe_step(self, batch: Dict[str, torch.Tensor]) -> None:
-        """One full training step, as the loop below runs it, for the batch size probe."""
-        _, num_tokens = self._forward_backward(batch)
+        """One full training step, as the loop below runs it, for the batch size probe: as many
+        micro-batches of ``batch`` as the controller says a step holds (gradients alive between
+        them), then the optimizer step."""
+        num_tokens = 0
+        for _ in range(self._batching.probe_micro_batches(batch["tokens"].shape[0])):
+            num_tokens = num_tokens + self._forward_backward(batch)[1]
         (global_tokens,) = self._ranks.sums(num_tokens)
         self._optimizer_step(global_tokens)
 

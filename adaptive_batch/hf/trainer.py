@@ -26,6 +26,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import atomic_write
@@ -125,17 +126,26 @@ class AdaptiveBatchTrainer(Trainer):
         )
 
     def _train_step(self, batch: Any) -> None:
-        """One optimizer step as training runs it: forward, loss, backward, step."""
-        self.model.train()
-        loss = self.compute_loss(self.model, self._prepare_inputs(batch))
-        loss.backward()
+        """One optimizer step as the Trainer runs it, at the micro-batch of ``batch``: two
+        micro-batches through ``training_step`` (its autocast, loss scaling, ``num_items_in_batch``
+        and ``accelerator.backward``) with the first one's gradients alive through the second, as
+        under accumulation, then clipping, the optimizer step and ``zero_grad``. One micro-batch
+        where the effective batch fits in it. Dropping the gradients after every micro-batch found
+        16 where a fresh Trainer failed 16 at step 1 and trained 12."""
+        effective = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        pieces = [batch] * min(2, math.ceil(effective / BatchLayout().rows(batch)))
+        self.current_gradient_accumulation_steps = len(pieces)
+        num_items = self._get_num_items_in_batch(pieces, self.args.device)
+        for piece in pieces:
+            self.training_step(self.model, piece, num_items)
+        if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
+            self._clip_grad_norm(self.model)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
 
     def _eval_step(self, batch: Any) -> None:
-        self.model.eval()
-        with torch.no_grad():
-            self.model(**self._prepare_inputs(batch))
+        """One evaluation step as the Trainer's loop runs it: ``prediction_step``."""
+        self.prediction_step(self.model, batch, prediction_loss_only=bool(self.args.prediction_loss_only))
 
 
 class _SaveTheBatch(TrainerCallback):

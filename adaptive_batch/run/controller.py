@@ -198,6 +198,17 @@ class AdaptiveBatchController:
             self.log(f"Resumed run: batch state from the recipe state: {self.batch.state_dict()}")
         return self.batch
 
+    def probe_micro_batches(self, micro_batch_size: int) -> int:
+        """How many micro-batches a probe trial at ``micro_batch_size`` runs before its optimizer
+        step: 2 where a training step may hold more samples than one micro-batch (accumulation,
+        a global batch, growth by accumulation), so the first one's gradients are alive through the
+        next forward, as in training (more micro-batches hold no more); else 1. A trial of one
+        micro-batch under-measured such a step by up to a copy of the trainable gradients."""
+        if self._accumulation > 1 or self.options.growth.grow_with_accumulation:
+            return 2
+        global_batch = self.options.global_batch.global_batch_size
+        return 2 if global_batch is not None and micro_batch_size * self.ranks.world_size < global_batch else 1
+
     def track_gradients(self, params: Any) -> None:
         """Allocates ``measure_noise_scale``'s gradient copy before :meth:`settle` probes."""
         self.grower.track_gradients(params)

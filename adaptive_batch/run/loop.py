@@ -197,6 +197,10 @@ class AdaptiveBatch:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _train_step(self, batch: Any) -> None:
-        """One whole step, as :meth:`step` runs it, for the probe."""
-        _, count = self._forward_backward(batch)
-        self._optimizer_step(float(count))
+        """One whole step, as :meth:`step` runs it, for the probe: the micro-batches a step holds
+        (:meth:`~adaptive_batch.run.controller.AdaptiveBatchController.probe_micro_batches`), then
+        the optimizer step."""
+        total = 0.0
+        for _ in range(self.controller.probe_micro_batches(self.controller.layout.rows(batch))):
+            total += float(self._forward_backward(batch)[1])
+        self._optimizer_step(total)

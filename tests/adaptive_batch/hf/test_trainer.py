@@ -101,6 +101,54 @@ def test_the_micro_batched_run_trains_what_the_whole_batch_run_trains(tmp_path):
     assert losses(probed) == pytest.approx(losses(plain), rel=1e-4)
 
 
+def _fixed_length_trainer(cls, out, per_device, accumulation, **kwargs):
+    """Every sample 64 tokens long, so the Trainer's own batches are the probe's worst case."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    generator = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(1, 512, (64,), generator=generator).tolist()} for _ in range(64)]
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=per_device,
+                             gradient_accumulation_steps=accumulation, max_steps=2, learning_rate=1e-3, report_to=[],
+                             use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
+    return cls(model=LlamaForCausalLM(config), args=args, train_dataset=samples, data_collator=ByteCollator(), **kwargs)
+
+
+def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(tmp_path):
+    """The trial is the Trainer's step: two micro-batches through training_step with the first
+    one's gradients alive, then the optimizer step. A trial that dropped the gradients after each
+    micro-batch answered 12 here, which torch's MemTracker puts over the budget in the Trainer's
+    own accumulated loop; the answer fits there and one more does not."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import Trainer
+
+    tracker = None
+
+    class Tracked(Trainer):
+        def training_step(self, *args, **kwargs):  # MemTracker measures one forward at a time
+            tracker.reset_mod_stats()
+            return super().training_step(*args, **kwargs)
+
+    def trainer_peak(micro_batch):
+        nonlocal tracker
+        trainer = _fixed_length_trainer(Tracked, tmp_path / f"plain{micro_batch}", micro_batch, 2)
+        tracker = MemTracker()
+        tracker.track_external(trainer.model)
+        with tracker:
+            trainer.train()
+        return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+    lines = []
+    probed = _fixed_length_trainer(AdaptiveBatchTrainer, tmp_path / "probed", 16, 2, max_memory="24MiB",
+                                   probe_eval=False, log=lines.append)
+    probed.train()
+    found = probed.adaptive_batch["max_micro_batch_size"]
+    trials = [line for line in lines if line.startswith("probe trial")]
+    assert len(trials) <= 6 and sum(" fits" not in line for line in trials) <= 1, trials
+    budget = int(24 * 2**20 * 0.99)
+    assert trainer_peak(found) <= budget < trainer_peak(found + 1)
+
+
 def test_a_bad_budget_is_one_line_before_the_model_is_touched(tmp_path):
     with pytest.raises(ConfigError, match="max_memory='lots' cannot be parsed"):
         _trainer(tmp_path, max_memory="lots")

@@ -340,3 +340,14 @@ def test_expandable_segments_before_probing_on_cuda(tmp_path, monkeypatch, devic
         batch_size=1, input_key="tokens", device=torch.device(device), output_dir=str(tmp_path), max_seq_len=8,
     )
     assert len(calls) == expected
+
+
+def test_a_probe_trial_runs_two_micro_batches_where_a_training_step_may_run_several(tmp_path):
+    """A step of several micro-batches keeps the first one's gradients through the next forward;
+    a trial of one micro-batch under-measured it by up to a copy of the trainable gradients."""
+    assert controller(tmp_path).probe_micro_batches(8) == 1
+    assert controller(tmp_path, accumulation=2).probe_micro_batches(8) == 2
+    growth = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch", grow_with_accumulation=True)
+    assert controller(tmp_path, growth=growth).probe_micro_batches(8) == 2
+    fixed_global = controller(tmp_path, global_batch=GlobalBatchOptions(global_batch_size=16))
+    assert [fixed_global.probe_micro_batches(b) for b in (8, 15, 16, 32)] == [2, 2, 1, 1]
