@@ -28,17 +28,24 @@ the rest of the process (in a process with several threads), so a fresh process 
 more (docs/probe.md).
 """
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+
+from adaptive_batch.errors import BatchSizeTooLargeError
+from adaptive_batch.memory.budget import MemoryBudget
+from adaptive_batch.memory.device import DeviceCapacity, format_bytes
+from adaptive_batch.probe.child import ProbeTarget, child_trial
+from adaptive_batch.probe.search import search_max_batch_size
 
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, check_reserve_bytes, step_budget, trial_address_space,
     trial_memory_limit,
 )
 from adaptive_batch.probe.trials import probe_max_batch_size
-from adaptive_batch.probe.verify import largest_that_trains
+from adaptive_batch.probe.verify import largest_that_trains, verify_steps
 from adaptive_batch.validation import check_safety_margin
 
 
@@ -56,6 +63,7 @@ def find_max_batch_size(
     snapshot_dir: Optional[str] = None,
     time_budget: Optional[float] = DEFAULT_PROBE_TIME_BUDGET_S,
     log: Optional[Callable[[str], None]] = None,
+    build: Optional[Callable[[], ProbeTarget]] = None,
 ) -> int:
     """The largest batch whose full training step fits in ``max_memory``.
 
@@ -75,6 +83,13 @@ def find_max_batch_size(
         time_budget: seconds the search may take; past it the largest size that fitted so
             far is checked and returned, with a line saying so. ``None``: no limit.
         log: called with one line per trial.
+        build: a picklable top-level function returning a :class:`ProbeTarget` (the same
+            step, batch maker, model and optimizer, built afresh). Under a hard limit on CPU (an
+            outside ``RLIMIT_AS``, or the machine's memory when ``max_memory`` is not below it)
+            each trial then runs in a fresh spawned process held to this process's headroom, so
+            an out-of-memory trial or a crash cannot scar or end this one, and the answer is the
+            largest batch that runs the first steps in a fresh process. Without it the trials run
+            here and, after one runs out of memory, a fresh process may fit more (said in one line).
 
     Returns:
         The largest batch size that ran a real step within the budget, and then a step in
@@ -94,6 +109,15 @@ def find_max_batch_size(
     if device is None:
         device = next(model.parameters()).device
     budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
+    if device.type == "cpu" and not budget.is_soft:
+        if build is not None:
+            guess = _tensor_guess(train_step, make_batch, model=model, optimizer=optimizer, device=device,
+                                  budget=budget, lr_scheduler=lr_scheduler, snapshot_dir=snapshot_dir)
+            return _probe_in_children(build, budget, capacity, guess=guess, max_batch_size=max_batch_size,
+                                      time_budget=options.probe_time_budget, log=log)
+        if log is not None:
+            log(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
+                "leaves worse than a fresh one's: pass build=f() -> ProbeTarget to run them in fresh processes.")
     limits = dict(device=device, model=model, optimizer=optimizer)
     address_space = trial_address_space(budget, capacity, **limits)
     reserve_bytes = check_reserve_bytes(budget, capacity, **limits)
@@ -117,3 +141,59 @@ def find_max_batch_size(
         result.max_batch_size, train_step=train_step, make_batch=make_batch, device=device, state=state,
         budget_bytes=budget.budget_bytes, reserve_bytes=reserve_bytes, soft_budget=budget.is_soft, log=log,
     )
+
+
+def _tensor_guess(train_step: Callable[[Any], None], make_batch: Callable[[int], Any], *, budget: MemoryBudget,
+                  **state: Any) -> Optional[int]:
+    """A first guess from steps at batch 1 and 2 in this process (nothing runs out of memory at
+    those): where the operator lines' tensor bytes meet the budget. Address space holds more
+    than tensors, so it guesses high; the children's trials measure from below it."""
+    result = probe_max_batch_size(train_step=train_step, make_batch=make_batch, budget_bytes=budget.budget_bytes,
+                                  max_batch_size=2, **state)
+    return None if result.estimate is None else result.estimate.max_batch_size(budget.budget_bytes)
+
+
+def _probe_in_children(
+    build: Callable[[], ProbeTarget],
+    budget: MemoryBudget,
+    capacity: DeviceCapacity,
+    *,
+    guess: Optional[int],
+    max_batch_size: Optional[int],
+    time_budget: Optional[float],
+    log: Optional[Callable[[str], None]],
+) -> int:
+    """The search with every trial in a fresh process (:mod:`adaptive_batch.probe.child`),
+    judged in the hard limit's own unit: the address space a trial's steps added, against this
+    process's headroom less the safety margin. Each trial runs training's first consecutive
+    steps, so no in-process check follows.
+
+    Raises:
+        BatchSizeTooLargeError: when batch 1 does not run in a fresh process.
+    """
+    headroom = capacity.headroom_bytes
+    steps = verify_steps(torch.device("cpu"))
+    if log is not None:
+        log(f"probe: {budget.describe()}; each trial runs {steps} steps in a fresh process held to this process's "
+            f"headroom of {format_bytes(headroom)} of address space, judged by the address space it adds.")
+    # The line in address space is measured at a half and three quarters of the tensor guess
+    # (tensors are part of address space, so the guess is high): at batch 1-2 glibc's heap absorbs
+    # a step (a conv net's slope came out a quarter of the true one), and from a quarter and a half
+    # the line still bent (4 out-of-memory trials); from here the conv net took 4 trials, none out
+    # of memory.
+    if guess is not None and max_batch_size is not None:
+        guess = min(guess, max_batch_size)
+    sizes = (1, 2) if guess is None or guess < 8 else (guess // 2, 3 * guess // 4)
+    if log is not None:
+        log(f"probe: the tensor bytes of steps at batch 1 and 2 put the answer at most at {guess}; "
+            f"the line in address space is measured at {sizes[0]} and {sizes[1]}.")
+    try:
+        result = search_max_batch_size(
+            child_trial(build, headroom_bytes=headroom, steps=steps), budget_bytes=int(headroom * (1 - budget.safety_margin)),
+            max_batch_size=max_batch_size, warmup=False, log=log, max_overshoot=math.inf, time_budget_s=time_budget,
+            release=lambda: None,  # nothing of a trial is left in this process
+            estimate_sizes=sizes,
+        )
+    except BatchSizeTooLargeError as e:
+        raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget.source) from None
+    return result.max_batch_size

@@ -9,7 +9,7 @@ with the size above it tried and failed (or at the cap).
 from dataclasses import asdict, dataclass, field
 import math
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Union
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.memory.budget import MAX_TRIAL_OVERSHOOT
@@ -129,6 +129,7 @@ def search_max_batch_size(
     settle_slope: bool = False,
     time_budget_s: Optional[float] = None,
     agree: Callable[[bool], bool] = lambda stop: stop,
+    estimate_sizes: Tuple[int, int] = (1, 2),
 ) -> SearchResult:
     """Finds the largest batch size whose step fits in ``budget_bytes``.
 
@@ -170,6 +171,9 @@ def search_max_batch_size(
             (:class:`_Clock`). ``None``: no limit.
         agree: turns this process's wish to stop into every rank's (``RankGroup.any``), so
             ranks searching in lockstep stop together.
+        estimate_sizes: the two sizes the line is measured at. Larger ones, from a first guess,
+            suit a unit whose small batches are noise (address space, where glibc's heap absorbs
+            a small step); when the first does not fit, the search starts from below it.
 
     Returns:
         The result, with every trial.
@@ -196,14 +200,20 @@ def search_max_batch_size(
             bracket.lo, budget_bytes, estimate, predicted, trials.done, time.perf_counter() - start, clock.stopped
         )
 
+    first, second = estimate_sizes
     if warmup and not bracket.run(1, "warmup"):
         raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
-    if not bracket.run(1, "estimate"):
-        raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
-    if max_batch_size == 1 or not bracket.run(2, "estimate"):
+    if not bracket.run(first, "estimate"):
+        if first == 1:
+            raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
+        _Search(bracket, None, clock, trust_prediction=False).run()
+        return result(None, None)
+    if max_batch_size == first or not bracket.run(second, "estimate"):
+        if first > 1 and not bracket.settled():
+            _Search(bracket, None, clock, trust_prediction=False).run()
         return result(None, None)
     steps = trials.estimate_steps
-    if len(steps) == 2 and not _same_operators(steps[1], steps[2]) and max_batch_size != 2:
+    if (first, second) == (1, 2) and len(steps) == 2 and not _same_operators(steps[1], steps[2]) and max_batch_size != 2:
         # Batch 1 often runs other operators (a view where larger batches copy): measure at 3.
         if log is not None:
             log("probe: batch 1 and 2 ran different operators; one more estimate step at batch 3")

@@ -1,0 +1,111 @@
+"""Hard-limit trials in fresh child processes, so a crash or a scarred heap stays there.
+
+Under a hard CPU limit (an outside ``RLIMIT_AS``) a trial that fails to allocate cannot be undone
+in-process: glibc moves the thread to another arena for good, and oneDNN can segfault, which
+nothing catches. A conv net probed in its own process answered 44 where a fresh process trains
+56, after 8 out-of-memory trials. So, as NeMo's OOMptimizer does, each trial here is a child
+process, forked from a clean server process (a fork of the caller would hang in GNU OpenMP's
+pool), that builds the training parts from the
+caller's picklable ``build()``, holds itself to the parent's headroom of address space, and runs
+the consecutive steps training will run. Its answer is the address space the steps added (the
+limit's own unit), or an out-of-memory failure, a crash included. The parent's model, optimizer
+and heap are never touched.
+"""
+
+from dataclasses import dataclass
+import multiprocessing
+import resource
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from adaptive_batch.memory.device import proc_status_bytes
+from adaptive_batch.memory.oom import is_oom_error
+
+
+@dataclass
+class ProbeTarget:
+    """What a probe trial trains: the parts ``build()`` returns in a child process.
+
+    Attributes:
+        train_step: one full training step on a batch (forward, loss, backward, optimizer step).
+        make_batch: the worst-case batch of a given size.
+        model: the model ``train_step`` trains.
+        optimizer: its optimizer, if the step keeps state.
+    """
+
+    train_step: Callable[[Any], None]
+    make_batch: Callable[[int], Any]
+    model: nn.Module
+    optimizer: Optional[torch.optim.Optimizer] = None
+
+
+class ChildOutOfMemoryError(MemoryError):
+    """A child trial ran out of memory, or died (a segfault counts: it is what a failed
+    allocation in some native paths does). A ``MemoryError``, so the one out-of-memory predicate
+    (:func:`~adaptive_batch.memory.oom.is_oom_error`) knows it."""
+
+
+def _child_main(build: Callable[[], ProbeTarget], batch_size: int, steps: int, headroom_bytes: int, conn: Any) -> None:
+    """The child: build, hold to the headroom, run ``steps`` steps, send the outcome."""
+    try:
+        target = build()
+        batch = target.make_batch(batch_size)
+        start = proc_status_bytes("VmSize")
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = start + headroom_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+        for step in range(steps):
+            target.train_step(batch if step == 0 else target.make_batch(batch_size))
+        conn.send(("ok", proc_status_bytes("VmPeak") - start))
+    except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the parent
+        # The search runs batch 1 first, so above it a smaller batch of the same step has run.
+        kind = "oom" if is_oom_error(exc, after_a_smaller_step=batch_size > 1) else "error"
+        conn.send((kind, str(exc).splitlines()[0] if kind == "oom" else traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def child_trial(build: Callable[[], ProbeTarget], *, headroom_bytes: int, steps: int) -> Callable[[int], int]:
+    """A search trial that runs in a fresh process per batch size.
+
+    Args:
+        build: a picklable function (defined at a module's top level) returning the
+            :class:`ProbeTarget`; it runs in each child.
+        headroom_bytes: the address space each child may add after building, the parent's own.
+        steps: consecutive steps a child runs (training's first steps, where a heap settles).
+
+    Returns:
+        ``run(batch_size) -> bytes``: the address space the steps added.
+
+    Raises:
+        ChildOutOfMemoryError: (from ``run``) when the child ran out of memory or died.
+        RuntimeError: (from ``run``) any other error of the child, with its traceback.
+    """
+    context = multiprocessing.get_context("forkserver")
+    # The server imports torch once and has run no parallel region, so its forks start clean
+    # (a fork of a process whose OpenMP pool ran hangs) and a trial costs its build, not an import.
+    context.set_forkserver_preload(["torch", __name__])
+
+    def run(batch_size: int) -> int:
+        parent, child = context.Pipe(duplex=False)
+        process = context.Process(target=_child_main, args=(build, batch_size, steps, headroom_bytes, child), daemon=True)
+        process.start()
+        child.close()
+        try:
+            outcome = parent.recv() if parent.poll(None) else None
+        except EOFError:  # the child died before answering
+            outcome = None
+        process.join()
+        if outcome is None:
+            raise ChildOutOfMemoryError(f"the trial process at batch {batch_size} died (exit code {process.exitcode})")
+        kind, value = outcome
+        if kind == "ok":
+            return int(value)
+        if kind == "oom":
+            raise ChildOutOfMemoryError(value)
+        raise RuntimeError(f"the trial process at batch {batch_size} failed:\n{value}")
+
+    return run

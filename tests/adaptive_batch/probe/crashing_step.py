@@ -1,0 +1,30 @@
+"""A training step that fails as native code does under an address-space limit, for the child
+trials' test: a crash (SIGSEGV) above one size, oneDNN's "could not create a primitive" above a
+smaller one. A module of its own so a spawned process can import its ``build``."""
+
+import os
+import signal
+
+import torch
+
+from adaptive_batch.probe.child import ProbeTarget
+
+SEGFAULT_ABOVE, PRIMITIVE_ABOVE = 13, 10
+
+
+def build() -> ProbeTarget:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        rows = batch.shape[0]
+        if rows > SEGFAULT_ABOVE:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if rows > PRIMITIVE_ABOVE:
+            raise RuntimeError("could not create a primitive")
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return ProbeTarget(step, lambda b: torch.randn(b, 8), model, optimizer)
