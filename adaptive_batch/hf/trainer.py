@@ -127,17 +127,18 @@ class AdaptiveBatchTrainer(Trainer):
 
     def _train_step(self, batch: Any) -> None:
         """One optimizer step as the Trainer runs it, at the micro-batch of ``batch``: two
-        micro-batches through ``training_step`` (its autocast, loss scaling, ``num_items_in_batch``
-        and ``accelerator.backward``) with the first one's gradients alive through the second, as
+        micro-batches through ``training_step`` (its autocast, loss scaling and
+        ``accelerator.backward``) with the first one's gradients alive through the second, as
         under accumulation, then clipping, the optimizer step and ``zero_grad``. One micro-batch
         where the effective batch fits in it. Dropping the gradients after every micro-batch found
         16 where a fresh Trainer failed 16 at step 1 and trained 12."""
         effective = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
         pieces = [batch] * min(2, math.ceil(effective / BatchLayout().rows(batch)))
         self.current_gradient_accumulation_steps = len(pieces)
-        num_items = self._get_num_items_in_batch(pieces, self.args.device)
+        # No num_items_in_batch: the Trainer counts it across ranks (a collective), and ranks
+        # probe their own budgets in their own number of trials. The memory is the same.
         for piece in pieces:
-            self.training_step(self.model, piece, num_items)
+            self.training_step(self.model, piece)
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(self.model)
         self.optimizer.step()

@@ -226,6 +226,8 @@ if mode == "probe":
     print("RESULT", json.dumps({"found": trainer.adaptive_batch["max_micro_batch_size"],
                                 "oom_trials": sum("out of memory" in line for line in trials)}))
 else:
+    # what the probed run trains: the effective batch of 16 in accumulated micro-batches
+    args.gradient_accumulation_steps = 2
     trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples)
     return_freed_memory_to_os()  # the allocator the probed run trains with, set where it sets it
     try:
@@ -240,8 +242,9 @@ else:
 @pytest.mark.slow
 def test_under_a_real_limit_it_finds_the_true_maximum(tmp_path):
     """Under 640 MiB of address space over the process (as ``prlimit --as`` gives), the probed
-    micro-batch trains 3 steps in a fresh process and one more does not, found with at most one
-    out-of-memory trial."""
+    micro-batch trains 3 accumulated steps (as the effective batch of 16 is trained) in a fresh
+    process and one more does not, found with at most one out-of-memory trial. The truth was a
+    step of one micro-batch until the trial became the Trainer's accumulated step."""
     import subprocess
     import sys
 
