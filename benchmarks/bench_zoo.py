@@ -106,7 +106,7 @@ def _adaptive_batch_answer(target, budget, lines) -> int:
 
     adaptive = AdaptiveBatch(model, target.optimizer, samples, lambda b: F.cross_entropy(model(b["x"]), b["y"]),
                              batch_size=1, make_batch=target.make_batch, use_maximum_batch_size=True,
-                             max_memory=budget, log=lines.append, shuffle=False)
+                             max_memory=budget, probe_cache=False, log=lines.append, shuffle=False)
     adaptive.batches(0)
     return int(adaptive.controller.probe_report["batch_size"])
 
