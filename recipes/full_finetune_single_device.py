@@ -608,7 +608,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         them), then the optimizer step."""
         num_tokens = 0
         for _ in range(self._batching.probe_micro_batches(batch["tokens"].shape[0])):
-            num_tokens = num_tokens + self._forward_backward(batch)[1]
+            # A copy each: the loss takes "labels" out of the batch it is given.
+            num_tokens = num_tokens + self._forward_backward(dict(batch))[1]
         (global_tokens,) = self._ranks.sums(num_tokens)
         self._optimizer_step(global_tokens)
 

@@ -101,9 +101,12 @@ class _NoHook:
         pass
 
 
-def _tracked_peak(model: nn.Module, optimizers: List[torch.optim.Optimizer], run: Callable[[], None]) -> "PlanRow":
-    """Runs ``run`` under a fresh ``MemTracker`` (``FSDPMemTracker`` for a sharded model) that
-    knows the model and optimizers; its peak by category (``batch_size`` 0: the caller sets it)."""
+def _tracked_peak(model: nn.Module, optimizers: List[torch.optim.Optimizer], run: Callable[[], None],
+                  repeat: int = 1) -> "PlanRow":
+    """Runs ``run`` ``repeat`` times under a fresh ``MemTracker`` (``FSDPMemTracker`` for a
+    sharded model) that knows the model and optimizers; its peak by category (``batch_size`` 0:
+    the caller sets it). Between runs the tracker forgets its per-module statistics (it refuses a
+    second forward otherwise) and keeps the peak."""
     # Imported here: they bring torch's compiler and DTensor (about a second of start-up for
     # every process that imports adaptive_batch and never plans).
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -122,7 +125,10 @@ def _tracked_peak(model: nn.Module, optimizers: List[torch.optim.Optimizer], run
     if not isinstance(model, FSDPModule):
         tracker.track_external(model, *optimizers)
     with tracker:
-        run()
+        for i in range(repeat):
+            if i:
+                tracker.reset_mod_stats()
+            run()
     snapshot = tracker.get_tracker_snapshot("peak")
     categories = {name: 0 for name in CATEGORY_ORDER}
     total = 0
@@ -159,11 +165,14 @@ def fake_step_phases(
     batch: Dict[str, torch.Tensor],
     *,
     optimizer_in_backward: bool = False,
+    micro_batches: int = 1,
 ) -> StepPhases:
     """Runs one fake training step, each part under its own ``MemTracker``.
 
     With ``optimizer_in_backward`` each parameter's optimizer steps (and frees its gradient)
-    as soon as the gradient is accumulated, as torchtune's ``optimizer_in_bwd`` runs it.
+    as soon as the gradient is accumulated, as torchtune's ``optimizer_in_bwd`` runs it. With
+    ``micro_batches`` above 1 forward and backward run that many times before the optimizer
+    step, the gradients of the first alive through the next (gradient accumulation).
     """
     if optimizer_in_backward:
         backward = _tracked_peak(model, optimizers, lambda: forward_backward(model, batch))
@@ -174,7 +183,7 @@ def fake_step_phases(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    backward = _tracked_peak(model, optimizers, lambda: forward_backward(model, batch))
+    backward = _tracked_peak(model, optimizers, lambda: forward_backward(model, batch), repeat=micro_batches)
     return StepPhases(backward, _tracked_peak(model, optimizers, step_and_zero))
 
 

@@ -104,6 +104,7 @@ def plan_memory(
     adjust_bytes: Optional[Dict[str, int]] = None,
     world_size: int = 1,
     shard: Optional[Callable[[nn.Module, DeviceMesh], None]] = None,
+    micro_batches: Callable[[int], int] = lambda batch_size: 1,
 ) -> MemoryPlan:
     """Predicts a training step's peak at every batch size, allocating nothing.
 
@@ -135,6 +136,9 @@ def plan_memory(
             parameters, gradients and optimizer state, its all-gathered layers and its
             reduce-scatter buffers. The batch is per rank.
         shard: see ``world_size``; needed when it is above 1.
+        micro_batches: ``f(batch_size)``, the micro-batches a step at that size runs before its
+            optimizer step (:func:`~adaptive_batch.schedule.global_batch.micro_batches_per_trial`),
+            as the probe's trial runs them.
 
     Returns:
         The plan.
@@ -163,6 +167,7 @@ def plan_memory(
             adjust_bytes=adjust_bytes,
             shard=None if mesh is None else (lambda model: shard(model, mesh)),
             world_size=world_size,
+            micro_batches=micro_batches,
         )
 
 
@@ -182,6 +187,7 @@ def _plan(
     adjust_bytes: Optional[Dict[str, int]],
     shard: Optional[Callable[[nn.Module], None]],
     world_size: int,
+    micro_batches: Callable[[int], int],
 ) -> MemoryPlan:
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -201,7 +207,8 @@ def _plan(
         tokens = torch.zeros(b, seq_len, dtype=torch.long)
         batch = {"tokens": tokens, "labels": torch.zeros(b, seq_len, dtype=torch.long)}
         phases = {
-            keep: fake_step_phases(model, optimizers, forward_backward, batch, optimizer_in_backward=optimizer_in_backward)
+            keep: fake_step_phases(model, optimizers, forward_backward, batch, optimizer_in_backward=optimizer_in_backward,
+                                   micro_batches=micro_batches(b))
             for keep, (model, optimizers) in steppers.items()
         }
         if counts == (None,):

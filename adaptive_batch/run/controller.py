@@ -26,7 +26,7 @@ from adaptive_batch.run.lr_coupling import LRCoupling
 from adaptive_batch.run.options import AdaptiveBatchOptions, RunContext
 from adaptive_batch.run.start import first_batch
 from adaptive_batch.run.step import StepOutcome, accumulate_gradients
-from adaptive_batch.schedule.global_batch import MicroBatchPlan
+from adaptive_batch.schedule.global_batch import MicroBatchPlan, micro_batches_per_trial
 from adaptive_batch.schedule.noise_scale import NOISE_SCALE_STATE_KEY
 from adaptive_batch.validation import check_positive_int
 
@@ -200,14 +200,12 @@ class AdaptiveBatchController:
 
     def probe_micro_batches(self, micro_batch_size: int) -> int:
         """How many micro-batches a probe trial at ``micro_batch_size`` runs before its optimizer
-        step: 2 where a training step may hold more samples than one micro-batch (accumulation,
-        a global batch, growth by accumulation), so the first one's gradients are alive through the
-        next forward, as in training (more micro-batches hold no more); else 1. A trial of one
-        micro-batch under-measured such a step by up to a copy of the trainable gradients."""
-        if self._accumulation > 1 or self.options.growth.grow_with_accumulation:
-            return 2
-        global_batch = self.options.global_batch.global_batch_size
-        return 2 if global_batch is not None and micro_batch_size * self.ranks.world_size < global_batch else 1
+        step (:func:`~adaptive_batch.schedule.global_batch.micro_batches_per_trial`)."""
+        return micro_batches_per_trial(
+            micro_batch_size, gradient_accumulation_steps=self._accumulation,
+            global_batch_size=self.options.global_batch.global_batch_size, world_size=self.ranks.world_size,
+            grow_with_accumulation=self.options.growth.grow_with_accumulation,
+        )
 
     def track_gradients(self, params: Any) -> None:
         """Allocates ``measure_noise_scale``'s gradient copy before :meth:`settle` probes."""

@@ -22,6 +22,25 @@ from adaptive_batch.validation import check_positive_int
 KEY = "global_batch_size"
 
 
+def micro_batches_per_trial(
+    micro_batch_size: int,
+    *,
+    gradient_accumulation_steps: int = 1,
+    global_batch_size: Optional[int] = None,
+    world_size: int = 1,
+    grow_with_accumulation: bool = False,
+) -> int:
+    """How many micro-batches a memory trial (the probe's real one, the planner's fake one) runs
+    at ``micro_batch_size`` before its optimizer step: 2 where a training step may hold more
+    samples than one micro-batch (accumulation, a global batch larger than the ranks' micro-batches,
+    growth by accumulation), so the first one's gradients are alive through the next forward, as in
+    training (more micro-batches hold no more); else 1. A trial of one micro-batch under-measured
+    such a step by up to a copy of the trainable gradients."""
+    if gradient_accumulation_steps > 1 or grow_with_accumulation:
+        return 2
+    return 2 if global_batch_size is not None and micro_batch_size * world_size < global_batch_size else 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class GlobalBatchOptions:
     """The fixed-global-batch setting; it checks itself when built.

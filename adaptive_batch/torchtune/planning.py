@@ -11,6 +11,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.fake_step import KnownStateOptimizer
 from adaptive_batch.probe.plan import MemoryPlan, plan_memory
+from adaptive_batch.schedule.global_batch import micro_batches_per_trial
 from adaptive_batch.torchtune.checks import check_seq_len, model_max_seq_len
 from adaptive_batch.torchtune.loss import next_token_loss
 
@@ -196,4 +197,9 @@ def plan_from_config(
         adjust_bytes=adjust_bytes,
         world_size=world_size,
         shard=shard,
+        micro_batches=partial(
+            micro_batches_per_trial, gradient_accumulation_steps=int(cfg.get("gradient_accumulation_steps", 1) or 1),
+            global_batch_size=cfg.get("global_batch_size", None), world_size=world_size,
+            grow_with_accumulation=bool(cfg.get("grow_with_accumulation", False)),
+        ),
     )

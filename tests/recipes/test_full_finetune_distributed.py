@@ -73,8 +73,9 @@ def test_each_rank_probes_its_own_budget_and_the_smallest_sets_the_batch(tmp_pat
     from adaptive_batch.torchtune.cli import main
     from tests.recipes.conftest import run_in_process
 
+    # the plan of the same step: with global_batch_size=24 two micro-batches before the optimizer step
     plan = run_in_process(main, ["adaptive-batch", "plan", "--config", DIST["config"], "--world-size", "2", "--json",
-                                 "--device-memory", "256MiB", "--safety-margin", "0.01"])
+                                 "--device-memory", "256MiB", "--safety-margin", "0.01", "global_batch_size=24"])
     assert plan.returncode == 0, plan.stderr[-3000:]
     planned = json.loads(plan.stdout)
     assert planned["world_size"] == 2 and abs(planned["max_batch_size"] - found) <= 1

@@ -123,3 +123,12 @@ def test_the_global_batch_grows_by_accumulation_within_what_fits(tmp_path):
         sizes.append((batch.batch_size, batch.micro_batch_size, batch.grad_accum_steps))
     # from the global 8: doubled each epoch past the probed 4 (grow_with_accumulation implied)
     assert sizes == [(8, 4, 2), (16, 4, 4), (32, 4, 8)]
+
+
+def test_a_trial_runs_two_micro_batches_where_a_step_may_hold_more_than_one():
+    from adaptive_batch.schedule.global_batch import micro_batches_per_trial
+
+    assert micro_batches_per_trial(8) == 1
+    assert micro_batches_per_trial(8, gradient_accumulation_steps=4) == 2
+    assert micro_batches_per_trial(8, grow_with_accumulation=True) == 2
+    assert [micro_batches_per_trial(b, global_batch_size=32, world_size=2) for b in (8, 15, 16, 64)] == [2, 2, 1, 1]
