@@ -80,6 +80,12 @@ class MemoryBudget:
         }
 
 
+def after_margin(limit_bytes: int, safety_margin: float) -> int:
+    """``limit_bytes`` less the safety margin: what a step's peak may reach (the probe's and the
+    planner's budget alike)."""
+    return int(limit_bytes * (1 - safety_margin))
+
+
 def memory_budget(
     *,
     max_memory_bytes: Optional[int],
@@ -106,7 +112,7 @@ def memory_budget(
     else:
         limit, source, kind = device_limit, capacity.source, HARD
     return MemoryBudget(
-        budget_bytes=int(limit * (1 - safety_margin)),
+        budget_bytes=after_margin(limit, safety_margin),
         limit_bytes=int(limit),
         safety_margin=float(safety_margin),
         source=source,

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from adaptive_batch.errors import BatchSizeTooLargeError
-from adaptive_batch.memory.budget import MemoryBudget
+from adaptive_batch.memory.budget import MemoryBudget, after_margin
 from adaptive_batch.memory.device import DeviceCapacity, format_bytes
 from adaptive_batch.probe.child import ProbeTarget, child_trial
 from adaptive_batch.probe.search import search_max_batch_size
@@ -194,7 +194,7 @@ def _probe_in_children(
             f"the line in address space is measured at {sizes[0]} and {sizes[1]}.")
     try:
         result = search_max_batch_size(
-            child_trial(build, headroom_bytes=headroom, steps=steps), budget_bytes=int(headroom * (1 - budget.safety_margin)),
+            child_trial(build, headroom_bytes=headroom, steps=steps), budget_bytes=after_margin(headroom, budget.safety_margin),
             max_batch_size=max_batch_size, warmup=False, log=log, max_overshoot=math.inf, time_budget_s=time_budget,
             release=lambda: None,  # nothing of a trial is left in this process
             estimate_sizes=sizes, tolerance=ADDRESS_SPACE_TOLERANCE,

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
 from adaptive_batch.errors import BatchSizeTooLargeError
+from adaptive_batch.memory.budget import after_margin
 from adaptive_batch.memory.estimator import LinearMemoryEstimate
 from adaptive_batch.probe.fake_step import (
     CATEGORY_ORDER,
@@ -226,7 +227,7 @@ def _plan(
         measured = {b: step(b) for b in (1, 2)}
     estimate = LinearMemoryEstimate.fit([(r.batch_size, r.peak_bytes) for r in measured.values()])
 
-    budget = None if device_memory_bytes is None else int(device_memory_bytes * (1 - safety_margin))
+    budget = None if device_memory_bytes is None else after_margin(device_memory_bytes, safety_margin)
     best = None
     if budget is not None:
         best = _search_in_fake_steps(step, measured, fake_mode, budget, max_batch_size)
