@@ -145,7 +145,9 @@ class AdaptiveBatchTrainer(Trainer):
         self.model.zero_grad(set_to_none=True)
 
     def _eval_step(self, batch: Any) -> None:
-        """One evaluation step as the Trainer's loop runs it: ``prediction_step``."""
+        """One evaluation step as the Trainer's loop runs it: the model in eval mode (the
+        evaluation loop sets it; the training trials left it in train mode), ``prediction_step``."""
+        self.model.eval()
         self.prediction_step(self.model, batch, prediction_loss_only=bool(self.args.prediction_loss_only))
 
 

@@ -143,6 +143,10 @@ def parse_memory(
     return result
 
 
+# The capacity source of this process's own address-space limit, the one limit no other process shares.
+ADDRESS_SPACE_SOURCE = "RLIMIT_AS"
+
+
 @dataclass(frozen=True)
 class DeviceCapacity:
     """What a device can still hold, and which limit decided it.
@@ -227,7 +231,7 @@ def cpu_capacity() -> DeviceCapacity:
     limit = address_space_limit()
     vm_size = proc_status_bytes("VmSize")
     if limit is not None and vm_size is not None:
-        candidates.append((max(0, limit - vm_size), "RLIMIT_AS", True))
+        candidates.append((max(0, limit - vm_size), ADDRESS_SPACE_SOURCE, True))
     cgroup = _cgroup_headroom()
     if cgroup is not None:
         # Crossing it wakes the cgroup's OOM killer: no allocation fails first.

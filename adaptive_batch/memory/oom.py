@@ -71,7 +71,13 @@ def catch_oom(fn: Callable[[], T], *, after_a_smaller_step: bool = False) -> Tup
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
         if not is_oom_error(exc, after_a_smaller_step=after_a_smaller_step):
             raise
-        return None, str(exc).splitlines()[0]
+        return None, first_line(exc)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, or its type's name when it has none (Python's own
+    ``MemoryError`` arrives empty)."""
+    return (str(exc) or type(exc).__name__).splitlines()[0]
 
 
 def release_memory(device: Optional[torch.device] = None) -> None:

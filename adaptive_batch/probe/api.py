@@ -36,7 +36,7 @@ from torch import nn
 
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.memory.budget import MemoryBudget, after_margin
-from adaptive_batch.memory.device import DeviceCapacity, format_bytes
+from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity, format_bytes
 from adaptive_batch.probe.child import ProbeTarget, child_trial
 from adaptive_batch.probe.search import search_max_batch_size
 
@@ -84,9 +84,9 @@ def find_max_batch_size(
             far is checked and returned, with a line saying so. ``None``: no limit.
         log: called with one line per trial.
         build: a picklable top-level function returning a :class:`ProbeTarget` (the same
-            step, batch maker, model and optimizer, built afresh). Under a hard limit on CPU (an
-            outside ``RLIMIT_AS``, or the machine's memory when ``max_memory`` is not below it)
-            each trial then runs in a fresh spawned process held to this process's headroom, so
+            step, batch maker, model and optimizer, built afresh). Under an outside ``RLIMIT_AS``
+            on CPU with ``max_memory`` not below it (a hard budget), each trial then runs in a
+            fresh process (:mod:`adaptive_batch.probe.child`) held to this process's headroom, so
             an out-of-memory trial or a crash cannot scar or end this one, and the answer is the
             largest batch that runs the first steps in a fresh process. Without it the trials run
             here and, after one runs out of memory, a fresh process may fit more (said in one line).
@@ -110,14 +110,17 @@ def find_max_batch_size(
         device = next(model.parameters()).device
     budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
     if device.type == "cpu" and not budget.is_soft:
-        if build is not None:
+        # Only an address-space limit is each process's own: under a cgroup or the machine's
+        # RAM a child's copy of the model would take from the caller's room.
+        if build is not None and capacity.source == ADDRESS_SPACE_SOURCE:
             guess = _tensor_guess(train_step, make_batch, model=model, optimizer=optimizer, device=device,
                                   budget=budget, lr_scheduler=lr_scheduler, snapshot_dir=snapshot_dir)
             return _probe_in_children(build, budget, capacity, guess=guess, max_batch_size=max_batch_size,
                                       time_budget=options.probe_time_budget, log=log)
         if log is not None:
             log(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
-                "leaves worse than a fresh one's: pass build=f() -> ProbeTarget to run them in fresh processes.")
+                "leaves worse than a fresh one's: under an address-space limit (RLIMIT_AS), pass build=f() -> "
+                "ProbeTarget to run them in fresh processes.")
     limits = dict(device=device, model=model, optimizer=optimizer)
     address_space = trial_address_space(budget, capacity, **limits)
     reserve_bytes = check_reserve_bytes(budget, capacity, **limits)

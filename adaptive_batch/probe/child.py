@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from adaptive_batch.memory.device import proc_status_bytes
-from adaptive_batch.memory.oom import is_oom_error
+from adaptive_batch.memory.oom import first_line, is_oom_error
 
 
 @dataclass
@@ -63,7 +63,7 @@ def _child_main(build: Callable[[], ProbeTarget], batch_size: int, steps: int, h
     except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the parent
         # The search runs batch 1 first, so above it a smaller batch of the same step has run.
         kind = "oom" if is_oom_error(exc, after_a_smaller_step=batch_size > 1) else "error"
-        conn.send((kind, str(exc).splitlines()[0] if kind == "oom" else traceback.format_exc()))
+        conn.send((kind, first_line(exc) if kind == "oom" else traceback.format_exc()))
     finally:
         conn.close()
 
@@ -98,7 +98,11 @@ def child_trial(build: Callable[[], ProbeTarget], *, headroom_bytes: int, steps:
             outcome = parent.recv() if parent.poll(None) else None
         except EOFError:  # the child died before answering
             outcome = None
-        process.join()
+        finally:  # also when the wait is interrupted: no child outlives its trial
+            if process.is_alive() and outcome is None:
+                process.kill()
+            process.join()
+            parent.close()
         if outcome is None:
             raise ChildOutOfMemoryError(f"the trial process at batch {batch_size} died (exit code {process.exitcode})")
         kind, value = outcome

@@ -209,9 +209,10 @@ def search_max_batch_size(
     if warmup and not bracket.run(1, "warmup"):
         raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
     if not bracket.run(first, "estimate"):
-        if first == 1:
+        if first > 1:
+            _Search(bracket, None, clock, trust_prediction=False).run()
+        if bracket.lo == 0:  # not even batch 1 (the search from below reached it)
             raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
-        _Search(bracket, None, clock, trust_prediction=False).run()
         return result(None, None)
     if max_batch_size == first or not bracket.run(second, "estimate"):
         if first > 1 and not bracket.settled():

@@ -202,5 +202,7 @@ class AdaptiveBatch:
         the optimizer step."""
         total = 0.0
         for _ in range(self.controller.probe_micro_batches(self.controller.layout.rows(batch))):
-            total += float(self._forward_backward(batch)[1])
+            # A copy each, where it can be had: a loss may take its labels out of the batch.
+            piece = dict(batch) if isinstance(batch, dict) else batch
+            total += float(self._forward_backward(piece)[1])
         self._optimizer_step(total)

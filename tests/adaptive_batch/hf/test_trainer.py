@@ -149,6 +149,18 @@ def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(t
     assert trainer_peak(found) <= budget < trainer_peak(found + 1)
 
 
+def test_the_evaluation_trial_runs_in_eval_mode_after_the_training_trials(tmp_path):
+    """The training trials leave the model in train mode; the evaluation loop runs it in eval
+    mode (dropout off, BatchNorm's statistics untouched), and so must its trial."""
+    trainer = _trainer(tmp_path, max_memory="20MiB")
+    trainer.create_optimizer()
+    batch = trainer.data_collator(_samples(2))
+    trainer._train_step(batch)
+    assert trainer.model.training
+    trainer._eval_step(batch)
+    assert not trainer.model.training
+
+
 def test_a_bad_budget_is_one_line_before_the_model_is_touched(tmp_path):
     with pytest.raises(ConfigError, match="max_memory='lots' cannot be parsed"):
         _trainer(tmp_path, max_memory="lots")

@@ -9,20 +9,43 @@ from adaptive_batch.probe.child import ChildOutOfMemoryError, child_trial
 from tests.adaptive_batch.probe import crashing_step
 
 
-def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives():
+def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_address_space):
     """A conv net's probe died of a segfault and of oneDNN's "could not create a primitive" in
-    the caller's own process; in children both are trials that did not fit."""
+    the caller's own process; in children (under an address-space limit, each process's own)
+    both are trials that did not fit."""
     target = crashing_step.build()
     before = [p.detach().clone() for p in target.model.parameters()]
     lines = []
-    found = find_max_batch_size(target.train_step, make_batch=target.make_batch, model=target.model,
-                                optimizer=target.optimizer, max_memory=None, max_batch_size=16, log=lines.append,
-                                build=crashing_step.build)
+    with limited_address_space(2 * 2**30):
+        found = find_max_batch_size(target.train_step, make_batch=target.make_batch, model=target.model,
+                                    optimizer=target.optimizer, max_memory=None, max_batch_size=16, log=lines.append,
+                                    build=crashing_step.build)
     assert found == crashing_step.PRIMITIVE_ABOVE
     assert any("in a fresh process" in line for line in lines)
     assert any("out of memory" in line for line in lines if line.startswith("probe trial"))
     assert all(torch.equal(a, b) for a, b in zip(before, target.model.parameters()))  # never stepped here
-    print("\n".join(lines))
+
+
+def test_without_an_address_space_limit_build_runs_the_trials_here_and_says_so(monkeypatch):
+    """Under a cgroup or the machine's RAM, limits every process shares, a child's copy of the
+    model would take from the caller's room: the trials stay in the caller's process."""
+    from adaptive_batch.memory import device
+
+    monkeypatch.setattr(device, "address_space_limit", lambda: None)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    lines = []
+    found = find_max_batch_size(step, make_batch=lambda b: torch.randn(b, 8), model=model, optimizer=optimizer,
+                                max_memory=None, max_batch_size=8, log=lines.append, build=crashing_step.build)
+    assert found == 8
+    assert any("its trials run in this process" in line for line in lines)
+    assert not any("in a fresh process" in line for line in lines)
 
 
 def test_a_childs_other_errors_come_back_with_its_traceback():
@@ -33,6 +56,15 @@ def test_a_childs_other_errors_come_back_with_its_traceback():
 
 def _wrong_build():
     raise ValueError("the build itself is wrong")
+
+
+def test_a_python_memory_error_without_a_message_is_named():
+    from adaptive_batch.memory.oom import catch_oom
+
+    def fail():
+        raise MemoryError()
+
+    assert catch_oom(fail) == (None, "MemoryError")
 
 
 def test_a_dead_child_is_out_of_memory():

@@ -420,3 +420,11 @@ def test_a_tolerance_settles_within_its_share_of_the_answer_instead_of_crawling(
     loose = search_max_batch_size(step_from_a_shifted_line(loose_calls), tolerance=0.005, **common)
     assert exact.max_batch_size == 10_060
     assert 10_060 * 0.995 <= loose.max_batch_size <= 10_060 and len(loose_calls) < len(exact_calls)
+
+
+def test_estimate_sizes_above_one_that_nothing_fits_say_batch_one_does_not_fit():
+    """With the children's estimate sizes the search starts from below a first size that failed;
+    when batch 1 fails too the answer is the error, never a batch of 0."""
+    with pytest.raises(BatchSizeTooLargeError):
+        search_max_batch_size(LinearStep(fixed=1_000, per_sample=10, oom_above=0), budget_bytes=5_000,
+                              release=no_release, estimate_sizes=(8, 12), warmup=False)

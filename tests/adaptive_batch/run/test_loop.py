@@ -173,3 +173,22 @@ def test_a_random_init_transformers_model_steps_in_micro_batches_as_on_the_whole
     assert [a for a, _ in losses] == pytest.approx([b for _, b in losses], rel=1e-6)  # the loss is upcast to float32
     for got, want in zip(model.parameters(), plain.parameters()):
         assert torch.allclose(got, want, rtol=0, atol=1e-8)
+
+
+def test_a_probe_under_a_global_batch_gives_a_loss_that_takes_its_labels_a_batch_each():
+    """The trial runs two micro-batches of the same worst-case batch; a loss that pops its
+    targets out of a dict batch (as torchtune's does) got none the second time."""
+    torch.manual_seed(0)
+    samples = [{"x": torch.randn(8), "y": torch.randn(1)} for _ in range(48)]
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(batch):
+        targets = batch.pop("y")
+        return torch.nn.functional.mse_loss(model(batch["x"]), targets)
+
+    adaptive = AdaptiveBatch(model, optimizer, samples, loss_fn, batch_size=4, global_batch_size=48,
+                             use_maximum_batch_size=True, max_memory="64MiB", probe_cache=False,
+                             make_batch=lambda b: {"x": torch.randn(b, 8), "y": torch.randn(b, 1)}, log=lambda m: None)
+    step = adaptive.step(next(iter(adaptive.batches(0))))
+    assert step.global_samples == 48
