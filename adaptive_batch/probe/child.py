@@ -52,14 +52,15 @@ def _child_main(build: Callable[[], ProbeTarget], batch_size: int, steps: int, h
     """The child: build, hold to the headroom, run ``steps`` steps, send the outcome."""
     try:
         target = build()
-        batch = target.make_batch(batch_size)
-        start = proc_status_bytes("VmSize")
+        start, build_peak = proc_status_bytes("VmSize"), proc_status_bytes("VmPeak")
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         limit = start + headroom_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
-        for step in range(steps):
-            target.train_step(batch if step == 0 else target.make_batch(batch_size))
-        conn.send(("ok", proc_status_bytes("VmPeak") - start))
+        for _ in range(steps):  # each batch made under the limit, as the caller's loop makes it
+            target.train_step(target.make_batch(batch_size))
+        peak = proc_status_bytes("VmPeak")
+        # A peak no higher than the build's says nothing of the steps: what is mapped now does.
+        conn.send(("ok", (peak if peak > build_peak else proc_status_bytes("VmSize")) - start))
     except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the parent
         # The search runs batch 1 first, so above it a smaller batch of the same step has run.
         kind = "oom" if is_oom_error(exc, after_a_smaller_step=batch_size > 1) else "error"
