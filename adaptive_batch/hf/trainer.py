@@ -33,6 +33,7 @@ from adaptive_batch.files import atomic_write
 from adaptive_batch.memory.device import prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
+from adaptive_batch.schedule.global_batch import micro_batches_per_trial
 
 STATE_FILE = "adaptive_batch.json"
 
@@ -133,7 +134,8 @@ class AdaptiveBatchTrainer(Trainer):
         where the effective batch fits in it. Dropping the gradients after every micro-batch found
         16 where a fresh Trainer failed 16 at step 1 and trained 12."""
         effective = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
-        pieces = [batch] * min(2, math.ceil(effective / BatchLayout().rows(batch)))
+        # The effective batch is per device: the rule's global batch over one rank.
+        pieces = [batch] * micro_batches_per_trial(BatchLayout().rows(batch), global_batch_size=effective)
         self.current_gradient_accumulation_steps = len(pieces)
         # No num_items_in_batch: the Trainer counts it across ranks (a collective), and ranks
         # probe their own budgets in their own number of trials. The memory is the same.

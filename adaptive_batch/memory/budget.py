@@ -121,6 +121,8 @@ def memory_budget(
 
 
 def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    """The tensors a training run keeps between steps: parameters, buffers, gradients and
+    optimizer state."""
     yield from model.parameters()
     yield from model.buffers()
     for p in model.parameters():
@@ -133,8 +135,7 @@ def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer])
 
 
 def state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list:
-    """The tensors a training run keeps between steps: parameters, buffers, gradients and
-    optimizer state."""
+    """:func:`_state_tensors` as a list, to add a batch's tensors to."""
     return list(_state_tensors(model, optimizer))
 
 

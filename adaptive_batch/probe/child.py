@@ -3,7 +3,7 @@
 Under a hard CPU limit (an outside ``RLIMIT_AS``) a trial that fails to allocate cannot be undone
 in-process: glibc moves the thread to another arena for good, and oneDNN can segfault, which
 nothing catches. A conv net probed in its own process answered 44 where a fresh process trains
-56, after 8 out-of-memory trials. So, as NeMo's OOMptimizer does, each trial here is a child
+59, after 8 out-of-memory trials. So, as NeMo's OOMptimizer does, each trial here is a child
 process, forked from a clean server process (a fork of the caller would hang in GNU OpenMP's
 pool), that builds the training parts from the
 caller's picklable ``build()``, holds itself to the parent's headroom of address space, and runs
