@@ -162,6 +162,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self.global_step = 0
         # Last: one run at a time writes output_dir (the lock dies with the process).
         self._lock = OutputDirLock(cfg.output_dir).acquire() if self._ranks.is_main else None
+        self._metric_logger = None
+        # A finished run resumed (a requeued job) trains and writes nothing: set, it is the line said.
+        self.finished: Optional[str] = None
+        if self._resume_setting is not False:
+            self.finished = self._ranks.decide_on_main(
+                lambda: abt.finished_run(cfg.checkpointer.output_dir, cfg.epochs), errors=(ab.ConfigError,)
+            )
 
     def load_checkpoint(self, cfg_checkpointer: DictConfig) -> Dict[str, Any]:
         """
@@ -232,9 +239,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         Sets up the recipe state correctly. This includes setting recipe attributes based
         on the ``resume_from_checkpoint`` flag.
         """
-        self._metric_logger = None
         if self._ranks.is_main:
-            # This run holds output_dir: what an interrupted one left half-written goes.
+            # This run holds output_dir: what an interrupted one left half-written goes, and it
+            # is no longer a finished run's until this one finishes.
+            abt.forget_finished_run(cfg.checkpointer.output_dir)
             remove_partial_writes(cfg.output_dir, log=log.info)
             self._step_checkpoints.remove_partial_writes()
             abt.recover_epoch_checkpoint(cfg.checkpointer.output_dir, log=log.info)
@@ -735,8 +743,11 @@ def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:
     except (ab.ConfigError, ab.BatchSizeTooLargeError) as e:
         raise SystemExit(f"error: {e}") from None
     try:
-        recipe.setup(cfg=cfg)
-        recipe.train()
+        if recipe.finished is None:
+            recipe.setup(cfg=cfg)
+            recipe.train()
+        else:
+            log.info(recipe.finished)
         recipe.cleanup()
     except (ab.ConfigError, ab.BatchSizeTooLargeError, ab.MicroBatchOutOfMemoryError) as e:
         # Checkpoints of finished epochs and steps stay; the message says what to change.

@@ -7,6 +7,7 @@ the same learning rates. :class:`ResizableBatchSampler` yields an epoch's indice
 of whatever size the state says at the start of the epoch.
 """
 
+import itertools
 import math
 from typing import Any, Dict, Iterator, List, Optional, Sized
 
@@ -222,11 +223,19 @@ class ResizableBatchSampler(Sampler[List[int]]):
         return math.ceil((self.samples_per_epoch - self._resume_at) / self.batch_size)
 
     def __iter__(self) -> Iterator[List[int]]:
-        # A resumed sampler (its own state loaded) skips what the epoch already handed out.
+        # Not a generator: a resumed position is taken up when the epoch's iterator is made, so
+        # an epoch resumed at its end, of which no batch is drawn, leaves nothing for the next.
         start, self._resume_at = self._resume_at, 0
         self._taken = start
-        batch: List[int] = []
         indices = iter(self.sampler)
+        if start:
+            # A stateful sampler takes up its own resumed position at its first draw: draw now.
+            first = next(indices, None)
+            indices = itertools.chain([] if first is None else [first], indices)
+        return self._batches(indices)
+
+    def _batches(self, indices: Iterator[int]) -> Iterator[List[int]]:
+        batch: List[int] = []
         while self._taken < self.samples_per_epoch:
             index = next(indices, None)
             if index is None:

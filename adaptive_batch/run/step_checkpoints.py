@@ -107,9 +107,10 @@ class StepCheckpoints:
             ConfigError: when it was written by another number of ranks.
         """
         for step, path in reversed(self.saved()):
-            # At the same step both hold the same state; the step checkpoint also holds the weights.
-            if step < epoch_step:
-                self.log(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is older.")
+            # At the same step the epoch checkpoint wins: it ends the epoch, and resuming from
+            # it starts the next one, where a step checkpoint would re-enter the finished epoch.
+            if step <= epoch_step:
+                self.log(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is not newer.")
                 return None
             try:
                 state = self.load(path)

@@ -8,6 +8,8 @@ the ``adaptive-batch`` command do.
 from adaptive_batch.torchtune.checkpoint import (
     epoch_checkpoint_step,
     epoch_weight_files,
+    finished_run,
+    forget_finished_run,
     initial_checkpoint_filename,
     recover_epoch_checkpoint,
     save_epoch_checkpoint,
@@ -50,6 +52,8 @@ __all__ = [
     "check_stock_recipe_options",
     "epoch_checkpoint_step",
     "epoch_weight_files",
+    "finished_run",
+    "forget_finished_run",
     "initial_checkpoint_filename",
     "load_config",
     "next_token_loss",

@@ -30,6 +30,9 @@ from adaptive_batch.run.step_checkpoints import DIRNAME, StepCheckpoints
 STAGING_DIRNAME = ".epoch_checkpoint_writing"
 COMPLETE_MARK = "COMPLETE"
 RECIPE_STATE_FILE = os.path.join("recipe_state", "recipe_state.pt")
+# Written with the last epoch's checkpoint, which keeps no recipe state: without it a resume
+# would read the epoch before's and train the finished run's last epoch again.
+FINISHED_FILE = "run_finished.json"
 
 
 def initial_checkpoint_filename(seed: int, model_config: Mapping[str, Any]) -> str:
@@ -115,6 +118,8 @@ def save_epoch_checkpoint(
         checkpointer.save_checkpoint(
             state_dict, epoch=epoch, intermediate_checkpoint=intermediate_checkpoint, adapter_only=adapter_only
         )
+        if not intermediate_checkpoint:
+            atomic_write(str(staging / FINISHED_FILE), lambda f: json.dump({"epochs": epoch + 1}, f), text=True)
         fsync_tree(str(staging))
         fault_point("epoch_staged")
         atomic_write(str(staging / COMPLETE_MARK), lambda f: None)
@@ -143,9 +148,10 @@ def recover_epoch_checkpoint(output_dir: str, log: Callable[[str], None] = print
 def _move_into_place(staging: str, output_dir: str) -> List[str]:
     """Moves every file of a completed ``staging`` into ``output_dir`` (the recipe state last,
     so it never names an epoch whose weights are not there) and removes ``staging``. Each
-    move is one rename; rerun after a crash, it moves what is left."""
+    move is one rename; rerun after a crash, it moves what is left. The mark of a finished run
+    comes after everything else."""
     files = [f for f in walk_files(staging) if f != COMPLETE_MARK]
-    files.sort(key=lambda f: f == RECIPE_STATE_FILE)
+    files.sort(key=lambda f: (f == FINISHED_FILE, f == RECIPE_STATE_FILE))
     for name in files:
         if name == RECIPE_STATE_FILE:
             fault_point("epoch_committing")
@@ -156,6 +162,46 @@ def _move_into_place(staging: str, output_dir: str) -> List[str]:
     shutil.rmtree(staging)
     fsync_directory(output_dir)
     return files
+
+
+def finished_run(output_dir: str, epochs: int) -> Optional[str]:
+    """What a resume of ``output_dir`` says when the run there finished ``epochs`` (or more)
+    and there is nothing to train; ``None`` when it has not finished.
+
+    Raises:
+        ConfigError: when it finished fewer than ``epochs`` (its last checkpoint keeps no
+            optimizer state to go on from), or its mark cannot be read.
+    """
+    path = os.path.join(output_dir, FINISHED_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            done = int(json.load(f)["epochs"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"resume_from_checkpoint: {path} cannot be read ({type(e).__name__}: {e}); it marks a finished run. Delete "
+            "it to resume from the last intermediate epoch checkpoint, or set resume_from_checkpoint=False to start afresh."
+        ) from None
+    final = os.path.join(output_dir, f"epoch_{done - 1}")
+    if done < epochs:
+        raise ConfigError(
+            f"epochs={epochs}: the run in {output_dir} finished at {done} epochs, and its last checkpoint keeps no "
+            f"optimizer state to go on from. Set epochs={done} (nothing to train), or train further in a new run: "
+            f"checkpointer.checkpoint_dir={final} and another output_dir."
+        )
+    return (
+        f"The run in {output_dir} finished its {done} epochs ({final} holds its final weights): nothing to train or "
+        "save. To train it again, set resume_from_checkpoint=False (that replaces them) or use another output_dir."
+    )
+
+
+def forget_finished_run(output_dir: str) -> None:
+    """Removes the mark of a finished run from ``output_dir``: a run is training there again."""
+    path = os.path.join(output_dir, FINISHED_FILE)
+    if os.path.exists(path):
+        os.remove(path)
+        fsync_directory(output_dir)
 
 
 def saved_checkpoints(output_dir: str) -> str:

@@ -6,6 +6,7 @@ import errno
 import os
 from pathlib import Path
 import re
+import shutil
 
 import pytest
 import torch
@@ -21,14 +22,20 @@ KEYS = ["step", "batch_size", "micro_batch_size", "samples_seen", "tokens_seen",
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-    """The uninterrupted run, started with resume_from_checkpoint=auto on an empty output_dir."""
+def whole_run(tmp_path_factory):
+    """The uninterrupted run, started with resume_from_checkpoint=auto on an empty output_dir:
+    its output_dir and its metric log."""
     out = tmp_path_factory.mktemp("whole")
     run = run_tune(out, *COMMON, "resume_from_checkpoint=auto")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resume_from_checkpoint=auto: nothing saved yet; starting the run." in run.stderr
     assert f"Epoch 0 checkpoint in place in {out}: epoch_0/model-00001-of-00001.bin, recipe_state/recipe_state.pt." in run.stderr
-    return read_metric_log(out)
+    return out, read_metric_log(out)
+
+
+@pytest.fixture(scope="module")
+def whole(whole_run):
+    return whole_run[1]
 
 
 def _resume_equals_whole(out, whole, first_step):
@@ -130,3 +137,36 @@ def test_an_output_dir_in_use_is_refused_naming_the_process(tmp_path):
     assert refused.returncode == 1 and "Model is initialized" not in refused.stderr
     assert (f"error: output_dir={tmp_path} is in use by a live run (pid {os.getpid()} on ") in refused.stderr
     assert "wait for it to end, or give this run another output_dir." in refused.stderr
+
+
+def _files(out):
+    """Every file under ``out`` (the lock aside) with its size and modification time."""
+    return {
+        str(p): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in Path(out).rglob("*") if p.is_file() and p.name != ".adaptive_batch.lock"
+    }
+
+
+def test_a_finished_run_resumed_trains_nothing_and_rewrites_nothing(whole_run):
+    out, _ = whole_run
+    before = _files(out)
+    again = run_tune(out, *COMMON, "resume_from_checkpoint=auto", f"metric_logger.log_dir={out}/logs_again")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (f"The run in {out} finished its 2 epochs ({out}/epoch_1 holds its final weights): nothing to train "
+            "or save.") in again.stderr
+    assert "Model is initialized" not in again.stderr and _files(out) == before
+    # More epochs than it finished cannot go on from a final checkpoint: one line, nothing written.
+    more = run_tune(out, *COMMON, "epochs=3", "resume_from_checkpoint=True")
+    assert more.returncode == 1 and "Traceback" not in more.stderr, more.stderr[-3000:]
+    assert f"error: epochs=3: the run in {out} finished at 2 epochs" in more.stderr and _files(out) == before
+
+
+def test_a_step_checkpoint_on_an_epochs_last_step_resumes_the_next_epoch_whole(tmp_path, whole):
+    # The step checkpoint at step 4 ends epoch 0, as its epoch checkpoint does. What a kill
+    # after step 5 leaves: both of them, nothing of epoch 1.
+    run = run_tune(tmp_path, *COMMON, "save_every_n_steps=4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    shutil.rmtree(tmp_path / "epoch_1")
+    (tmp_path / "run_finished.json").unlink()
+    resumed = _resume_equals_whole(tmp_path, whole, first_step=5)
+    assert "Resuming from the epoch checkpoint (step 4)" in resumed.stderr

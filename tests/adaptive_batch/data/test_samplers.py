@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -117,6 +119,22 @@ def test_a_resumed_sampler_continues_mid_epoch_after_the_batch_grew():
     loader2.load_state_dict(state)
     assert list(loader2) == whole[3:]
     assert state["_index_sampler_state"]["taken"] == 11
+
+
+@pytest.mark.parametrize("samples_per_epoch", [None, 12], ids=["whole_dataset", "capped_epoch"])
+def test_an_epoch_resumed_at_its_end_leaves_the_next_epoch_whole(samples_per_epoch):
+    # A step checkpoint on an epoch's last step: the resume draws no batch of that epoch
+    # (islice(loader, 0), as the loop does), and the next epoch must still be whole.
+    sampler, loader = _loader(n=12, batch_size=4, samples_per_epoch=samples_per_epoch)
+    assert len(list(loader)) == 3
+    state = loader.state_dict()
+    sampler2, loader2 = _loader(n=12, batch_size=4, samples_per_epoch=samples_per_epoch)
+    loader2.load_state_dict(state)
+    assert list(itertools.islice(loader2, 0)) == []
+    sampler2.set_epoch(3)
+    fresh, fresh_loader = _loader(n=12, batch_size=4, samples_per_epoch=samples_per_epoch)
+    fresh.set_epoch(3)
+    assert list(loader2) == list(fresh_loader) and len(list(fresh_loader)) == 3
 
 
 def test_batch_state_counts_global_progress_and_boundaries():

@@ -80,6 +80,10 @@ def test_the_checkpoint_decides_when_to_save_and_restores_what_it_was_handed(tmp
     ckpts.restore_position(state)
     assert position.n == 6
     assert ckpts.resume_state(epoch_step=7) is None  # the epoch checkpoint is newer
+    # On the epoch checkpoint's own step, the epoch checkpoint wins: the step one would
+    # re-enter the finished epoch.
+    assert ckpts.resume_state(epoch_step=6) is None
+    assert ckpts.resume_state(epoch_step=5)["data"] == {"n": 6}
 
 
 def test_a_checkpoint_of_another_rank_count_or_an_older_version_is_refused_in_one_line(tmp_path):

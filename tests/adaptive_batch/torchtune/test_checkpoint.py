@@ -139,3 +139,24 @@ def test_checkpoint_files_of_another_epoch_than_the_recipe_state_are_refused(tmp
     with pytest.raises(ValueError, match=r"checkpoint_files=\['epoch_0/model-00001-of-00001.bin'\] are not the "
                                          r"weights of epoch_1"):
         epoch_weight_files(str(tmp_path / "out"), None, ["epoch_0/model-00001-of-00001.bin"])
+
+
+def test_the_last_epochs_checkpoint_marks_the_run_finished_and_a_new_run_forgets_it(tmp_path):
+    from adaptive_batch.errors import ConfigError
+    from adaptive_batch.torchtune import finished_run, forget_finished_run, save_epoch_checkpoint
+
+    checkpointer = _checkpointer(tmp_path)
+    out = str(tmp_path / "out")
+    save_epoch_checkpoint(checkpointer, _epoch_state(1), epoch=0, intermediate_checkpoint=True)
+    assert finished_run(out, epochs=2) is None  # an intermediate epoch finishes nothing
+    files = save_epoch_checkpoint(checkpointer, {MODEL_KEY: _epoch_state(2)[MODEL_KEY]}, epoch=1, intermediate_checkpoint=False)
+    assert files[-1] == "run_finished.json"  # moved into place after the weights
+    assert finished_run(out, epochs=2).startswith(f"The run in {out} finished its 2 epochs ({out}/epoch_1 holds")
+    assert finished_run(out, epochs=1) is not None
+    with pytest.raises(ConfigError, match=r"epochs=5: the run in .* finished at 2 epochs.*Set epochs=2"):
+        finished_run(out, epochs=5)
+    (tmp_path / "out" / "run_finished.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"run_finished.json cannot be read \(JSONDecodeError"):
+        finished_run(out, epochs=2)
+    forget_finished_run(out)
+    assert finished_run(out, epochs=2) is None
