@@ -51,12 +51,36 @@ def atomic_write(path: str, write: Callable[[IO[Any]], None], *, text: bool = Fa
         fault_point(fault)
         os.replace(temporary, path)
     except BaseException as e:
+        cause = write_failure_cause(directory, e)  # while the temporary still takes its space
         _remove(temporary)
-        if isinstance(e, OSError) or is_disk_full(e):
-            raise CheckpointWriteError.from_error(path, e) from e
+        if isinstance(cause, OSError) or is_disk_full(cause):
+            raise CheckpointWriteError.from_error(path, cause) from e
         raise
     fsync_directory(directory)
     return path
+
+
+def write_failure_cause(directory: str, error: BaseException) -> BaseException:
+    """What made a write in ``directory`` fail with ``error``: the file system's own refusal of a
+    small write there (out of space, over quota) when a library's writer said it in its own
+    words (torch's "unexpected pos 704 vs 598"), else ``error``. Call it before removing what
+    the failed write left, which frees the space it took."""
+    if not isinstance(error, RuntimeError) or is_disk_full(error):
+        return error
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".space_probe{_WRITING}", dir=directory)
+    except OSError as refusal:
+        return refusal
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as refusal:
+        return refusal
+    finally:
+        _remove(probe)
+    return error
 
 
 def fsync_directory(directory: str) -> None:

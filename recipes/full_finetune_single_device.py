@@ -36,7 +36,7 @@ from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
 from adaptive_batch.probe.trials import worst_case_text_batch
 from adaptive_batch.run import step_checkpoints
 from adaptive_batch.run.lr_coupling import ParamGroupsOf
-from adaptive_batch.run.signals import StopSignals
+from adaptive_batch.run.signals import StopAtOnce, StopSignals
 from adaptive_batch.run.state import RNG_KEY
 from adaptive_batch.run.step_checkpoints import LR_SCHEDULER_KEY
 import adaptive_batch.torchtune as abt
@@ -744,7 +744,8 @@ def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:
         raise SystemExit(f"error: {e}") from None
     try:
         if recipe.finished is None:
-            recipe.setup(cfg=cfg)
+            with StopAtOnce("setup (the batch-size probe included)", "nothing was trained or saved; run the same command again"):
+                recipe.setup(cfg=cfg)
             recipe.train()
         else:
             log.info(recipe.finished)

@@ -16,11 +16,34 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from adaptive_batch.distributed import RankGroup
+from adaptive_batch.errors import RunStopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class StopSignals:
+class _HandledSignals:
+    """SIGTERM and SIGINT go to ``_handle`` inside the context, and back to what they did after."""
+
+    _previous: Dict[int, Any]
+
+    def __enter__(self) -> Any:
+        self._previous = {}
+        # Python lets only the main thread install handlers; elsewhere signals keep their default.
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        raise NotImplementedError
+
+
+class StopSignals(_HandledSignals):
     """A context in which SIGTERM and SIGINT are noted instead of ending the process.
 
     Args:
@@ -32,19 +55,6 @@ class StopSignals:
         self.ranks = ranks or RankGroup(torch.device("cpu"))
         self.log = log
         self.received: Optional[int] = None
-        self._previous: Dict[int, Any] = {}
-
-    def __enter__(self) -> "StopSignals":
-        # Python lets only the main thread install handlers; elsewhere signals keep their default.
-        if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.received is not None:  # the second one: what it does without a handler
@@ -60,3 +70,18 @@ class StopSignals:
         agreed = self.ranks.max(self.received or 0)
         return agreed or None
 
+
+class StopAtOnce(_HandledSignals):
+    """A context in which SIGTERM and SIGINT stop what runs at once, with :class:`RunStopped`
+    (for setup and the batch-size probe, which has no step to finish and minutes to run).
+
+    Args:
+        during: what runs, for the message (``"setup"``).
+        then: what is kept and what to do, for the message.
+    """
+
+    def __init__(self, during: str, then: str) -> None:
+        self.during, self.then = during, then
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        raise RunStopped(f"{signal.Signals(signum).name} during {self.during}: {self.then}.", signum)

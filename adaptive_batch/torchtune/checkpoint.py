@@ -24,7 +24,7 @@ from torch import nn
 
 from adaptive_batch.errors import CheckpointWriteError, ConfigError
 from adaptive_batch.faults import fault_point
-from adaptive_batch.files import atomic_write, fsync_directory, fsync_tree, walk_files
+from adaptive_batch.files import atomic_write, fsync_directory, fsync_tree, walk_files, write_failure_cause
 from adaptive_batch.run.step_checkpoints import DIRNAME, StepCheckpoints
 
 STAGING_DIRNAME = ".epoch_checkpoint_writing"
@@ -124,8 +124,9 @@ def save_epoch_checkpoint(
         fault_point("epoch_staged")
         atomic_write(str(staging / COMPLETE_MARK), lambda f: None)
     except (OSError, RuntimeError) as e:
+        cause = write_failure_cause(str(staging), e) if staging.is_dir() else e
         shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointWriteError.from_error(str(output_dir / f"epoch_{epoch}"), e) from e
+        raise CheckpointWriteError.from_error(str(output_dir / f"epoch_{epoch}"), cause) from e
     finally:
         checkpointer._output_dir = output_dir
     return _move_into_place(str(staging), str(output_dir))

@@ -170,3 +170,12 @@ def test_a_step_checkpoint_on_an_epochs_last_step_resumes_the_next_epoch_whole(t
     (tmp_path / "run_finished.json").unlink()
     resumed = _resume_equals_whole(tmp_path, whole, first_step=5)
     assert "Resuming from the epoch checkpoint (step 4)" in resumed.stderr
+
+
+def test_sigterm_during_the_probe_stops_at_once_in_one_line(tmp_path):
+    stopped = run_tune(tmp_path, *COMMON, "use_maximum_batch_size=True", env={ENV: "probe_trial:1:SIGTERM"})
+    assert stopped.returncode == 128 + 15 and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert ("stopped: SIGTERM during setup (the batch-size probe included): nothing was trained or saved; run the "
+            "same command again.") in stopped.stderr
+    assert not (tmp_path / "batch_probe.json").exists() and not (tmp_path / "epoch_0").exists()
+    _only_whole_files(tmp_path)

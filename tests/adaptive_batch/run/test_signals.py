@@ -28,3 +28,19 @@ def test_a_second_signal_ends_the_process_at_once():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == -signal.SIGINT and "still running" not in run.stdout
     assert "SIGINT received" in run.stdout
+
+
+def test_a_signal_during_setup_stops_it_at_once_in_one_line_and_the_handlers_are_put_back():
+    import pytest
+
+    from adaptive_batch.errors import RunStopped
+    from adaptive_batch.run.signals import StopAtOnce
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RunStopped, match=r"^SIGTERM during the probe: nothing was saved\.$") as stopped:
+        with StopAtOnce("the probe", "nothing was saved"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10**7):  # the probe's minutes of work: never finished
+                pass
+            raise AssertionError("the signal did not stop the work")
+    assert stopped.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
