@@ -44,6 +44,7 @@ from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, check_reserve_bytes, step_budget, trial_address_space,
     trial_memory_limit,
 )
+from adaptive_batch.probe.target import check_make_batch, step_device
 from adaptive_batch.probe.trials import probe_max_batch_size
 from adaptive_batch.probe.verify import largest_that_trains, verify_steps
 from adaptive_batch.validation import check_safety_margin
@@ -96,8 +97,9 @@ def find_max_batch_size(
         this process as it stands after the probe.
 
     Raises:
-        ConfigError: for a bad ``max_memory``, ``safety_margin``, ``max_batch_size`` or
-            ``time_budget``.
+        ConfigError: for a bad ``max_memory``, ``safety_margin``, ``max_batch_size``,
+            ``time_budget`` or ``device``, a model without parameters (and no ``device``), or a
+            ``make_batch`` that ignores its size; before any step runs.
         BatchSizeTooLargeError: when batch 1 does not fit.
     """
     if safety_margin is not None:
@@ -106,8 +108,8 @@ def find_max_batch_size(
         max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size,
         probe_time_budget=time_budget,
     )
-    if device is None:
-        device = next(model.parameters()).device
+    device = step_device(model, device)
+    check_make_batch(make_batch)
     budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
     if device.type == "cpu" and not budget.is_soft:
         # Only an address-space limit is each process's own: under a cgroup or the machine's

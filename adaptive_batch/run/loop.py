@@ -20,8 +20,10 @@ from torch.utils.data import default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from adaptive_batch.data.layout import BatchLayout
+from adaptive_batch.data.loader import LOADER_KEYS, loader_settings
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.service import probe_batch_size
+from adaptive_batch.probe.target import check_make_batch, step_device
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
 from adaptive_batch.run.options import AdaptiveBatchOptions
 
@@ -38,9 +40,11 @@ class AdaptiveBatch:
     Args:
         model: what trains.
         optimizer: its optimizer.
-        dataset: a map-style dataset; an epoch is one pass over it.
+        dataset: a map-style dataset; an epoch is one pass over it. A ``DataLoader`` gives its
+            dataset, ``collate_fn``, shuffling, workers and (unless ``batch_size`` is given) its
+            batch size; the batches themselves are drawn here, to resize them.
         loss_fn: ``f(micro_batch) -> `` its mean loss (a scalar tensor with a graph).
-        batch_size: the first batch (per step, before any growth).
+        batch_size: the first batch (per step, before any growth); a ``DataLoader``'s when ``None``.
         collate_fn: turns a list of samples into a batch (torch's ``default_collate``).
         lr_scheduler: stepped once per optimizer step (by samples, with ``lr_scaling``).
         shuffle: shuffle the samples, in another order each epoch.
@@ -53,7 +57,9 @@ class AdaptiveBatch:
         log: where decisions are reported.
         **settings: the adaptive keys of ``docs/configuration.md`` (``batch_increase_function``,
             ``max_batch_size``, ``global_batch_size``, ``lr_scaling``, ``use_maximum_batch_size``,
-            ``max_memory``, ``retry_on_oom``, ...), with their defaults.
+            ``max_memory``, ``retry_on_oom``, ...), with their defaults; and torch's
+            ``DataLoader`` options for workers (``num_workers``, ``pin_memory``, ...:
+            :data:`~adaptive_batch.data.loader.LOADER_KEYS`).
 
     Raises:
         ConfigError: for a bad setting or combination, before any step.
@@ -66,7 +72,7 @@ class AdaptiveBatch:
         dataset: Any,
         loss_fn: Callable[[Any], torch.Tensor],
         *,
-        batch_size: int,
+        batch_size: Optional[int] = None,
         collate_fn: Callable = default_collate,
         lr_scheduler: Any = None,
         shuffle: bool = True,
@@ -78,6 +84,10 @@ class AdaptiveBatch:
         log: Callable[[str], None] = print,
         **settings: Any,
     ) -> None:
+        data = loader_settings(
+            dataset, batch_size=batch_size, collate_fn=collate_fn, shuffle=shuffle,
+            options={key: settings.pop(key) for key in LOADER_KEYS if key in settings},
+        )
         options = AdaptiveBatchOptions.from_flat(settings)
         if options.tokens.max_tokens is not None:
             raise ConfigError(
@@ -89,14 +99,17 @@ class AdaptiveBatch:
                 "use_maximum_batch_size=True (or a batch_increase_function without max_batch_size) probes the "
                 "largest batch that fits: pass make_batch=f(b) -> a worst-case batch of b samples, or set max_batch_size."
             )
-        self.model, self.optimizer, self.dataset, self.log = model, optimizer, dataset, log
+        if make_batch is not None and options.needs_probe:
+            check_make_batch(make_batch)
+        self.model, self.optimizer, self.dataset, self.log = model, optimizer, data.dataset, log
         self._lr_scheduler, self._clip, self._make_batch = lr_scheduler, clip_grad_norm, make_batch
-        self._loss_fn, self._collate, self._shuffle = loss_fn, collate_fn, shuffle
+        self._loss_fn, self._collate, self._shuffle = loss_fn, data.collate_fn, data.shuffle
+        self._loader_options = data.options
         self._layout = layout or BatchLayout()
         self._count_of = count_of or self._layout.rows
-        device = next(model.parameters()).device
+        device = step_device(model, None)
         self.controller = AdaptiveBatchController(
-            options, batch_size=batch_size, input_key=None, device=device, layout=self._layout, log=log,
+            options, batch_size=data.batch_size, input_key=None, device=device, layout=self._layout, log=log,
             # only the probe writes there (its report and snapshot)
             output_dir=output_dir or (tempfile.mkdtemp(prefix="adaptive-batch-") if options.needs_probe else "."),
             max_seq_len=0,
@@ -169,7 +182,9 @@ class AdaptiveBatch:
             )
         ctl.settle(dataset_size=len(self.dataset), probe=probe)
         sampler = ctl.batch_sampler(self.dataset, shuffle=self._shuffle)
-        self._dataloader = StatefulDataLoader(self.dataset, batch_sampler=sampler, collate_fn=self._collate)
+        self._dataloader = StatefulDataLoader(
+            self.dataset, batch_sampler=sampler, collate_fn=self._collate, **self._loader_options
+        )
         if "dataloader" in self._resumed:
             self._dataloader.load_state_dict(self._resumed["dataloader"])
         if "lr_scheduler" in self._resumed and self._lr_scheduler is not None:

@@ -193,6 +193,13 @@ def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
         loaded = OmegaConf.load(config_path)
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {config_path!r} is not valid YAML: {_yaml_problem(e)}; fix the file there.") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"--config {config_path!r} is not text (byte {e.start} is no UTF-8): a config is a YAML file of "
+            "`key: value` lines; point --config at one."
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"--config {config_path!r} cannot be read ({e.strerror}); fix its permissions.") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(
             f"--config {config_path!r} holds a {type(loaded).__name__}, not a mapping of keys: a config "

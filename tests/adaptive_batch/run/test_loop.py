@@ -63,6 +63,56 @@ def test_probing_needs_a_worst_case_batch_said_before_any_step():
         AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, max_tokens=512)
 
 
+def _pairs(samples):  # a collate_fn of the user's own: inputs and targets stacked apart
+    return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+
+
+def test_a_dataloader_handed_over_gives_its_dataset_collate_shuffle_workers_and_batch():
+    from torch.utils.data import DataLoader
+
+    data, model, optimizer, loss_fn = _parts()
+    loader = DataLoader(data, batch_size=6, shuffle=False, collate_fn=_pairs, num_workers=1, persistent_workers=True)
+    adaptive = AdaptiveBatch(model, optimizer, loader, loss_fn, log=lambda m: None)
+    got = list(adaptive.batches(0))
+    want = list(loader)
+    assert adaptive.batch_size == 6 and len(got) == len(want) == 8
+    assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
+    assert adaptive._dataloader.num_workers == 1 and adaptive._dataloader.persistent_workers
+    # its options beside a plain dataset; batch_size= wins over the loader's
+    adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, num_workers=1, log=lambda m: None)
+    assert adaptive._dataloader is None and len(list(adaptive.batches(0))) == 12
+    assert AdaptiveBatch(model, optimizer, loader, loss_fn, batch_size=12, log=lambda m: None).batch_size == 12
+
+
+def test_a_data_source_that_cannot_be_resized_is_one_line_before_any_step():
+    from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler
+
+    data, model, optimizer, loss_fn = _parts()
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(data)
+
+    cases = [
+        (dict(dataset=DataLoader(data, sampler=SubsetRandomSampler(range(8)), batch_size=2)),
+         r"DataLoader\(sampler=SubsetRandomSampler\): .* hand it the loader's dataset"),
+        (dict(dataset=Stream(), batch_size=2), r"dataset=Stream: AdaptiveBatch resizes batches of a map-style dataset"),
+        (dict(dataset=data), "batch_size is missing: pass batch_size="),
+        (dict(dataset=data, batch_size=2, prefetch_factor=4), r"prefetch_factor=4 needs worker processes: set num_workers=1"),
+        (dict(dataset=data, batch_size=2, num_workers=-1), r"num_workers=-1 must be an int, 0"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            AdaptiveBatch(model, optimizer, loss_fn=loss_fn, log=lambda m: None, **kwargs)
+
+
+def test_a_make_batch_that_ignores_its_size_is_refused_before_any_step():
+    data, model, optimizer, loss_fn = _parts()
+    with pytest.raises(ConfigError, match=r"make_batch\(1\) and make_batch\(2\) built tensors of the same shapes"):
+        AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, use_maximum_batch_size=True,
+                      make_batch=lambda n: (torch.randn(16, 8), torch.randn(16, 1)))
+
+
 def test_the_probe_finds_the_largest_batch_that_fits_and_training_takes_it(tmp_path):
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(4096, 256), torch.randn(4096, 1))

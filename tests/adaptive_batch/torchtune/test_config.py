@@ -134,6 +134,7 @@ TINY_CONFIG = str(REPO / "configs" / "tiny" / "full_single_device.yaml")
         # these were tracebacks from the YAML parser
         ("batch_size: [1, 2\nepochs: 1\n", [], "is not valid YAML: line 2, column 7: did not find expected ',' or ']'"),
         ("- a\n- b\n", [], "holds a ListConfig, not a mapping of keys"),
+        (b"\x7fELF\x02\x01\x01\x00\xd0\xff binary", [], "is not text (byte 8 is no UTF-8)"),  # a UnicodeDecodeError
         (None, ["batch_size=[1"], "override 'batch_size=[1' does not parse"),
         (None, ["~batch_sise"], "Could not find key batch_sise"),
     ],
@@ -144,7 +145,7 @@ def test_a_config_that_does_not_load_is_one_line(tmp_path, text, overrides, mess
     path = TINY_CONFIG
     if text is not None:
         path = str(tmp_path / "bad.yaml")
-        Path(path).write_text(text)
+        Path(path).write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ConfigError) as info:
         load_config(path, overrides)
     assert message in str(info.value)

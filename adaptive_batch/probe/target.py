@@ -1,0 +1,65 @@
+"""What a probe is handed, checked before any step runs: the device the step runs on, and a
+batch maker that builds the size it is asked for. A bad one is one line naming the argument."""
+
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.rng import rng_state, set_rng_state
+
+
+def step_device(model: nn.Module, device: Optional[Union[str, torch.device]]) -> torch.device:
+    """Where the step runs: ``device``, or the model's when ``None``.
+
+    Raises:
+        ConfigError: for a model without parameters and no ``device``, or a device this torch
+            does not have (CUDA on a CPU-only build, an index past the last card).
+    """
+    if device is None:
+        first = next(model.parameters(), None)
+        if first is None:
+            raise ConfigError(
+                f"model={type(model).__name__} has no parameters, so nothing says where its step runs and there is "
+                "nothing to train: pass the model train_step trains, or device=torch.device(...)."
+            )
+        device = first.device
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device={device!r} is not a device ({e}); use e.g. 'cpu' or 'cuda:0'.") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(
+                f"device={str(device)!r}: this torch ({torch.__version__}) sees no CUDA device; use device='cpu', "
+                "or run where a card and a CUDA build of torch are."
+            )
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device={str(device)!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}.")
+    return device
+
+
+def _shapes(batch: Any) -> List[Tuple[int, ...]]:
+    return [tuple(leaf.shape) for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+
+
+def check_make_batch(make_batch: Callable[[int], Any]) -> None:
+    """Refuses a batch maker whose batches of 1 and 2 samples are the same shape: one that
+    ignores its size would have every trial measure the same batch and "find" the cap.
+
+    Raises:
+        ConfigError: when they are.
+    """
+    rng = rng_state()  # a batch maker may draw random numbers; the run's draws stay its own
+    try:
+        one, two = _shapes(make_batch(1)), _shapes(make_batch(2))
+    finally:
+        set_rng_state(rng)
+    if one and one == two:
+        raise ConfigError(
+            f"make_batch: make_batch(1) and make_batch(2) built tensors of the same shapes ({one[:3]}): it must "
+            "build a batch of the size it is given, e.g. make_batch=lambda n: torch.randn(n, 3, 224, 224)."
+        )
