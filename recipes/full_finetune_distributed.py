@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torchtune import config, modules, training, utils
 
 import adaptive_batch as ab
-from adaptive_batch.distributed import rank_max_memory
+from adaptive_batch.distributed import exit_past_teardown, rank_max_memory
 from adaptive_batch.memory.device import device_capacity
 import adaptive_batch.torchtune as abt
 from adaptive_batch.validation import check_known_keys
@@ -175,4 +175,8 @@ def recipe_main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     abt.check_command_line(sys.argv[1:])  # a YAML or override error is one line, not a traceback
-    sys.exit(recipe_main())
+    try:
+        code = recipe_main()
+    except SystemExit as e:
+        code = e.code
+    exit_past_teardown(code)

@@ -62,10 +62,16 @@ def report_problem(report: Any, fields: Dict[str, Any]) -> Optional[str]:
         if name in fields and report.get(name) != fields[name]:
             return f"{name}={report.get(name)!r} differs from the key's {fields[name]!r}"
     trials = report.get("trials")
-    if not isinstance(trials, list) or not any(
-        isinstance(t, dict) and t.get("batch_size") == found and t.get("fits") is True for t in trials
-    ):
+    fitting = [
+        t for t in (trials if isinstance(trials, list) else [])
+        if isinstance(t, dict) and t.get("batch_size") == found and t.get("fits") is True
+    ]
+    if not fitting:
         return f"no fitting trial at max_batch_size={found}"
+    budget, peak = report.get("budget_bytes"), fitting[-1].get("peak_bytes")
+    # A trial fits when its peak is within the budget: an entry claiming otherwise was not written by a probe.
+    if not _whole(peak) or not _whole(budget) or peak > budget:
+        return f"its fitting trial at max_batch_size={found} claims a peak of {peak!r} bytes against a budget of {budget!r}"
     return None
 
 

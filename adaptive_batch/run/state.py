@@ -9,10 +9,13 @@ it would train something other than what it logs.
 """
 
 import json
+import os
+import re
 from typing import Any, Dict, List, Mapping, Optional
 
 from adaptive_batch.distributed import RankGroup, check_same_world_size
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.files import content_digest
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.controller import AdaptiveBatchController
 
@@ -24,10 +27,28 @@ RNG_KEY = "rng_state"
 VERSION = 1
 
 
+# A setting under a key named like these that names a file or directory that exists is
+# fingerprinted by what it holds: a run moved to another folder resumes, and one whose data
+# was regenerated there does not.
+_PATH_KEY = re.compile(r"(^|_)(path|dir|file|files|source)$")
+
+
 def fingerprint(settings: Mapping[str, Any]) -> Dict[str, str]:
     """Each setting as canonical JSON, so that two runs' settings compare key by key and a
-    difference can be shown as it was written."""
-    return {key: json.dumps(value, sort_keys=True, default=str) for key, value in sorted(settings.items())}
+    difference can be shown as it was written; local paths as their content."""
+    return {
+        key: json.dumps(_by_content(key, value), sort_keys=True, default=str) for key, value in sorted(settings.items())
+    }
+
+
+def _by_content(key: str, value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _by_content(str(k), v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_by_content(key, v) for v in value]
+    if isinstance(value, str) and _PATH_KEY.search(key) and value and os.path.exists(value):
+        return {"content": content_digest(value)}
+    return value
 
 
 class RunState:
@@ -41,8 +62,17 @@ class RunState:
 
     def __init__(self, controller: AdaptiveBatchController, *, settings: Mapping[str, Any]) -> None:
         self.controller = controller
-        self.fingerprint = fingerprint(settings)
+        self._settings = dict(settings)
+        self._fingerprint: Optional[Dict[str, str]] = None
         self.saved: Optional[Dict[str, Any]] = None  # what the checkpoint resumed from recorded
+
+    @property
+    def fingerprint(self) -> Dict[str, str]:
+        """The settings' fingerprint, taken when first asked for (a resume's check, the first
+        checkpoint): by then the run has written the data its settings name."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self._settings)
+        return self._fingerprint
 
     def state_dict(self) -> Dict[str, Any]:
         """The controller's state under its keys, and the run's shape and fingerprint."""

@@ -153,3 +153,21 @@ def test_an_out_of_memory_error_on_one_rank_splits_the_step_on_both(tmp_path):
     assert "another rank" in rank0["messages"][0] and "DefaultCPUAllocator" in rank1["messages"][0]
     assert rank0["grad_matches"] and rank1["grad_matches"]
 
+
+
+@pytest.mark.parametrize("code, rc, err", [(None, 0, ""), (3, 3, ""), ("error: batch_size=0 ...", 1, "error: batch_size=0 ...\n")])
+def test_a_rank_exits_with_the_runs_code_its_lines_flushed_and_no_teardown(code, rc, err):
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, logging, sys\n"
+        "from adaptive_batch.distributed import exit_past_teardown\n"
+        "logging.basicConfig(stream=sys.stdout, format='%(message)s', level=logging.INFO)\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "logging.info('last line')\n"
+        "print('buffered', end='')\n"
+        f"exit_past_teardown({code!r})\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stdout, run.stderr) == (rc, "last line\nbuffered", err)

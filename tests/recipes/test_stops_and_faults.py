@@ -179,3 +179,18 @@ def test_sigterm_during_the_probe_stops_at_once_in_one_line(tmp_path):
             "same command again.") in stopped.stderr
     assert not (tmp_path / "batch_probe.json").exists() and not (tmp_path / "epoch_0").exists()
     _only_whole_files(tmp_path)
+
+
+def test_a_run_moved_to_another_folder_resumes_and_one_with_other_data_there_is_refused(tmp_path, whole):
+    stopped = run_tune(tmp_path / "first", *COMMON, env={ENV: "after_step:2:SIGTERM"})
+    assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
+    shutil.copytree(tmp_path / "first", tmp_path / "changed")
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "first", moved)
+    _resume_equals_whole(moved, whole, first_step=3)  # data_dir=${output_dir}/data moved with it
+    (data,) = (tmp_path / "changed" / "data").glob("*.jsonl")
+    data.write_text(data.read_text().replace("a", "b"))  # regenerated data of the same size
+    refused = run_tune(tmp_path / "changed", *COMMON, "resume_from_checkpoint=True")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "error: resume_from_checkpoint=True: dataset was " in refused.stderr
+    assert "it changes what is trained: put it back to resume, or start a new output_dir." in refused.stderr

@@ -10,7 +10,7 @@ REPORT = {
     "batch_size": 19,
     "budget_bytes": 1000,
     "seq_len": 256,
-    "trials": [{"batch_size": 19, "fits": True}, {"batch_size": 20, "fits": False}],
+    "trials": [{"batch_size": 19, "fits": True, "peak_bytes": 990}, {"batch_size": 20, "fits": False, "peak_bytes": 1040}],
 }
 
 
@@ -62,6 +62,9 @@ def test_versions_and_default_directory(monkeypatch, tmp_path):
         ({"seq_len": 8}, "seq_len=8 differs"),
         ({"trials": [{"batch_size": 19, "fits": False}]}, "no fitting trial at max_batch_size=19"),
         ({"trials": "many"}, "no fitting trial"),
+        # well-formed, but its fit is over the budget it names: no probe wrote that
+        ({"trials": [{"batch_size": 19, "fits": True, "peak_bytes": 60_000}]}, "claims a peak of 60000 bytes against a budget of 1000"),
+        ({"trials": [{"batch_size": 19, "fits": True}]}, "claims a peak of None bytes"),
     ],
 )
 def test_a_poisoned_entry_is_never_a_hit(tmp_path, poison, reason):

@@ -134,7 +134,8 @@ def test_a_cache_entry_that_does_not_train_is_not_trusted(tmp_path):
     found = report["batch_size"]
     claim = 50 * found  # well formed (a fitting trial at its size), far too large
     entry["report"].update(batch_size=claim, max_batch_size=claim, verified_batch_size=claim)
-    entry["report"]["trials"].append({"batch_size": claim, "fits": True})
+    # it even claims a peak within the budget; only real steps can tell
+    entry["report"]["trials"].append({"batch_size": claim, "fits": True, "peak_bytes": report["budget_bytes"] - 1})
     with open(path, "w") as f:
         json.dump(entry, f)
     parts = _mlp_parts()

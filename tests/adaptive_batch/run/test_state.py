@@ -118,3 +118,19 @@ def test_a_changed_budget_without_a_global_batch_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r'max_memory was "256MiB" .* is "128MiB" now; it changes what is trained '
                                           r"\(with a global_batch_size the memory budget may change"):
         resumed.check_resume()
+
+
+def test_local_data_is_fingerprinted_by_what_it_holds_not_where_it_lives(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name / "data").mkdir(parents=True)
+        (tmp_path / name / "data" / "train.jsonl").write_text('{"text": "hello"}\n')
+        (tmp_path / name / "data" / ".train.jsonl.writing_x").write_text("half")  # a temporary: not data
+    def settings(name):
+        return {"dataset": {"data_dir": str(tmp_path / name / "data"), "split": "train", "source": "json"}}
+
+    moved = fingerprint(settings("a"))
+    assert moved == fingerprint(settings("b")) and "sha256:" in moved["dataset"] and '"source": "json"' in moved["dataset"]
+    (tmp_path / "b" / "data" / "train.jsonl").write_text('{"text": "other"}\n')  # regenerated: same size
+    assert fingerprint(settings("b")) != moved
+    # a path that does not exist (a hub dataset's name) stays as written
+    assert fingerprint({"dataset": {"source": "allenai/c4"}}) == {"dataset": '{"source": "allenai/c4"}'}
