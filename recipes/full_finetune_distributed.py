@@ -175,6 +175,8 @@ def recipe_main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     abt.check_command_line(sys.argv[1:])  # a YAML or override error is one line, not a traceback
+    if "LOCAL_RANK" not in os.environ:  # `tune run` without torchrun: this process is the caller's
+        sys.exit(recipe_main())
     try:
         code = recipe_main()
     except SystemExit as e:
