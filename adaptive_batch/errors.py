@@ -23,25 +23,37 @@ class BatchSizeTooLargeError(RuntimeError):
         budget_bytes: the budget it was measured against.
     """
 
-    def __init__(self, bytes_needed: Optional[int], budget_bytes: int, source: str = "max_memory") -> None:
+    def __init__(
+        self, bytes_needed: Optional[int], budget_bytes: int, source: str = "max_memory", rank: Optional[int] = None
+    ) -> None:
+        from adaptive_batch.distributed import MAX_MEMORY_ENV
+
         self.bytes_needed = bytes_needed
         self.budget_bytes = budget_bytes
         self.source = source
+        self.rank = rank
         needed = (
             f"needs {format_bytes(bytes_needed)} ({bytes_needed} bytes)"
             if bytes_needed is not None
             else "ran out of memory before it finished"
         )
         # Raising max_memory only helps when it set the budget; otherwise the device did.
-        more = "Raise max_memory" if source == "max_memory" else f"Free memory ({source} set the budget)"
+        whose = "" if rank is None else f"rank {rank}'s "
+        if source == "max_memory":
+            more = "Raise max_memory"
+        elif source == MAX_MEMORY_ENV:
+            more = f"Raise {whose}value in {MAX_MEMORY_ENV}"
+        else:
+            more = f"Free memory ({source} set the budget)"
+        where = "" if rank is None else f"rank {rank}: "
         super().__init__(
-            f"batch size 1 does not fit: one training step {needed}, and "
+            f"{where}batch size 1 does not fit: one training step {needed}, and "
             f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) is available. {more}, "
             "shorten tokenizer.max_seq_len, or enable activation checkpointing."
         )
 
     def __reduce__(self):
-        return type(self), (self.bytes_needed, self.budget_bytes, self.source)
+        return type(self), (self.bytes_needed, self.budget_bytes, self.source, self.rank)
 
 
 class BatchIncreaseFunctionError(ConfigError):

@@ -9,13 +9,14 @@ the candidates for the throughput objective, and writes ``batch_probe.json`` (an
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+import os
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
 import torch
 from torch import nn
 
-from adaptive_batch.distributed import RankGroup
-from adaptive_batch.errors import ConfigError
+from adaptive_batch.distributed import MAX_MEMORY_ENV, RankGroup
+from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 from adaptive_batch.memory.budget import (
     MemoryBudget,
     check_reserve_bytes as _check_reserve_bytes,
@@ -330,16 +331,23 @@ def probe_batch_size(
         lockstep.append(LockstepTrial(ranks, run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget))
         return lockstep[-1]
 
-    result = probe_max_batch_size(
-        budget_bytes=common_budget,
-        max_batch_size=cap,
-        wrap_trial=agree_on_outcomes,
-        trial_limit=lambda: trial_memory_limit(address_space, log=log),
-        budget_source=budget.source,
-        time_budget_s=options.probe_time_budget,
-        agree=ranks.any,
-        **steps,
-    )
+    try:
+        result = probe_max_batch_size(
+            budget_bytes=common_budget,
+            max_batch_size=cap,
+            wrap_trial=agree_on_outcomes,
+            trial_limit=lambda: trial_memory_limit(address_space, log=log),
+            budget_source=budget.source,
+            time_budget_s=options.probe_time_budget,
+            agree=ranks.any,
+            **steps,
+        )
+    except BatchSizeTooLargeError as e:
+        if not ranks.distributed:
+            raise
+        # Every rank stops with the figures of the rank whose budget is the smallest: name it.
+        source = MAX_MEMORY_ENV if budget.source == "max_memory" and os.environ.get(MAX_MEMORY_ENV) else budget.source
+        raise BatchSizeTooLargeError(e.bytes_needed, common_budget, source, rank=rank_budgets.index(common_budget)) from None
     verified = largest_that_trains(result.max_batch_size, **check)
     batch_size = round_batch_size(verified, options.batch_size_rounding)
     extra: Dict[str, Any] = {

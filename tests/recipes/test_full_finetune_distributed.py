@@ -164,6 +164,15 @@ def test_bad_input_on_one_rank_stops_every_rank_with_its_line(tmp_path):
     assert not (tmp_path / "batch_probe.json").exists()
 
 
+def test_one_ranks_budget_under_batch_one_is_named_with_its_own_fix_on_every_rank(tmp_path):
+    proc = run_tune(tmp_path, "use_maximum_batch_size=True", env={"ADAPTIVE_BATCH_MAX_MEMORY": "512MiB,24MiB"}, **DIST)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]
+    assert lines[0].startswith("error: rank 1: batch size 1 does not fit: one training step needs ")
+    assert "Raise rank 1's value in ADAPTIVE_BATCH_MAX_MEMORY" in lines[0] and "Raise max_memory" not in lines[0]
+
+
 @pytest.mark.parametrize("override,expected", [
     ("fsdp_cpu_offload=True", "error: fsdp_cpu_offload=True: offloaded parameters live in CPU memory"),
     ("optimizer_in_bwd=True", "error: optimizer_in_bwd=True: the distributed recipe scales gradients"),
