@@ -96,6 +96,8 @@ class LRCoupling:
         if self._progress is not None:
             self._progress.set_progress(self._batch.samples_seen)
             self._follow_scheduler()
+            if self.scaler is not None:
+                self.scaler.hold()
 
     def before_optimizer_step(self, global_samples: int, num_tokens: float) -> float:
         """Scales the LR for the step's batch; returns the LR the step uses."""
@@ -105,12 +107,15 @@ class LRCoupling:
         return self.scaler.apply(samples=global_samples / self._world, tokens=int(num_tokens / self._world))
 
     def after_optimizer_step(self) -> None:
-        """Puts the unscaled LR back and advances a step-counted scheduler."""
+        """Advances a step-counted scheduler on the unscaled LR, then leaves the LR in force
+        (scaled for the step's batch) in the optimizer."""
         if self.scaler is not None:
             self.scaler.restore()
         if self._scheduler is not None and self._progress is None:
             self._scheduler.step()
             self._follow_scheduler()
+        if self.scaler is not None:
+            self.scaler.hold()
 
     def _follow_scheduler(self) -> None:
         """Every group of the optimizer takes the scheduler's LR, when the scheduler drives

@@ -92,6 +92,11 @@ def lr_scale_factor(batch: float, reference: float, rule: str) -> float:
     return ratio if rule == "linear" else math.sqrt(ratio)
 
 
+# Kept in each param group beside its LR (and saved with the optimizer's state): the factor
+# the LR in force holds, so a resumed optimizer's base LR is known.
+LR_FACTOR_KEY = "adaptive_batch_lr_factor"
+
+
 class BatchLRScaler:
     """Sets each param group's LR to ``base x factor(batch)`` before an optimizer step, and with
     ``weight_decay_scaling="timescale"`` its weight decay to ``base x (batch / reference) / factor``.
@@ -149,7 +154,9 @@ class BatchLRScaler:
         self.unit = unit
         self.lr_scheduler = lr_scheduler
         self.weight_decay_scaling = weight_decay_scaling
-        self._initial = [g["lr"] for g in optimizer.param_groups]
+        # A resumed optimizer holds the LR in force and its factor; its base is their quotient.
+        self._initial = [g["lr"] / g.get(LR_FACTOR_KEY, 1.0) for g in optimizer.param_groups]
+        self._factor = optimizer.param_groups[0].get(LR_FACTOR_KEY, 1.0) if optimizer.param_groups else 1.0
         self._weight_decays = [g.get("weight_decay") for g in optimizer.param_groups]
         # The first group's weight decay of the last step scaled, for the metrics.
         self.last_weight_decay: Optional[float] = None
@@ -171,8 +178,8 @@ class BatchLRScaler:
         batch = samples if self.unit == "samples" else tokens
         factor = lr_scale_factor(batch, self.reference, self.rule)
         self._unscaled = self.base_lrs()
-        for group, base in zip(self.optimizer.param_groups, self._unscaled):
-            group["lr"] = base * factor
+        self._factor = factor
+        self._set_lrs(self._unscaled, factor)
         if self.weight_decay_scaling == "timescale":
             # The LR times the weight decay, per sample of the batch, stays the configured one.
             decay_factor = (batch / self.reference) / factor
@@ -183,9 +190,20 @@ class BatchLRScaler:
 
     def restore(self) -> None:
         """Puts the unscaled LRs back after the step, so a chainable scheduler (one that
-        multiplies the current LR, e.g. ``StepLR``) never compounds the factor."""
-        for group, base in zip(self.optimizer.param_groups, getattr(self, "_unscaled", [])):
-            group["lr"] = base
+        multiplies the current LR, e.g. ``StepLR``) never compounds the factor; :meth:`hold`
+        scales them again once the scheduler has stepped."""
+        if hasattr(self, "_unscaled"):
+            self._set_lrs(self._unscaled, 1.0)
         if self.weight_decay_scaling != "none":
             for group, base in zip(self.optimizer.param_groups, self._weight_decays):
                 group["weight_decay"] = base
+
+    def hold(self) -> None:
+        """Sets the LR in force between steps: the schedule's LR times the last step's factor,
+        so whatever reads the optimizer (a log, ``LearningRateMonitor``, a checkpoint) sees it."""
+        self._set_lrs(self.base_lrs(), self._factor)
+
+    def _set_lrs(self, bases: List[float], factor: float) -> None:
+        for group, base in zip(self.optimizer.param_groups, bases):
+            group["lr"] = base * factor
+            group[LR_FACTOR_KEY] = factor

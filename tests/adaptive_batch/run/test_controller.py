@@ -211,7 +211,7 @@ def test_a_step_in_micro_batches_with_the_lr_counted_in_samples_and_scaled(tmp_p
     step = ctl.step(_batch(4), forward_backward=forward_backward, optimizer_step=optimizer_step, zero_grad=optimizer.zero_grad)
     assert step.accumulated.micro_batch_sizes == [2, 2] and step.global_samples == 4 and step.num_tokens == 16
     assert step.lr == lrs[0] == 2.0  # LR 1.0 at 0 samples, x 4/2 samples (linear)
-    assert optimizer.param_groups[0]["lr"] == 1.0  # unscaled again
+    assert optimizer.param_groups[0]["lr"] == 2.0 and scheduler.get_last_lr() == [1.0]  # in force; schedule unscaled
     assert (step.global_step, ctl.global_step, ctl.batch.samples_seen) == (1, 1, 4)
     metrics = ctl.step_metrics(step, seconds=2.0)
     assert metrics["batch_size"] == 4 and metrics["micro_batch_size"] == 2 and metrics["grad_accum_steps"] == 2

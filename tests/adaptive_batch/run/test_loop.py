@@ -33,7 +33,7 @@ def test_the_loop_grows_the_batch_each_epoch_with_the_lr_following():
             seen.append((epoch, step.global_samples, step.lr))
     assert [(e, b) for e, b, _ in seen] == [(0, 4)] * 12 + [(1, 8)] * 6 + [(2, 16)] * 3
     assert {lr for _, b, lr in seen} == {0.1, 0.2, 0.4}  # linear in the batch, from 0.1 at 4
-    assert optimizer.param_groups[0]["lr"] == 0.1  # the configured LR between steps
+    assert optimizer.param_groups[0]["lr"] == seen[-1][2] == 0.4  # the LR in force between steps
 
 
 def test_a_step_in_micro_batches_is_the_whole_batch_step():

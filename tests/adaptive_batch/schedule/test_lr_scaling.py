@@ -39,6 +39,52 @@ def test_scaler_composes_with_a_scheduler_in_tokens():
     assert lrs == pytest.approx([0.2, 0.1, 0.05])
 
 
+def _steps(optimizer, scheduler, scaler, batches):
+    """Steps as the coupling runs them; the LR each used, and the LR held between steps."""
+    used, held = [], []
+    for samples in batches:
+        used.append(scaler.apply(samples=samples, tokens=0))
+        optimizer.step()
+        scaler.restore()
+        scheduler.step()
+        scaler.hold()
+        held.append(optimizer.param_groups[0]["lr"])
+    return used, held
+
+
+def test_between_steps_the_optimizer_holds_the_lr_in_force_and_a_resume_from_it_continues_exactly():
+    def parts():
+        o = opt()
+        sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)  # chainable: reads the optimizer's LR
+        return o, sched, BatchLRScaler(o, rule="linear", reference=4, lr_scheduler=sched)
+
+    batches = [8, 8, 16, 16, 4]
+    o, sched, scaler = parts()
+    used, held = _steps(o, sched, scaler, batches)
+    assert used == pytest.approx([0.2, 0.1, 0.1, 0.05, 0.00625])  # 0.1 halved each step, x batch / 4
+    assert held == pytest.approx([0.1, 0.05, 0.05, 0.025, 0.003125])  # the next schedule LR at the last factor
+    # A checkpoint after step 2 holds the scaled LR; loaded into a new optimizer, nothing compounds.
+    o, sched, scaler = parts()
+    _steps(o, sched, scaler, batches[:2])
+    saved = o.state_dict(), sched.state_dict()
+    o2 = opt()
+    o2.load_state_dict(saved[0])
+    sched2 = torch.optim.lr_scheduler.StepLR(o2, step_size=1, gamma=0.5)
+    sched2.load_state_dict(saved[1])
+    resumed, _ = _steps(o2, sched2, BatchLRScaler(o2, rule="linear", reference=4, lr_scheduler=sched2), batches[2:])
+    assert resumed == pytest.approx(used[2:])
+    # without a scheduler the base comes from the held LR and its factor
+    o3 = opt()
+    plain = BatchLRScaler(o3, rule="linear", reference=4)
+    plain.apply(samples=16, tokens=0)
+    plain.restore()
+    plain.hold()
+    assert o3.param_groups[0]["lr"] == pytest.approx(0.4)
+    o4 = opt()
+    o4.load_state_dict(o3.state_dict())
+    assert BatchLRScaler(o4, rule="linear", reference=4).apply(samples=2, tokens=0) == pytest.approx(0.05)
+
+
 def test_bad_reference_and_unit():
     with pytest.raises(ValueError, match="lr_scaling_reference=0"):
         BatchLRScaler(opt(), rule="linear", reference=0)
