@@ -109,8 +109,11 @@ def _free_space(path: str) -> str:
         return ""
 
 
-class RunStopped(Exception):
-    """The run stopped at a signal (SIGTERM, SIGINT) after a finished step.
+class RunStopped(BaseException):
+    """The run stopped at a signal (SIGTERM, SIGINT): after a finished step, or at once in setup.
+
+    A stop, like ``KeyboardInterrupt``, is no error: a builder's or a library's ``except
+    Exception`` that reports failures must not turn it into one.
 
     Attributes:
         signum: the signal's number; the process exits with ``128 + signum``, as a shell does.

@@ -134,14 +134,16 @@ def _fsync(path: str) -> None:
 
 
 def remove_partial_writes(directory: str, log: Callable[[str], None] = print) -> None:
-    """Deletes the temporaries of :func:`atomic_write` a crash left in ``directory`` (never a
-    finished file); only for a directory this run holds (:class:`OutputDirLock`)."""
+    """Deletes the temporaries of :func:`atomic_write` a crash left anywhere under ``directory``
+    (never a finished file); only for a directory this run holds (:class:`OutputDirLock`)."""
     if not os.path.isdir(directory):
         return
-    for name in sorted(os.listdir(directory)):
+    for relative in list(walk_files(directory)):
+        folder, name = os.path.split(relative)
         if name.startswith(".") and _WRITING in name:
-            os.unlink(os.path.join(directory, name))
-            log(f"Removed {name[1:name.index(_WRITING)]}, left half-written in {directory} by an interrupted run.")
+            os.unlink(os.path.join(directory, relative))
+            where = os.path.join(directory, folder) if folder else directory
+            log(f"Removed {name[1:name.index(_WRITING)]}, left half-written in {where} by an interrupted run.")
 
 
 def walk_files(root: str) -> Iterator[str]:

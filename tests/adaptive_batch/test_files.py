@@ -89,9 +89,13 @@ def test_a_killed_holder_leaves_nothing_to_clean_up(tmp_path):
 def test_the_temporaries_a_kill_left_are_removed_and_nothing_else(tmp_path):
     from adaptive_batch.files import remove_partial_writes
 
-    for name in [".batch_probe.json.writing_x1", "batch_probe.json", LOCK_FILENAME, ".hidden_of_the_user"]:
+    (tmp_path / "init").mkdir()
+    for name in [".batch_probe.json.writing_x1", "batch_probe.json", LOCK_FILENAME, ".hidden_of_the_user",
+                 "init/.random_init_seed1.pt.writing_y2", "init/random_init_seed0.pt"]:
         (tmp_path / name).write_text("x")
     logs = []
     remove_partial_writes(str(tmp_path), log=logs.append)
-    assert sorted(os.listdir(tmp_path)) == [LOCK_FILENAME, ".hidden_of_the_user", "batch_probe.json"]
-    assert logs == [f"Removed batch_probe.json, left half-written in {tmp_path} by an interrupted run."]
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILENAME, ".hidden_of_the_user", "batch_probe.json", "init"]
+    assert os.listdir(tmp_path / "init") == ["random_init_seed0.pt"]  # in a folder below too (a kill in the init's write)
+    assert logs == [f"Removed batch_probe.json, left half-written in {tmp_path} by an interrupted run.",
+                    f"Removed random_init_seed1.pt, left half-written in {tmp_path}/init by an interrupted run."]
