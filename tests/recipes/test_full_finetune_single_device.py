@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import threading
 import traceback
 
@@ -281,6 +282,9 @@ def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     found = json.loads((tmp_path / "batch_probe.json").read_text())["batch_size"]
     (tmp_path / "batch_probe.json").unlink()
+    # What a kill inside epoch 1 leaves: epoch 0's checkpoint, nothing of epoch 1's.
+    shutil.rmtree(tmp_path / "epoch_1")
+    (tmp_path / "run_finished.json").unlink()
     # The epoch checkpoint records the run's shape and a fingerprint of what it trained.
     (recipe_state,) = tmp_path.glob("**/recipe_state.pt")
     run = torch.load(recipe_state, weights_only=True)["adaptive_batch_run"]
