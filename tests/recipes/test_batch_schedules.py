@@ -96,17 +96,7 @@ def _resume_and_compare(tmp_path, common, *, kill_after, nproc=None, extra_path=
     return start
 
 
-@pytest.mark.slow
-def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_growth_by_steps(tmp_path, schedules):
-    common = [
-        "batch_increase_function=my_growth.double_after_first", "batch_increase_interval=3 steps", "batch_size=2",
-        "max_batch_size=4", "epochs=2", "max_steps_per_epoch=6", "lr_scaling=linear", *COSINE,
-        "save_every_n_steps=1", "keep_last_n_checkpoints=2",
-    ]
-    # epoch 0: 2, 2, 2, 4, 2 (12 samples); the kill comes inside epoch 1
-    _resume_and_compare(tmp_path, common, kill_after="step_6.pt", extra_path=schedules)
-
-
+# Growth by steps killed and resumed: tests/recipes/test_kill_sweep.py (the "steps" mode).
 @pytest.mark.slow
 def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_token_batches(tmp_path):
     common = [FIXED, "max_tokens=768", "epochs=2", "max_steps_per_epoch=4", "save_every_n_steps=1",

@@ -21,6 +21,10 @@ from tests.recipes.conftest import FIXED, read_metric_log, run_tune
 
 KEYS = ["step", "batch_size", "micro_batch_size", "samples_seen", "tokens_seen", "lr", "loss"]
 SHORT = "tokenizer.max_seq_len=64"  # rows of 64 tokens: the steps are what is checked, not their size
+COSINE = [
+    "lr_scheduler._component_=torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+    "lr_scheduler.num_warmup_steps=1",
+]
 # Each mode trains 2 epochs; "epoch_end" checkpoints on the last step of epoch 0.
 MODES = {
     # growth by epoch: 3 steps of 4 samples, then 2 of 8 (the last one short)
@@ -29,10 +33,12 @@ MODES = {
     # optimizer, RNG and data as they were, so the run trains what "epoch" trains
     "probe": [SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "lr_scaling=linear",
               "use_maximum_batch_size=True"],
-    # the batch doubles every 2 steps, up to 8
-    "steps": [SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "batch_increase_interval=2 steps"],
-    # token budgets of 256 padded tokens, shortest first
-    "tokens": [SHORT, "epochs=2", "max_steps_per_epoch=3", FIXED, "max_tokens=256", "sequence_picking_order=seqlen"],
+    # the batch doubles every 2 steps, up to 8, under a cosine LR schedule counted in samples
+    "steps": [SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "batch_increase_interval=2 steps",
+              *COSINE],
+    # token budgets of 256 padded tokens, shortest first, under a cosine LR schedule in steps
+    "tokens": [SHORT, "epochs=2", "max_steps_per_epoch=3", FIXED, "max_tokens=256", "sequence_picking_order=seqlen",
+               *COSINE],
 }
 CHECKPOINTS = {"every": "save_every_n_steps=1", "epoch_end": "save_every_n_steps=3", "off": "save_every_n_steps=null"}
 KILL, TERM = "SIGKILL", "SIGTERM"

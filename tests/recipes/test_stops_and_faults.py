@@ -161,15 +161,7 @@ def test_a_finished_run_resumed_trains_nothing_and_rewrites_nothing(whole_run):
     assert f"error: epochs=3: the run in {out} finished at 2 epochs" in more.stderr and _files(out) == before
 
 
-def test_a_step_checkpoint_on_an_epochs_last_step_resumes_the_next_epoch_whole(tmp_path, whole):
-    # The step checkpoint at step 4 ends epoch 0, as its epoch checkpoint does. What a kill
-    # after step 5 leaves: both of them, nothing of epoch 1.
-    run = run_tune(tmp_path, *COMMON, "save_every_n_steps=4")
-    assert run.returncode == 0, run.stderr[-3000:]
-    shutil.rmtree(tmp_path / "epoch_1")
-    (tmp_path / "run_finished.json").unlink()
-    resumed = _resume_equals_whole(tmp_path, whole, first_step=5)
-    assert "Resuming from the epoch checkpoint (step 4)" in resumed.stderr
+# A step checkpoint on an epoch's last step, killed in the next epoch: test_kill_sweep.py (after_step:4).
 
 
 def test_sigterm_during_the_probe_stops_at_once_in_one_line(tmp_path):
