@@ -159,7 +159,7 @@ def _tensor_guess(train_step: Callable[[Any], None], make_batch: Callable[[int],
     those): where the operator lines' tensor bytes meet the budget. Address space holds more
     than tensors, so it guesses high; the children's trials measure from below it."""
     result = probe_max_batch_size(train_step=train_step, make_batch=make_batch, budget_bytes=budget.budget_bytes,
-                                  max_batch_size=2, **state)
+                                  max_batch_size=2, budget_source=budget.source, **state)
     return None if result.estimate is None else result.estimate.max_batch_size(budget.budget_bytes)
 
 
@@ -199,7 +199,9 @@ def _probe_in_children(
             f"the line in address space is measured at {sizes[0]} and {sizes[1]}.")
     try:
         result = search_max_batch_size(
-            child_trial(build, headroom_bytes=headroom, steps=steps), budget_bytes=after_margin(headroom, budget.safety_margin),
+            # One trial longer than the whole probe may take is a hang.
+            child_trial(build, headroom_bytes=headroom, steps=steps, timeout_s=time_budget),
+            budget_bytes=after_margin(headroom, budget.safety_margin),
             max_batch_size=max_batch_size, warmup=False, log=log, max_overshoot=math.inf, time_budget_s=time_budget,
             release=lambda: None,  # nothing of a trial is left in this process
             estimate_sizes=sizes, tolerance=ADDRESS_SPACE_TOLERANCE,

@@ -69,7 +69,9 @@ def _child_main(build: Callable[[], ProbeTarget], batch_size: int, steps: int, h
         conn.close()
 
 
-def child_trial(build: Callable[[], ProbeTarget], *, headroom_bytes: int, steps: int) -> Callable[[int], int]:
+def child_trial(
+    build: Callable[[], ProbeTarget], *, headroom_bytes: int, steps: int, timeout_s: Optional[float] = None
+) -> Callable[[int], int]:
     """A search trial that runs in a fresh process per batch size.
 
     Args:
@@ -77,13 +79,16 @@ def child_trial(build: Callable[[], ProbeTarget], *, headroom_bytes: int, steps:
             :class:`ProbeTarget`; it runs in each child.
         headroom_bytes: the address space each child may add after building, the parent's own.
         steps: consecutive steps a child runs (training's first steps, where a heap settles).
+        timeout_s: seconds a child may take to answer; past them it is a hang, stopped (``None``:
+            no limit).
 
     Returns:
         ``run(batch_size) -> bytes``: the address space the steps added.
 
     Raises:
         ChildOutOfMemoryError: (from ``run``) when the child ran out of memory or died.
-        RuntimeError: (from ``run``) any other error of the child, with its traceback.
+        RuntimeError: (from ``run``) any other error of the child, with its traceback, or a
+            child that gave no answer in ``timeout_s``.
     """
     context = multiprocessing.get_context("forkserver")
     # The server imports torch once and has run no parallel region, so its forks start clean
@@ -95,8 +100,10 @@ def child_trial(build: Callable[[], ProbeTarget], *, headroom_bytes: int, steps:
         process = context.Process(target=_child_main, args=(build, batch_size, steps, headroom_bytes, child), daemon=True)
         process.start()
         child.close()
+        outcome, answered = None, False
         try:
-            outcome = parent.recv() if parent.poll(None) else None
+            answered = parent.poll(timeout_s)
+            outcome = parent.recv() if answered else None
         except EOFError:  # the child died before answering
             outcome = None
         finally:  # also when the wait is interrupted: no child outlives its trial
@@ -104,6 +111,11 @@ def child_trial(build: Callable[[], ProbeTarget], *, headroom_bytes: int, steps:
                 process.kill()
             process.join()
             parent.close()
+        if not answered:
+            raise RuntimeError(
+                f"the trial process at batch {batch_size} gave no answer in {timeout_s:g} s and was stopped: a step "
+                "that hangs (a deadlock, a collective with no peer) in build's target; run it once at that batch by hand."
+            )
         if outcome is None:
             raise ChildOutOfMemoryError(f"the trial process at batch {batch_size} died (exit code {process.exitcode})")
         kind, value = outcome

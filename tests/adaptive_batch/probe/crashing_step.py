@@ -28,3 +28,15 @@ def build() -> ProbeTarget:
         optimizer.zero_grad()
 
     return ProbeTarget(step, lambda b: torch.randn(b, 8), model, optimizer)
+
+
+def build_hanging() -> ProbeTarget:
+    """A step that never returns (a deadlock, a collective waiting for a peer)."""
+    import time
+
+    target = build()
+
+    def step(batch):
+        time.sleep(3600)
+
+    return ProbeTarget(step, target.make_batch, target.model, target.optimizer)

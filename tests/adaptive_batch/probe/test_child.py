@@ -74,3 +74,13 @@ def test_a_dead_child_is_out_of_memory():
     with pytest.raises(ChildOutOfMemoryError, match="could not create a primitive"):
         run(crashing_step.PRIMITIVE_ABOVE + 1)
     assert run(crashing_step.PRIMITIVE_ABOVE) >= 0  # a tiny step adds next to nothing to what the build mapped
+
+
+def test_a_child_that_hangs_is_stopped_after_its_time_with_one_line():
+    import time
+
+    run = child_trial(crashing_step.build_hanging, headroom_bytes=2**30, steps=1, timeout_s=3)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^the trial process at batch 2 gave no answer in 3 s and was stopped"):
+        run(2)
+    assert time.monotonic() - start < 30
