@@ -106,8 +106,10 @@ def test_probe_under_a_real_address_space_limit(tmp_path, limited_address_space)
     assert budget.source == "RLIMIT_AS"
     assert any(t.oom for t in result.trials), "the limit should have stopped a trial"
     assert result.max_batch_size >= 2
+    # The search closes on a failure just above its answer. (Not "the smallest failure": a heap an
+    # out-of-memory trial left may fail a size below one that fitted before it, on a busy machine.)
     oom_sizes = [t.batch_size for t in result.trials if t.oom]
-    assert min(oom_sizes) == result.max_batch_size + 1
+    assert result.max_batch_size + 1 in oom_sizes
     # after the limit is lifted and everything released, training goes on normally
     step_fn(model, opt)(make_batch(result.max_batch_size))
 
