@@ -177,10 +177,16 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         the last epoch's is newer; a step checkpoint replaces the weights and optimizer too.
         """
         if self._resume_setting is not False:
-            epoch_step = abt.epoch_checkpoint_step(
-                cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint"), warn=log.warning
-            )
+            try:
+                epoch_step, unreadable = abt.epoch_checkpoint_step(
+                    cfg_checkpointer.output_dir, cfg_checkpointer.get("recipe_checkpoint")
+                ), None
+            except abt.UnreadableEpochState as e:
+                log.warning(f"The epoch recipe state {e.path} cannot be read ({e.reason}); looking to step checkpoints.")
+                epoch_step, unreadable = -1, e
             self._resume_step_state = self._step_checkpoints.resume_state(epoch_step)
+            if unreadable is not None and self._resume_step_state is None:
+                raise unreadable  # auto must not start afresh over the epoch checkpoints
             saved = self._resume_step_state is not None or epoch_step >= 0
             if not saved and self._resume_setting is True:
                 raise ab.ConfigError(
@@ -246,8 +252,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             remove_partial_writes(cfg.output_dir, log=log.info)
             self._step_checkpoints.remove_partial_writes()
             abt.recover_epoch_checkpoint(cfg.checkpointer.output_dir, log=log.info)
-            self._metric_logger = abt.build("metric_logger", cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
 
         # Tokenizer and data first: a bad path or argument stops the run before the model loads.
         self._tokenizer = abt.build("tokenizer", cfg.tokenizer)
@@ -256,6 +260,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
         self._ensure_weights(cfg)
         ckpt_dict = self.load_checkpoint(cfg.checkpointer)
+        if self._ranks.is_main:
+            # After a resume's checks: a refused one leaves the run's config and logs as they were.
+            self._metric_logger = abt.build("metric_logger", cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
 
         self._compile = cfg.compile
         self._model = self._setup_model(

@@ -6,6 +6,7 @@ the ``adaptive-batch`` command do.
 """
 
 from adaptive_batch.torchtune.checkpoint import (
+    UnreadableEpochState,
     epoch_checkpoint_step,
     epoch_weight_files,
     finished_run,
@@ -39,6 +40,7 @@ from adaptive_batch.torchtune.tokenizer import ByteTokenizer, byte_tokenizer
 
 __all__ = [
     "ByteTokenizer",
+    "UnreadableEpochState",
     "RESUME_AUTO",
     "TORCHTUNE_KEYS",
     "adaptive_options",

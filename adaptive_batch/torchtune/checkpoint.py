@@ -24,6 +24,7 @@ from torch import nn
 
 from adaptive_batch.errors import CheckpointWriteError, ConfigError
 from adaptive_batch.faults import fault_point
+from adaptive_batch.memory.oom import first_line
 from adaptive_batch.files import atomic_write, fsync_directory, fsync_tree, walk_files, write_failure_cause
 from adaptive_batch.run.step_checkpoints import DIRNAME, StepCheckpoints
 
@@ -219,12 +220,27 @@ def saved_checkpoints(output_dir: str) -> str:
     return f"Kept: {', '.join(kept)}; free space and resume with resume_from_checkpoint=True."
 
 
-def epoch_checkpoint_step(
-    output_dir: str, recipe_checkpoint: Optional[str] = None, warn: Callable[[str], None] = print
-) -> int:
+class UnreadableEpochState(ConfigError):
+    """The recipe state of the last epoch checkpoint cannot be read (a file cut short by a
+    torchtune without the staged save, a disk error): a resume can go on only from a newer step
+    checkpoint; without one it must not start the run afresh over the epoch checkpoints."""
+
+    def __init__(self, path: str, error: BaseException) -> None:
+        self.path, self.reason = path, f"{type(error).__name__}: {first_line(error)}"
+        super().__init__(
+            f"resume_from_checkpoint: the epoch recipe state {path} cannot be read ({self.reason}) and no step "
+            "checkpoint is newer: restore the file to resume, or set resume_from_checkpoint=False to start afresh "
+            "(which replaces the epoch checkpoints)."
+        )
+
+
+def epoch_checkpoint_step(output_dir: str, recipe_checkpoint: Optional[str] = None) -> int:
     """The global step of the recipe state an epoch-end checkpoint left, or -1 when there is
-    none (or it cannot be read, which ``warn`` reports): what a step checkpoint must be at
-    least as new as to be resumed from."""
+    none: what a step checkpoint must be newer than to be resumed from.
+
+    Raises:
+        UnreadableEpochState: when there is one and it cannot be read.
+    """
     from torchtune.training.checkpointing._utils import get_recipe_checkpoint_path
 
     from adaptive_batch.data.samplers import BATCH_STATE_KEY
@@ -236,8 +252,7 @@ def epoch_checkpoint_step(
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # one a torchtune without the staged save cut short
-        warn(f"The epoch recipe state {path} cannot be read ({type(e).__name__}); looking to step checkpoints.")
-        return -1
+        raise UnreadableEpochState(str(path), e) from None
     return int(state.get(BATCH_STATE_KEY, {}).get("global_step", -1))
 
 

@@ -186,3 +186,16 @@ def test_a_run_moved_to_another_folder_resumes_and_one_with_other_data_there_is_
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert "error: resume_from_checkpoint=True: dataset was " in refused.stderr
     assert "it changes what is trained: put it back to resume, or start a new output_dir." in refused.stderr
+
+
+def test_an_unreadable_epoch_state_with_no_newer_step_checkpoint_is_refused_not_started_afresh(tmp_path):
+    args = [*COMMON, "save_every_n_steps=null"]
+    stopped = run_tune(tmp_path, *args, env={ENV: "after_epoch:1:SIGTERM"})
+    assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
+    (tmp_path / "recipe_state" / "recipe_state.pt").write_bytes(b"cut short")
+    before = _files(tmp_path)
+    resumed = run_tune(tmp_path, *args, "resume_from_checkpoint=auto")
+    assert resumed.returncode == 1 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert (f"error: resume_from_checkpoint: the epoch recipe state {tmp_path}/recipe_state/recipe_state.pt cannot be "
+            "read (") in resumed.stderr
+    assert "Model is initialized" not in resumed.stderr and _files(tmp_path) == before  # epoch_0 kept as it was

@@ -46,9 +46,10 @@ def test_epoch_checkpoint_step_reads_the_recipe_state_and_survives_a_cut_file(tm
     assert epoch_checkpoint_step(str(tmp_path)) == 12
     whole = (state_dir / "recipe_state.pt").read_bytes()
     (state_dir / "recipe_state.pt").write_bytes(whole[: len(whole) // 2])  # a crash mid-write
-    warnings = []
-    assert epoch_checkpoint_step(str(tmp_path), warn=warnings.append) == -1
-    assert "cannot be read" in warnings[0]
+    from adaptive_batch.torchtune import UnreadableEpochState
+
+    with pytest.raises(UnreadableEpochState, match=r"recipe_state.pt cannot be read \(\w+Error: .*no step checkpoint is newer"):
+        epoch_checkpoint_step(str(tmp_path))
 
 
 def test_another_model_in_the_same_directory_gets_its_own_random_init(tmp_path):
