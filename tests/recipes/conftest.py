@@ -148,6 +148,17 @@ def _forget_modules_under(path: Path) -> None:
             del sys.modules[name]
 
 
+def only_whole_files(out) -> None:
+    """Asserts that ``out`` holds nothing half-written under a final name, and no temporary or
+    staging folder."""
+    import torch
+
+    leftovers = [p for p in Path(out).rglob(".*") if p.name != ".adaptive_batch.lock"]
+    assert not leftovers, leftovers
+    for path in list(Path(out).glob("epoch_*/*.bin")) + list(Path(out).glob("**/*.pt")):
+        torch.load(path, weights_only=True)
+
+
 def read_metric_log(output_dir, logs="logs") -> List[Dict[str, float]]:
     """The `Step N | key:value ...` lines torchtune's DiskLogger writes, one dict a step."""
     (log_file,) = list(Path(output_dir, logs).glob("log_*.txt"))

@@ -14,10 +14,9 @@ import shutil
 import signal
 
 import pytest
-import torch
 
 from adaptive_batch.faults import ENV
-from tests.recipes.conftest import FIXED, read_metric_log, run_tune
+from tests.recipes.conftest import FIXED, only_whole_files, read_metric_log, run_tune
 
 KEYS = ["step", "batch_size", "micro_batch_size", "samples_seen", "tokens_seen", "lr", "loss"]
 SHORT = "tokenizer.max_seq_len=64"  # rows of 64 tokens: the steps are what is checked, not their size
@@ -103,13 +102,6 @@ def _killed_at(tmp_path, monkeypatch, args, fault):
     return copy
 
 
-def _only_whole_files(out):
-    leftovers = [p for p in Path(out).rglob(".*") if p.name != ".adaptive_batch.lock"]
-    assert not leftovers, leftovers
-    for path in list(Path(out).glob("epoch_*/*.bin")) + list(Path(out).glob("**/*.pt")):
-        torch.load(path, weights_only=True)
-
-
 @pytest.mark.parametrize("fault, sig, mode, checkpoints", CASES, ids=["-".join(c) for c in CASES])
 def test_a_run_killed_or_stopped_anywhere_resumes_to_the_uninterrupted_runs_steps(
     tmp_path, monkeypatch, wholes, fault, sig, mode, checkpoints
@@ -134,7 +126,7 @@ def test_a_run_killed_or_stopped_anywhere_resumes_to_the_uninterrupted_runs_step
     for key in KEYS:
         assert [r[key] for r in trained] == [r[key] for r in whole], key
     assert (out / "run_finished.json").exists()
-    _only_whole_files(out)
+    only_whole_files(out)
 
 
 @pytest.mark.parametrize("mode", ["steps"])

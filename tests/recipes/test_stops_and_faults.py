@@ -13,7 +13,7 @@ import torch
 
 from adaptive_batch.faults import ENV
 from adaptive_batch.files import OutputDirLock
-from tests.recipes.conftest import read_metric_log, run_tune
+from tests.recipes.conftest import only_whole_files, read_metric_log, run_tune
 
 # Epoch 0: 4 steps of 4 samples; epoch 1: 2 steps of 8 (the batch doubles); step checkpoints
 # after steps 3 and 6.
@@ -49,14 +49,6 @@ def _resume_equals_whole(out, whole, first_step):
     return resumed
 
 
-def _only_whole_files(out):
-    """Nothing half-written under a final name, no temporary or staging left."""
-    leftovers = [p for p in Path(out).rglob(".*") if p.name != ".adaptive_batch.lock"]
-    assert not leftovers, leftovers
-    for path in list(Path(out).glob("epoch_*/*.bin")) + list(Path(out).glob("**/*.pt")):
-        torch.load(path, weights_only=True)
-
-
 def test_sigterm_stops_after_the_step_saves_it_and_auto_resumes_exactly(tmp_path, whole):
     stopped = run_tune(tmp_path, *COMMON, env={ENV: "after_step:2:SIGTERM"})
     assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
@@ -65,7 +57,7 @@ def test_sigterm_stops_after_the_step_saves_it_and_auto_resumes_exactly(tmp_path
             "resume_from_checkpoint=True (or auto).") in stopped.stderr
     assert "SIGTERM received: stopping after this step" in stopped.stderr
     assert [r["step"] for r in read_metric_log(tmp_path)] == [1, 2]
-    _only_whole_files(tmp_path)
+    only_whole_files(tmp_path)
     _resume_equals_whole(tmp_path, whole, first_step=3)
 
 
@@ -111,7 +103,7 @@ def test_a_full_disk_keeps_the_whole_checkpoints_says_so_and_resumes_exactly(
     assert re.search(r"could not be written \(out of disk space, [\d.]+ \w+ free there\); nothing was written", line)
     assert line.endswith(f"Kept: {', '.join(str(tmp_path / k) for k in kept)}; free space and resume with "
                          "resume_from_checkpoint=True."), line
-    _only_whole_files(tmp_path)
+    only_whole_files(tmp_path)
     assert not (tmp_path / "epoch_0").exists() or "epoch_0" in kept
     _resume_equals_whole(tmp_path, whole, first_step=first_step)
 
@@ -170,7 +162,7 @@ def test_sigterm_during_the_probe_stops_at_once_in_one_line(tmp_path):
     assert ("stopped: SIGTERM during setup (the batch-size probe included): nothing was trained or saved; run the "
             "same command again.") in stopped.stderr
     assert not (tmp_path / "batch_probe.json").exists() and not (tmp_path / "epoch_0").exists()
-    _only_whole_files(tmp_path)
+    only_whole_files(tmp_path)
 
 
 def test_a_run_moved_to_another_folder_resumes_and_one_with_other_data_there_is_refused(tmp_path, whole):
