@@ -84,28 +84,33 @@ def write_failure_cause(directory: str, error: BaseException) -> BaseException:
     return error
 
 
-# Up to this many bytes are read whole; past it, each file is read in samples (its size is
-# always in the digest), so a resume over a large dataset costs seconds, not minutes.
-_DIGEST_WHOLE_BYTES = 1 << 30
-_DIGEST_SAMPLES, _DIGEST_SAMPLE_BYTES = 16, 1 << 20
+# At most this many bytes are read for a digest: files whole while it lasts, then 16 samples of
+# 64 KiB a file, then names and sizes alone; a resume over a large dataset costs seconds.
+_DIGEST_READ_BYTES = 1 << 30
+_DIGEST_SAMPLES, _DIGEST_SAMPLE_BYTES = 16, 1 << 16
 
 
 def content_digest(path: str) -> str:
     """What ``path`` (a file, or a directory's files) holds, wherever it lives: a SHA-256 of the
-    files' names relative to ``path``, sizes and contents, and the total size."""
+    files' names relative to ``path``, sizes and contents (sampled past a read budget), and the
+    total size."""
     files = [""] if os.path.isfile(path) else sorted(f for f in walk_files(path) if _WRITING not in f)
-    digest, total, whole_left = hashlib.sha256(), 0, _DIGEST_WHOLE_BYTES
+    digest, total, read_left = hashlib.sha256(), 0, _DIGEST_READ_BYTES
     for name in files:
         full = os.path.join(path, name) if name else path
         size = os.path.getsize(full)
         total += size
         digest.update(f"{name}\0{size}\0".encode())
+        sampled = _DIGEST_SAMPLES * _DIGEST_SAMPLE_BYTES
+        if read_left < min(size, sampled):
+            continue
         with open(full, "rb") as f:
-            if size <= whole_left:
-                whole_left -= size
+            if size <= read_left:
+                read_left -= size
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     digest.update(chunk)
                 continue
+            read_left -= sampled
             for i in range(_DIGEST_SAMPLES):
                 f.seek(size * i // _DIGEST_SAMPLES)
                 digest.update(f.read(_DIGEST_SAMPLE_BYTES))

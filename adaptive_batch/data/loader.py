@@ -9,7 +9,7 @@ dataset's place gives its dataset, ``collate_fn``, shuffling and worker options,
 import dataclasses
 from typing import Any, Callable, Dict, Optional
 
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from adaptive_batch.errors import ConfigError
 
@@ -68,16 +68,22 @@ def _check_options(options: Dict[str, Any]) -> None:
 
 
 def _from_loader(loader: DataLoader, batch_size: Optional[int]) -> LoaderSettings:
-    sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
-    if type(sampler) not in (RandomSampler, SequentialSampler):
+    batches = loader.batch_sampler
+    own = batches if batches is not None and type(batches) is not BatchSampler else loader.sampler
+    if type(own) not in (RandomSampler, SequentialSampler):
         raise ConfigError(
-            f"dataset=DataLoader(sampler={type(sampler).__name__}): AdaptiveBatch draws the batches itself to resize "
+            f"dataset=DataLoader(sampler={type(own).__name__}): AdaptiveBatch draws the batches itself to resize "
             "them; hand it the loader's dataset (shuffle=True or False) instead of a loader with its own sampler."
+        )
+    if loader.drop_last:
+        raise ConfigError(
+            "dataset=DataLoader(drop_last=True): AdaptiveBatch keeps every sample (an epoch's last batch may be "
+            "smaller); set drop_last=False."
         )
     options = {key: getattr(loader, key) for key in LOADER_KEYS if hasattr(loader, key)}
     if options.get("num_workers", 0) == 0:
         options = {k: v for k, v in options.items() if k in ("num_workers", "pin_memory", "pin_memory_device")}
     return LoaderSettings(
-        loader.dataset, loader.collate_fn, isinstance(sampler, RandomSampler),
+        loader.dataset, loader.collate_fn, isinstance(own, RandomSampler),
         batch_size if batch_size is not None else loader.batch_size, options,
     )

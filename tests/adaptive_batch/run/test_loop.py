@@ -96,6 +96,8 @@ def test_a_data_source_that_cannot_be_resized_is_one_line_before_any_step():
     cases = [
         (dict(dataset=DataLoader(data, sampler=SubsetRandomSampler(range(8)), batch_size=2)),
          r"DataLoader\(sampler=SubsetRandomSampler\): .* hand it the loader's dataset"),
+        (dict(dataset=DataLoader(data, batch_sampler=[[0, 1], [2, 3]])), r"DataLoader\(sampler=list\)"),
+        (dict(dataset=DataLoader(data, batch_size=5, drop_last=True)), r"drop_last=True\): .* set drop_last=False"),
         (dict(dataset=Stream(), batch_size=2), r"dataset=Stream: AdaptiveBatch resizes batches of a map-style dataset"),
         (dict(dataset=data), "batch_size is missing: pass batch_size="),
         (dict(dataset=data, batch_size=2, prefetch_factor=4), r"prefetch_factor=4 needs worker processes: set num_workers=1"),

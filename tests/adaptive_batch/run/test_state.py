@@ -134,3 +134,22 @@ def test_local_data_is_fingerprinted_by_what_it_holds_not_where_it_lives(tmp_pat
     assert fingerprint(settings("b")) != moved
     # a path that does not exist (a hub dataset's name) stays as written
     assert fingerprint({"dataset": {"source": "allenai/c4"}}) == {"dataset": '{"source": "allenai/c4"}'}
+
+
+def test_a_large_datasets_digest_reads_a_bounded_amount(tmp_path, monkeypatch):
+    import adaptive_batch.files as files
+
+    monkeypatch.setattr(files, "_DIGEST_READ_BYTES", 3 << 20)  # 3 MiB stands in for 1 GiB
+    for i in range(4):
+        (tmp_path / f"shard_{i}.bin").write_bytes(bytes(2 << 20))
+    before = files.content_digest(str(tmp_path))
+    opened = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: (opened.append(path), real_open(path, *a, **k))[1])
+    assert files.content_digest(str(tmp_path)) == before
+    assert len(opened) == 2  # shard 0 whole (2 MiB), shard 1 sampled (1 MiB), shards 2-3 by name and size alone
+    monkeypatch.undo()
+    with open(tmp_path / "shard_1.bin", "r+b") as f:  # a change where a sample falls
+        f.write(b"x")
+    changed = files.content_digest(str(tmp_path))
+    assert changed != before and changed.endswith(f"({8 << 20} bytes)")
