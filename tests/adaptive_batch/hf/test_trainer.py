@@ -189,6 +189,11 @@ fits = [int(line.split("batch_size=")[1].split()[0]) for line in trainer.lines i
 os.makedirs(os.environ["OUT"], exist_ok=True)
 with open(os.path.join(os.environ["OUT"], f"result{rank}.json"), "w") as f:
     json.dump([str(rank), str(dist.get_world_size()), max(fits), trainer.adaptive_batch], f)
+# gloo's worker threads can abort a finished rank in the interpreter's teardown (SIGABRT,
+# "terminate called without an active exception"): end as docs/library.md tells users to
+dist.destroy_process_group()
+from adaptive_batch.distributed import exit_past_teardown
+exit_past_teardown(0)
 '''
 
 
