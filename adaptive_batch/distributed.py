@@ -191,10 +191,11 @@ def exit_past_teardown(code: Any) -> None:
     import logging
     import sys
 
-    if code is not None and not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if code is not None and not isinstance(code, int):
+        # one write(2) of under PIPE_BUF bytes: ranks sharing a pipe cannot interleave within it
+        os.write(2, f"{code}\n".encode())
+        code = 1
     os._exit(code or 0)

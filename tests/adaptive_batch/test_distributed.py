@@ -171,3 +171,15 @@ def test_a_rank_exits_with_the_runs_code_its_lines_flushed_and_no_teardown(code,
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (run.returncode, run.stdout, run.stderr) == (rc, "last line\nbuffered", err)
+
+
+def test_a_ranks_error_line_is_one_write_so_ranks_on_one_pipe_cannot_interleave_it(monkeypatch):
+    """Two ranks' error lines once came out as one line, "error: ...error: ...": print writes
+    the text and its newline apart, and the other rank's line fell between them."""
+    import adaptive_batch.distributed as distributed
+
+    writes = []
+    monkeypatch.setattr(distributed.os, "write", lambda fd, data: writes.append((fd, data)))
+    monkeypatch.setattr(distributed.os, "_exit", lambda code: writes.append(("exit", code)))
+    distributed.exit_past_teardown("error: rank 1: batch size 1 does not fit")
+    assert writes == [(2, b"error: rank 1: batch size 1 does not fit\n"), ("exit", 1)]
