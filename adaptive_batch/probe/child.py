@@ -21,7 +21,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from adaptive_batch.memory.device import proc_status_bytes
+from adaptive_batch.memory.device import (
+    ARENA_RESERVE_BYTES,
+    glibc_mmap_threshold_set,
+    malloc_arena_count,
+    proc_status_bytes,
+    return_freed_memory_to_os,
+)
 from adaptive_batch.memory.oom import first_line, is_oom_error
 
 
@@ -48,9 +54,46 @@ class ChildOutOfMemoryError(MemoryError):
     (:func:`~adaptive_batch.memory.oom.is_oom_error`) knows it."""
 
 
-def _child_main(build: Callable[[], ProbeTarget], batch_size: int, steps: int, headroom_bytes: int, conn: Any) -> None:
-    """The child: build, hold to the headroom, run ``steps`` steps, send the outcome."""
+@dataclass(frozen=True)
+class _ParentProcess:
+    """What makes a child's steps cost what the caller's own would: its threads and allocator."""
+
+    threads: int
+    mmap_threshold: Optional[int]  # glibc's, when the caller set the recipes' allocator
+
+    @classmethod
+    def here(cls) -> "_ParentProcess":
+        return cls(threads=torch.get_num_threads(), mmap_threshold=glibc_mmap_threshold_set())
+
+    def apply(self) -> None:
+        torch.set_num_threads(self.threads)
+        if self.mmap_threshold is not None:
+            return_freed_memory_to_os(self.mmap_threshold)
+
+
+def _arenas_yet_to_come() -> int:
+    """The address space glibc's arenas may still take for threads that have none yet.
+
+    Under glibc's defaults each compute thread that allocates gets an arena of its own, which
+    reserves 64 MiB of address space, and whether a worker thread allocates in the first steps
+    is a race: a BERT step that fitted a child with one arena failed in a fresh process with
+    two. Charging the missing ones judges every child by the worst case. None with the
+    recipes' allocator (one arena).
+    """
+    if glibc_mmap_threshold_set() is not None:
+        return 0
+    arenas = malloc_arena_count()
+    return 0 if arenas is None else max(0, torch.get_num_threads() - arenas) * ARENA_RESERVE_BYTES
+
+
+def _child_main(
+    build: Callable[[], ProbeTarget], batch_size: int, steps: int, headroom_bytes: int, parent: _ParentProcess,
+    conn: Any,
+) -> None:
+    """The child: take the parent's threads and allocator, build, hold to the headroom, run
+    ``steps`` steps, send the outcome."""
     try:
+        parent.apply()
         target = build()
         start, build_peak = proc_status_bytes("VmSize"), proc_status_bytes("VmPeak")
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -60,7 +103,8 @@ def _child_main(build: Callable[[], ProbeTarget], batch_size: int, steps: int, h
             target.train_step(target.make_batch(batch_size))
         peak = proc_status_bytes("VmPeak")
         # A peak no higher than the build's says nothing of the steps: what is mapped now does.
-        conn.send(("ok", (peak if peak > build_peak else proc_status_bytes("VmSize")) - start))
+        added = (peak if peak > build_peak else proc_status_bytes("VmSize")) - start
+        conn.send(("ok", added + _arenas_yet_to_come()))
     except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the parent
         # The search runs batch 1 first, so above it a smaller batch of the same step has run.
         kind = "oom" if is_oom_error(exc, after_a_smaller_step=batch_size > 1) else "error"
@@ -83,7 +127,9 @@ def child_trial(
             no limit).
 
     Returns:
-        ``run(batch_size) -> bytes``: the address space the steps added.
+        ``run(batch_size) -> bytes``: the address space the steps added, with the arenas glibc
+        may still make for compute threads that have none (under its defaults). The child runs
+        with this process's thread count and glibc settings, as of the call to ``run``.
 
     Raises:
         ChildOutOfMemoryError: (from ``run``) when the child ran out of memory or died.
@@ -97,7 +143,9 @@ def child_trial(
 
     def run(batch_size: int) -> int:
         parent, child = context.Pipe(duplex=False)
-        process = context.Process(target=_child_main, args=(build, batch_size, steps, headroom_bytes, child), daemon=True)
+        process = context.Process(
+            target=_child_main, args=(build, batch_size, steps, headroom_bytes, _ParentProcess.here(), child), daemon=True
+        )
         process.start()
         child.close()
         outcome, answered = None, False

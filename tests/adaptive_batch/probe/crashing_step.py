@@ -40,3 +40,10 @@ def build_hanging() -> ProbeTarget:
         time.sleep(3600)
 
     return ProbeTarget(step, target.make_batch, target.model, target.optimizer)
+
+
+def build_telling_its_process() -> ProbeTarget:
+    """A build that fails with the threads and glibc setting its process trains with."""
+    from adaptive_batch.memory.device import glibc_mmap_threshold_set
+
+    raise ValueError(f"threads={torch.get_num_threads()} mmap_threshold={glibc_mmap_threshold_set()}")

@@ -84,3 +84,38 @@ def test_a_child_that_hangs_is_stopped_after_its_time_with_one_line():
     with pytest.raises(RuntimeError, match=r"^the trial process at batch 2 gave no answer in 3 s and was stopped"):
         run(2)
     assert time.monotonic() - start < 30
+
+
+@pytest.fixture
+def torch_threads():
+    saved = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(saved)
+
+
+def test_a_child_trains_with_the_callers_threads_and_allocator(torch_threads, monkeypatch):
+    """A child started from the fork server had torch's default threads and glibc's defaults,
+    whatever the caller trains with; its steps cost what another process's would."""
+    from adaptive_batch.memory import device
+
+    torch_threads(3)
+    run = child_trial(crashing_step.build_telling_its_process, headroom_bytes=2**30, steps=1)
+    with pytest.raises(RuntimeError, match="threads=3 mmap_threshold=None"):
+        run(1)
+    monkeypatch.setattr(device, "_mmap_threshold_set", 128 * 1024)  # as return_freed_memory_to_os leaves it
+    with pytest.raises(RuntimeError, match="threads=3 mmap_threshold=131072"):
+        run(1)
+
+
+def test_under_glibcs_defaults_a_child_is_charged_the_arenas_its_threads_may_still_make(torch_threads, monkeypatch):
+    """BERT's answer fitted a child whose second thread had made no arena and failed in a fresh
+    process whose thread had (64 MiB of address space): a child is judged by the worst case."""
+    from adaptive_batch.memory import device
+
+    run = child_trial(crashing_step.build, headroom_bytes=2**30, steps=1)
+    torch_threads(1)
+    alone = run(4)
+    torch_threads(2)
+    assert alone < device.ARENA_RESERVE_BYTES <= run(4)
+    monkeypatch.setattr(device, "_mmap_threshold_set", 256 * 1024)  # the recipes' allocator: one arena
+    assert run(4) < device.ARENA_RESERVE_BYTES
