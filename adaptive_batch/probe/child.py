@@ -133,8 +133,9 @@ def child_trial(
 
     Raises:
         ChildOutOfMemoryError: (from ``run``) when the child ran out of memory or died.
-        RuntimeError: (from ``run``) any other error of the child, with its traceback, or a
-            child that gave no answer in ``timeout_s``.
+        RuntimeError: (from ``run``) any other error of the child, with its traceback; a child
+            that gave no answer in ``timeout_s``; or one that exited before its trial ran (an
+            unguarded script re-run as the main module).
     """
     context = multiprocessing.get_context("forkserver")
     # The server imports torch once and has run no parallel region, so its forks start clean
@@ -164,7 +165,14 @@ def child_trial(
                 f"the trial process at batch {batch_size} gave no answer in {timeout_s:g} s and was stopped: a step "
                 "that hangs (a deadlock, a collective with no peer) in build's target; run it once at that batch by hand."
             )
-        if outcome is None:
+        if outcome is None and process.exitcode is not None and process.exitcode > 0:
+            # Python exited before the trial ran, as when the child re-ran an unguarded script.
+            raise RuntimeError(
+                f"the trial process at batch {batch_size} exited with code {process.exitcode} before its trial ran "
+                "(its traceback is above). Trial processes import the main module, as multiprocessing does: in a "
+                "script, call find_max_batch_size(build=...) under `if __name__ == \"__main__\":`."
+            )
+        if outcome is None:  # a signal: a segfault, an abort, the kernel's OOM killer
             raise ChildOutOfMemoryError(f"the trial process at batch {batch_size} died (exit code {process.exitcode})")
         kind, value = outcome
         if kind == "ok":

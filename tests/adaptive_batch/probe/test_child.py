@@ -119,3 +119,33 @@ def test_under_glibcs_defaults_a_child_is_charged_the_arenas_its_threads_may_sti
     assert alone < device.ARENA_RESERVE_BYTES <= run(4)
     monkeypatch.setattr(device, "_mmap_threshold_set", 256 * 1024)  # the recipes' allocator: one arena
     assert run(4) < device.ARENA_RESERVE_BYTES
+
+
+UNGUARDED_SCRIPT = """
+import resource
+from adaptive_batch import find_max_batch_size
+from adaptive_batch.memory.device import proc_status_bytes
+from tests.adaptive_batch.probe import crashing_step
+
+target = crashing_step.build()
+resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + 2**31, resource.RLIM_INFINITY))
+find_max_batch_size(target.train_step, make_batch=target.make_batch, model=target.model, max_memory=None,
+                    optimizer=target.optimizer, max_batch_size=8, build=crashing_step.build)
+"""
+
+
+@pytest.mark.slow
+def test_an_unguarded_script_is_told_to_guard_itself_not_that_batch_1_does_not_fit(tmp_path):
+    """Each trial process re-ran the user's script as the main module, failed before its trial,
+    and was counted out of memory: "batch size 1 does not fit" for a model that fits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "script.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = dict(__import__("os").environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    assert "does not fit" not in run.stderr
+    assert run.stderr.rstrip().splitlines()[-1].endswith('under `if __name__ == "__main__":`.')
