@@ -8,7 +8,7 @@ judged against a truth measured by tools that are not ours:
   budget less the 1% margin (``benchmarks/truth.py``).
 - hard (an outside ``RLIMIT_AS`` of the process's size plus a headroom, as ``prlimit --as``):
   the largest batch that trains ``--steps`` steps in each of 2 fresh processes under the same
-  limit, glibc's defaults, the answer + 1 failing there.
+  limit, on the glibc settings the probe leaves its caller with, the answer + 1 failing there.
 
     python benchmarks/bench_zoo.py                   # the table in docs/probe.md (about 30 minutes)
     python benchmarks/bench_zoo.py --rows 0,1 --processes 2
@@ -167,7 +167,8 @@ def trains(row: int, batch_size: int, steps: int) -> dict:
 
     model, _, _, headroom = ROWS[row]
     target = BUILDERS[model]()
-    limit_address_space(int(headroom * 2**30), recipe_allocator=False)
+    # the process as find_max_batch_size leaves its caller under a hard limit: the recipes' glibc settings
+    limit_address_space(int(headroom * 2**30), recipe_allocator=True)
     for step in range(steps):
         try:
             target.train_step(target.make_batch(batch_size))

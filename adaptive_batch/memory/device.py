@@ -400,7 +400,8 @@ def prepare_allocator(
     on CUDA, when probing, the caching allocator's split blocks would make the probed batch
     fail its second step (:func:`use_expandable_segments`). For what trains in the process it
     probes (the recipes, :class:`~adaptive_batch.AdaptiveBatch`, the Hugging Face trainer): the
-    settings last for the process, and :func:`~adaptive_batch.find_max_batch_size` changes none."""
+    settings last for the process; :func:`~adaptive_batch.find_max_batch_size` makes the CPU ones
+    under a hard budget only (its caller trains on the answer)."""
     # Probing on CPU runs its trials under an address-space limit of its own (see
     # adaptive_batch.probe.service.trial_address_space), so it needs the same settings.
     if device.type == "cpu" and (probing or address_space_limit() is not None) and return_freed_memory_to_os():

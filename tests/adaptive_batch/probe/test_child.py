@@ -22,6 +22,8 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
                                     build=crashing_step.build)
     assert found == crashing_step.PRIMITIVE_ABOVE
     assert any("in a fresh process" in line for line in lines)
+    # the caller trains on the answer: on the allocator its children were measured with, said once
+    assert sum(line.startswith("CPU allocator: glibc M_MMAP_THRESHOLD") for line in lines) == 1
     assert any("out of memory" in line for line in lines if line.startswith("probe trial"))
     assert all(torch.equal(a, b) for a, b in zip(before, target.model.parameters()))  # never stepped here
 
@@ -98,6 +100,7 @@ def test_a_child_trains_with_the_callers_threads_and_allocator(torch_threads, mo
     whatever the caller trains with; its steps cost what another process's would."""
     from adaptive_batch.memory import device
 
+    monkeypatch.setattr(device, "_mmap_threshold_set", None)  # glibc's defaults, whatever ran here before
     torch_threads(3)
     run = child_trial(crashing_step.build_telling_its_process, headroom_bytes=2**30, steps=1)
     with pytest.raises(RuntimeError, match="threads=3 mmap_threshold=None"):
@@ -112,6 +115,7 @@ def test_under_glibcs_defaults_a_child_is_charged_the_arenas_its_threads_may_sti
     process whose thread had (64 MiB of address space): a child is judged by the worst case."""
     from adaptive_batch.memory import device
 
+    monkeypatch.setattr(device, "_mmap_threshold_set", None)  # glibc's defaults, whatever ran here before
     run = child_trial(crashing_step.build, headroom_bytes=2**30, steps=1)
     torch_threads(1)
     alone = run(4)
