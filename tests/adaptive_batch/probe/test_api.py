@@ -66,7 +66,72 @@ def _mlp_parts():
     return parts(256)
 
 
-@pytest.mark.parametrize("build,max_memory", [(_mlp_parts, "24MiB"), (_conv_parts, "48MiB")], ids=["mlp", "conv-batchnorm"])
+def _lstm_parts():
+    """An LSTM language model: recurrent state, not attention; token batches."""
+    torch.manual_seed(0)
+
+    class LSTMModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.lstm, self.out = nn.Embedding(500, 64), nn.LSTM(64, 128, 2, batch_first=True), nn.Linear(128, 500)
+
+        def forward(self, x):
+            return self.out(self.lstm(self.embed(x))[0])
+
+    model = LSTMModel()
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(x):
+        nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, optimizer, step, lambda b: torch.randint(0, 500, (b, 32))
+
+
+def _gru_tuple_parts():
+    """A GRU classifier on (inputs, labels) tuples, SGD with momentum (state made at the first step)."""
+    torch.manual_seed(0)
+    gru, head = nn.GRU(32, 64, batch_first=True), nn.Linear(64, 10)
+    model = nn.ModuleList([gru, head])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(batch):
+        x, y = batch
+        nn.functional.cross_entropy(head(gru(x)[0][:, -1]), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, optimizer, step, lambda b: (torch.randn(b, 40, 32), torch.randint(0, 10, (b,)))
+
+
+def _checkpointed_encoder_parts():
+    """Encoder layers with dropout under activation checkpointing (recomputed in the backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True) for _ in range(2)])
+    head = nn.Linear(64, 2)
+    model = nn.ModuleList([*layers, head])
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def step(batch):
+        x, y = batch
+        for layer in layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        nn.functional.cross_entropy(head(x.mean(1)), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, optimizer, step, lambda b: (torch.randn(b, 48, 64), torch.randint(0, 2, (b,)))
+
+
+@pytest.mark.parametrize(
+    "build,max_memory",
+    [(_mlp_parts, "24MiB"), (_conv_parts, "48MiB"), (_lstm_parts, "24MiB"), (_gru_tuple_parts, "16MiB"),
+     (_checkpointed_encoder_parts, "16MiB")],
+    ids=["mlp", "conv-batchnorm", "lstm", "gru-tuple-momentum", "checkpointed-encoder"],
+)
 def test_a_soft_budget_answer_is_memtrackers_in_a_few_steps(build, max_memory):
     """A soft budget is judged by the step's live tensor bytes, never by the machine guard's
     address space: the answer is torch's MemTracker's on the same step (an MLP at 96 MiB used to
