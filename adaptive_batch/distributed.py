@@ -195,7 +195,9 @@ def exit_past_teardown(code: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if code is not None and not isinstance(code, int):
-        # one write(2) of under PIPE_BUF bytes: ranks sharing a pipe cannot interleave within it
-        os.write(2, f"{code}\n".encode())
+        # one write(2) for a line under PIPE_BUF bytes: ranks sharing a pipe cannot interleave within it
+        line = f"{code}\n".encode()
+        while line:
+            line = line[os.write(2, line):]
         code = 1
     os._exit(code or 0)

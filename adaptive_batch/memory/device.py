@@ -321,12 +321,15 @@ def malloc_arena_count() -> Optional[int]:
         libc = ctypes.CDLL("libc.so.6")
         libc.open_memstream.restype = ctypes.c_void_p
         text, size = ctypes.c_char_p(), ctypes.c_size_t()
-        stream = ctypes.c_void_p(libc.open_memstream(ctypes.byref(text), ctypes.byref(size)))
+        stream = libc.open_memstream(ctypes.byref(text), ctypes.byref(size))
+        if not stream:  # no memory for the stream: malloc_info would write through NULL
+            return None
+        stream = ctypes.c_void_p(stream)
         libc.malloc_info(0, stream)
         libc.fclose(stream)
         info = ctypes.string_at(text, size.value).decode()
         libc.free(text)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, MemoryError):
         return None
     return info.count("<heap nr=")
 

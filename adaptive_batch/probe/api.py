@@ -21,13 +21,15 @@ case, the answer fitted and the size above it did not, and the model, optimizer,
 RNG come out as they went in. The answer is then run as the caller's loop will run it, several
 consecutive steps after the probe has put everything back, under the limits in place (what the
 probe itself left mapped counts; on CUDA held to the budget), and the largest size that runs
-them is the answer (:mod:`adaptive_batch.probe.verify`). The call sets no allocator
-option: the process's malloc settings are the ones the caller trains with. The answer is this
-process's: after a trial that ran out of memory, glibc serves the thread from another arena for
-the rest of the process (in a process with several threads), so a fresh process may fit one
-more (docs/probe.md).
+them is the answer (:mod:`adaptive_batch.probe.verify`). Under a soft budget the call sets
+no allocator option. Under a hard CPU budget it gives the process the recipes' glibc settings
+(said in one line), since the caller trains on the answer and glibc's defaults move a step's
+peak from process to process; the answer is still this process's, and a fresh process may fit
+a little more after a trial that ran out of memory here, unless ``build=`` runs the trials in
+fresh processes (docs/probe.md).
 """
 
+import logging
 import math
 from typing import Any, Callable, Optional
 
@@ -36,7 +38,13 @@ from torch import nn
 
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.memory.budget import MemoryBudget, after_margin
-from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity, format_bytes, prepare_allocator
+from adaptive_batch.memory.device import (
+    ADDRESS_SPACE_SOURCE,
+    DeviceCapacity,
+    format_bytes,
+    glibc_mmap_threshold_set,
+    prepare_allocator,
+)
 from adaptive_batch.probe.child import ProbeTarget, child_trial
 from adaptive_batch.probe.search import search_max_batch_size
 
@@ -48,6 +56,8 @@ from adaptive_batch.probe.target import check_make_batch, step_device
 from adaptive_batch.probe.trials import probe_max_batch_size
 from adaptive_batch.probe.verify import largest_that_trains, verify_steps
 from adaptive_batch.validation import check_safety_margin
+
+_LOG = logging.getLogger(__name__)
 
 
 def find_max_batch_size(
@@ -91,11 +101,11 @@ def find_max_batch_size(
             an out-of-memory trial or a crash cannot scar or end this one, and the answer is the
             largest batch that runs the first steps in a fresh process. Without it the trials run
             here and, after one runs out of memory, a fresh process may fit more (said in one line).
-            Under a hard CPU budget this process gets the recipes' glibc settings
-            (:func:`~adaptive_batch.memory.device.return_freed_memory_to_os`, said in one line),
-            since it trains on the answer and glibc's defaults move a step's peak from process to
-            process; a script must then call this under ``if __name__ == "__main__":``, as
-            multiprocessing requires.
+            A script that passes ``build`` calls this under ``if __name__ == "__main__":``, as
+            multiprocessing requires. Under any hard CPU budget this process gets the recipes'
+            glibc settings (:func:`~adaptive_batch.memory.device.return_freed_memory_to_os`,
+            said in one line, to ``log`` or this module's logger), since it trains on the answer
+            and glibc's defaults move a step's peak from process to process.
 
     Returns:
         The largest batch size that ran a real step within the budget, and then a step in
@@ -119,8 +129,9 @@ def find_max_batch_size(
     if device.type == "cpu" and not budget.is_soft:
         # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
         # process to process (BERT's answer trained in one fresh process and failed in the next).
-        say = log or (lambda line: None)
-        prepare_allocator(device, probing=True, log=say, warn=say)
+        if glibc_mmap_threshold_set() is None:  # the Trainer and AdaptiveBatch have set and said it
+            say = log if log is not None else _LOG.info
+            prepare_allocator(device, probing=True, log=say, warn=say)
         # Only an address-space limit is each process's own: under a cgroup or the machine's
         # RAM a child's copy of the model would take from the caller's room.
         if build is not None and capacity.source == ADDRESS_SPACE_SOURCE:

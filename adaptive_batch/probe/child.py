@@ -15,8 +15,9 @@ and heap are never touched.
 from dataclasses import dataclass
 import multiprocessing
 import resource
+import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -92,11 +93,12 @@ def _child_main(
 ) -> None:
     """The child: take the parent's threads and allocator, build, hold to the headroom, run
     ``steps`` steps, send the outcome."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     try:
+        conn.send(("started", None))  # the main module imported: from here a death is the trial's
         parent.apply()
         target = build()
         start, build_peak = proc_status_bytes("VmSize"), proc_status_bytes("VmPeak")
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
         limit = start + headroom_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
         for _ in range(steps):  # each batch made under the limit, as the caller's loop makes it
@@ -104,13 +106,32 @@ def _child_main(
         peak = proc_status_bytes("VmPeak")
         # A peak no higher than the build's says nothing of the steps: what is mapped now does.
         added = (peak if peak > build_peak else proc_status_bytes("VmSize")) - start
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # counting the arenas allocates
         conn.send(("ok", added + _arenas_yet_to_come()))
     except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the parent
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # so does reporting the failure
         # The search runs batch 1 first, so above it a smaller batch of the same step has run.
         kind = "oom" if is_oom_error(exc, after_a_smaller_step=batch_size > 1) else "error"
         conn.send((kind, first_line(exc) if kind == "oom" else traceback.format_exc()))
     finally:
         conn.close()
+
+
+def _receive(conn: Any, timeout_s: Optional[float]) -> Tuple[bool, Optional[Tuple[str, Any]], bool]:
+    """Whether the child started its trial, its outcome (``None``: it died), and whether it
+    gave no answer within ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    started = False
+    while True:
+        if not conn.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            return started, None, True
+        try:
+            message = conn.recv()
+        except EOFError:
+            return started, None, False
+        if message[0] != "started":
+            return True, message, False
+        started = True
 
 
 def child_trial(
@@ -149,30 +170,26 @@ def child_trial(
         )
         process.start()
         child.close()
-        outcome, answered = None, False
+        started, outcome, timed_out = False, None, False
         try:
-            answered = parent.poll(timeout_s)
-            outcome = parent.recv() if answered else None
-        except EOFError:  # the child died before answering
-            outcome = None
+            started, outcome, timed_out = _receive(parent, timeout_s)
         finally:  # also when the wait is interrupted: no child outlives its trial
             if process.is_alive() and outcome is None:
                 process.kill()
             process.join()
             parent.close()
-        if not answered:
+        if timed_out:
             raise RuntimeError(
                 f"the trial process at batch {batch_size} gave no answer in {timeout_s:g} s and was stopped: a step "
                 "that hangs (a deadlock, a collective with no peer) in build's target; run it once at that batch by hand."
             )
-        if outcome is None and process.exitcode is not None and process.exitcode > 0:
-            # Python exited before the trial ran, as when the child re-ran an unguarded script.
+        if not started:  # it ended while importing the main module, as an unguarded script does
             raise RuntimeError(
                 f"the trial process at batch {batch_size} exited with code {process.exitcode} before its trial ran "
                 "(its traceback is above). Trial processes import the main module, as multiprocessing does: in a "
                 "script, call find_max_batch_size(build=...) under `if __name__ == \"__main__\":`."
             )
-        if outcome is None:  # a signal: a segfault, an abort, the kernel's OOM killer
+        if outcome is None:  # a segfault, an abort, exit(1) from a thread that could not start, the OOM killer
             raise ChildOutOfMemoryError(f"the trial process at batch {batch_size} died (exit code {process.exitcode})")
         kind, value = outcome
         if kind == "ok":

@@ -166,8 +166,8 @@ def step_budget(
     Raises:
         ConfigError: for a ``max_memory`` the device cannot give.
     """
-    # No allocator settings here: the library leaves the process as it found it (the recipes
-    # set theirs in prepare_allocator and say so).
+    # No allocator settings here: whoever trains on the answer sets them (prepare_allocator) and
+    # says so: the recipes, AdaptiveBatch, the Trainer, find_max_batch_size under a hard budget.
     capacity = device_capacity(device)
     budget = memory_budget(
         max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes),

@@ -179,7 +179,8 @@ def test_a_ranks_error_line_is_one_write_so_ranks_on_one_pipe_cannot_interleave_
     import adaptive_batch.distributed as distributed
 
     writes = []
-    monkeypatch.setattr(distributed.os, "write", lambda fd, data: writes.append((fd, data)))
+    monkeypatch.setattr(distributed.os, "write", lambda fd, data: writes.append((fd, data)) or len(data))
     monkeypatch.setattr(distributed.os, "_exit", lambda code: writes.append(("exit", code)))
+    monkeypatch.setattr("logging.shutdown", lambda: None)  # this worker's log handlers stay open
     distributed.exit_past_teardown("error: rank 1: batch size 1 does not fit")
     assert writes == [(2, b"error: rank 1: batch size 1 does not fit\n"), ("exit", 1)]

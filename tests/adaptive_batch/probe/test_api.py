@@ -272,10 +272,11 @@ def test_an_overshooting_trial_fails_to_allocate_under_the_probes_own_limit(tmp_
     assert result["lifted"]
 
 
-def test_the_library_sets_no_allocator_option(monkeypatch):
+def test_under_a_soft_budget_the_library_sets_no_allocator_option(monkeypatch):
     """A fixed M_MMAP_THRESHOLD cannot be undone (it turns glibc's dynamic threshold off for
-    the process), and a batch found with it fails in the caller's plain process: the library
-    calls no mallopt; only the recipes set it, for their own training, and say so."""
+    the process), and a batch found with it fails in the caller's plain process: under a soft
+    budget (judged by tensor bytes) the library calls no mallopt. Under a hard one it does and
+    says so (test_child.py), since the caller trains on the answer under that limit."""
     import ctypes
 
     opened = []

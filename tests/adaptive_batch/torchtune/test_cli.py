@@ -12,7 +12,6 @@ import pytest
 from adaptive_batch.torchtune.cli import main
 from tests.recipes.conftest import REPO, run_in_process, tune_env
 
-CLI = str(Path(sys.executable).with_name("adaptive-batch"))
 TINY = "configs/tiny/full_single_device.yaml"
 
 
