@@ -9,10 +9,13 @@ from adaptive_batch.probe.child import ChildOutOfMemoryError, child_trial
 from tests.adaptive_batch.probe import crashing_step
 
 
-def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_address_space):
+def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_address_space, monkeypatch):
     """A conv net's probe died of a segfault and of oneDNN's "could not create a primitive" in
     the caller's own process; in children (under an address-space limit, each process's own)
     both are trials that did not fit."""
+    from adaptive_batch.memory import device
+
+    monkeypatch.setattr(device, "_mmap_threshold_set", None)  # glibc's defaults, whatever ran here before
     target = crashing_step.build()
     before = [p.detach().clone() for p in target.model.parameters()]
     lines = []
@@ -24,6 +27,7 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
     assert any("in a fresh process" in line for line in lines)
     # the caller trains on the answer: on the allocator its children were measured with, said once
     assert sum(line.startswith("CPU allocator: glibc M_MMAP_THRESHOLD") for line in lines) == 1
+    assert device.glibc_mmap_threshold_set() is not None
     assert any("out of memory" in line for line in lines if line.startswith("probe trial"))
     assert all(torch.equal(a, b) for a, b in zip(before, target.model.parameters()))  # never stepped here
 
