@@ -49,7 +49,8 @@ class BatchSizeTooLargeError(RuntimeError):
         super().__init__(
             f"{where}batch size 1 does not fit: one training step {needed}, and "
             f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) is available. {more}, "
-            "shorten tokenizer.max_seq_len, or enable activation checkpointing."
+            "shorten the longest sample (tokenizer.max_seq_len in a torchtune config, the tokenizer's max_length "
+            "with Hugging Face), or enable activation checkpointing."
         )
 
     def __reduce__(self):

@@ -279,3 +279,13 @@ def test_under_a_real_limit_it_finds_the_true_maximum(tmp_path):
     found = probed["found"]
     assert 1 < found < 16 and probed["oom_trials"] <= 1, probed
     assert run("fresh", found)["trains"] and not run("fresh", found + 1)["trains"], found
+
+
+def test_a_budget_under_batch_one_names_the_trainers_own_fix(tmp_path):
+    """The fix once named only torchtune's tokenizer.max_seq_len to a Hugging Face user."""
+    from adaptive_batch import BatchSizeTooLargeError
+
+    trainer = _trainer(tmp_path, max_memory="1MiB")
+    with pytest.raises(BatchSizeTooLargeError, match=r"batch size 1 does not fit: .* Raise max_memory, shorten the "
+                       r"longest sample \(.*the tokenizer's max_length with Hugging Face\)"):
+        trainer.train()
