@@ -3,7 +3,8 @@
 For each vocabulary and headroom: one process builds a 4-layer torchtune Llama (sequence 512,
 AdamW), sets ``RLIMIT_AS`` to its size plus the headroom (as ``prlimit --as`` would), and
 calls ``find_max_batch_size(max_memory=None)``. Then fresh processes, with the same limit and
-glibc's default settings, train the answer and the answer + 1 for ``--steps`` steps each.
+the glibc settings ``find_max_batch_size`` leaves its caller with under a hard limit (the
+recipes'), train the answer and the answer + 1 for ``--steps`` steps each.
 The answer holds when it trains every step and answer + 1 does not.
 
     python benchmarks/bench_holds.py                       # the table in docs/probe.md
@@ -45,9 +46,10 @@ def _parts(vocab: int):
     return model, optimizer, step, make_batch
 
 
-def _limit(headroom_gib: float) -> None:
-    # glibc's defaults: the answer is handed to a plain script, which sets no option
-    limit_address_space(int(headroom_gib * 2**30), recipe_allocator=False)
+def _limit(headroom_gib: float, *, probing: bool) -> None:
+    # A plain script starts on glibc's defaults; find_max_batch_size then sets the recipes' options
+    # under a hard limit, and the caller trains on them.
+    limit_address_space(int(headroom_gib * 2**30), recipe_allocator=not probing)
 
 
 def worker(mode: str, vocab: int, headroom_gib: float, batch_size: int, steps: int) -> dict:
@@ -55,7 +57,7 @@ def worker(mode: str, vocab: int, headroom_gib: float, batch_size: int, steps: i
 
     from adaptive_batch import BatchSizeTooLargeError, find_max_batch_size, is_oom_error
 
-    _limit(headroom_gib)
+    _limit(headroom_gib, probing=mode == "probe")
     model, optimizer, step, make_batch = _parts(vocab)
     if mode == "probe":
         start = time.perf_counter()
