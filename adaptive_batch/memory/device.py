@@ -300,9 +300,6 @@ def address_space_limit_at(limit_bytes: int) -> Iterator[Optional[int]]:
 
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-# A glibc malloc arena of a thread other than the main one reserves this much address space
-# (HEAP_MAX_SIZE on 64-bit), touched or not.
-ARENA_RESERVE_BYTES = 64 * 2**20
 # The M_MMAP_THRESHOLD this process set through return_freed_memory_to_os (None: glibc's defaults).
 _mmap_threshold_set: Optional[int] = None
 
@@ -312,26 +309,6 @@ def glibc_mmap_threshold_set() -> Optional[int]:
     while glibc's defaults hold (a process started elsewhere, such as a probe's child, is told
     it to train on the same allocator)."""
     return _mmap_threshold_set
-
-
-def malloc_arena_count() -> Optional[int]:
-    """The malloc arenas glibc has made in this process so far (``malloc_info``), ``None`` on
-    another C library."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.open_memstream.restype = ctypes.c_void_p
-        text, size = ctypes.c_char_p(), ctypes.c_size_t()
-        stream = libc.open_memstream(ctypes.byref(text), ctypes.byref(size))
-        if not stream:  # no memory for the stream: malloc_info would write through NULL
-            return None
-        stream = ctypes.c_void_p(stream)
-        libc.malloc_info(0, stream)
-        libc.fclose(stream)
-        info = ctypes.string_at(text, size.value).decode()
-        libc.free(text)
-    except (OSError, AttributeError, MemoryError):
-        return None
-    return info.count("<heap nr=")
 
 
 def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:

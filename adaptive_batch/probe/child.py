@@ -22,13 +22,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from adaptive_batch.memory.device import (
-    ARENA_RESERVE_BYTES,
-    glibc_mmap_threshold_set,
-    malloc_arena_count,
-    proc_status_bytes,
-    return_freed_memory_to_os,
-)
+from adaptive_batch.memory.device import glibc_mmap_threshold_set, proc_status_bytes, return_freed_memory_to_os
 from adaptive_batch.memory.oom import first_line, is_oom_error
 
 
@@ -72,21 +66,6 @@ class _ParentProcess:
             return_freed_memory_to_os(self.mmap_threshold)
 
 
-def _arenas_yet_to_come() -> int:
-    """The address space glibc's arenas may still take for threads that have none yet.
-
-    Under glibc's defaults each compute thread that allocates gets an arena of its own, which
-    reserves 64 MiB of address space, and whether a worker thread allocates in the first steps
-    is a race: a BERT step that fitted a child with one arena failed in a fresh process with
-    two. Charging the missing ones judges every child by the worst case. None with the
-    recipes' allocator (one arena).
-    """
-    if glibc_mmap_threshold_set() is not None:
-        return 0
-    arenas = malloc_arena_count()
-    return 0 if arenas is None else max(0, torch.get_num_threads() - arenas) * ARENA_RESERVE_BYTES
-
-
 def _child_main(
     build: Callable[[], ProbeTarget], batch_size: int, steps: int, headroom_bytes: int, parent: _ParentProcess,
     conn: Any,
@@ -106,10 +85,9 @@ def _child_main(
         peak = proc_status_bytes("VmPeak")
         # A peak no higher than the build's says nothing of the steps: what is mapped now does.
         added = (peak if peak > build_peak else proc_status_bytes("VmSize")) - start
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # counting the arenas allocates
-        conn.send(("ok", added + _arenas_yet_to_come()))
+        conn.send(("ok", added))
     except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the parent
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # so does reporting the failure
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # reporting the failure allocates
         # The search runs batch 1 first, so above it a smaller batch of the same step has run.
         kind = "oom" if is_oom_error(exc, after_a_smaller_step=batch_size > 1) else "error"
         conn.send((kind, first_line(exc) if kind == "oom" else traceback.format_exc()))
@@ -148,9 +126,8 @@ def child_trial(
             no limit).
 
     Returns:
-        ``run(batch_size) -> bytes``: the address space the steps added, with the arenas glibc
-        may still make for compute threads that have none (under its defaults). The child runs
-        with this process's thread count and glibc settings, as of the call to ``run``.
+        ``run(batch_size) -> bytes``: the address space the steps added. The child runs with
+        this process's thread count and glibc settings, as of the call to ``run``.
 
     Raises:
         ChildOutOfMemoryError: (from ``run``) when the child ran out of memory or died.

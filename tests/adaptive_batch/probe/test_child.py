@@ -114,21 +114,6 @@ def test_a_child_trains_with_the_callers_threads_and_allocator(torch_threads, mo
         run(1)
 
 
-def test_under_glibcs_defaults_a_child_is_charged_the_arenas_its_threads_may_still_make(torch_threads, monkeypatch):
-    """BERT's answer fitted a child whose second thread had made no arena and failed in a fresh
-    process whose thread had (64 MiB of address space): a child is judged by the worst case."""
-    from adaptive_batch.memory import device
-
-    monkeypatch.setattr(device, "_mmap_threshold_set", None)  # glibc's defaults, whatever ran here before
-    run = child_trial(crashing_step.build, headroom_bytes=2**30, steps=1)
-    torch_threads(1)
-    alone = run(4)
-    torch_threads(2)
-    assert alone < device.ARENA_RESERVE_BYTES <= run(4)
-    monkeypatch.setattr(device, "_mmap_threshold_set", 256 * 1024)  # the recipes' allocator: one arena
-    assert run(4) < device.ARENA_RESERVE_BYTES
-
-
 UNGUARDED_SCRIPT = """
 import resource
 from adaptive_batch import find_max_batch_size
