@@ -14,7 +14,6 @@ same limit. Rows run with the default samples replace their own in the docs tabl
 """
 
 import argparse
-import json
 import math
 import os
 from pathlib import Path
@@ -25,6 +24,8 @@ import tempfile
 import time
 
 from readme_table import write_readme_table
+
+from adaptive_batch.probe.report import read_probe_report
 
 REPO = Path(__file__).resolve().parents[1]
 FULL, LORA = "recipes/full_finetune_single_device.py", "recipes/lora_finetune_single_device.py"
@@ -73,10 +74,10 @@ def row(name: str, headroom: float, samples: int, over_steps: int, work: Path) -
     report_path = work / "probed" / "batch_probe.json"
     if not report_path.exists():
         return f"| {kind} | {vocab} | {headroom} GiB | - | - | - | - | - | no probe: {_last_line(probed)} |"
-    report = json.loads(report_path.read_text())
-    found = report["batch_size"]
-    trials = report.get("trials", [])
-    ooms = sum(not t["fits"] for t in trials)
+    report = read_probe_report(str(report_path))
+    found = report.batch_size
+    trials = report.trials
+    ooms = sum(not t.fits for t in trials)
     steps = _steps(work / "probed")
     epoch = math.ceil(samples / found)
     # every step at the found batch but the epoch's last, which holds what is left

@@ -56,7 +56,9 @@ def probe(config, memory, out):
         "probe", "--config", config, f"output_dir={out}", f"max_memory={memory}", "--no-cache",
         "batch_increase_function=null",
     )
-    return json.loads((Path(out) / "batch_probe.json").read_text()), seconds
+    from adaptive_batch.probe.report import read_probe_report
+
+    return read_probe_report(str(Path(out) / "batch_probe.json")), seconds
 
 
 def main():
@@ -78,8 +80,8 @@ def main():
             for i, memory in enumerate(budgets):
                 planned, plan_s = plan(config, memory)
                 report, probe_s = probe(config, memory, f"{d}/{Path(config).stem}_{i}")
-                found = report["max_batch_size"]
-                measured = next(t["peak_bytes"] for t in report["trials"] if t["batch_size"] == found and t["fits"])
+                found = report.max_batch_size
+                measured = next(t.peak_bytes for t in report.trials if t.batch_size == found and t.fits)
                 # the plan's own fake step at that batch where it ran one, else its table's line
                 steps = {r["batch_size"]: r["peak_bytes"] for r in planned["rows"] + planned["measured"]}
                 line = planned["estimate"]

@@ -108,7 +108,7 @@ def _adaptive_batch_answer(target, budget, lines) -> int:
                              batch_size=1, make_batch=target.make_batch, use_maximum_batch_size=True,
                              max_memory=budget, probe_cache=False, log=lines.append, shuffle=False)
     adaptive.batches(0)
-    return int(adaptive.controller.probe_report["batch_size"])
+    return adaptive.controller.probe_report.batch_size
 
 
 def soft_truth(row: int) -> int:

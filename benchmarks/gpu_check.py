@@ -201,7 +201,7 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
                               device=device, seq_len=int(cfg.tokenizer.max_seq_len), dataset_size=1 << 40,
                               output_dir=str(workdir), log=lambda line: None, save_report=False)
     probe_seconds = time.perf_counter() - t0
-    found = report["batch_size"]
+    found = report.batch_size
     curve = measure_curve(step, make_batch, model, optimizer, device, found) if curve_points else []
     del model, optimizer, step
     release_memory(device)
@@ -210,8 +210,8 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
         "row": name, "vocab": int(cfg.model.get("vocab_size", 128256)), "dtype": str(cfg.get("dtype", "fp32")),
         "ac": bool(cfg.get("enable_activation_checkpointing", False)), "max_memory": max_memory,
         "budget_bytes": budget.budget_bytes, "limit_bytes": budget.limit_bytes, "margin": budget.safety_margin,
-        "found": found, "searched": report["max_batch_size"], "predicted": report["estimate"]["predicted_max_batch_size"],
-        "probe_seconds": probe_seconds, "search": report, "curve": curve,
+        "found": found, "searched": report.max_batch_size, "predicted": report.estimate["predicted_max_batch_size"],
+        "probe_seconds": probe_seconds, "search": report.to_dict(), "curve": curve,
     }
     if device.type == "cuda":
         row["trained"] = train_fresh(name, found, steps, budget.budget_bytes, str(device))

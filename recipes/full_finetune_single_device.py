@@ -33,6 +33,7 @@ from adaptive_batch.data.lengths import sample_lengths
 from adaptive_batch.faults import fault_point
 from adaptive_batch.files import OutputDirLock, remove_partial_writes
 from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
+from adaptive_batch.probe.report import ProbeReport
 from adaptive_batch.probe.trials import worst_case_text_batch
 from adaptive_batch.run import step_checkpoints
 from adaptive_batch.run.lr_coupling import ParamGroupsOf
@@ -378,7 +379,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         }
 
     @property
-    def probe_report(self) -> Optional[Dict[str, Any]]:
+    def probe_report(self) -> Optional[ProbeReport]:
         """What ``batch_probe.json`` holds, or ``None`` when the run did not probe."""
         return self._batching.probe_report
 

@@ -15,6 +15,7 @@ import os
 from typing import Any, Callable, Dict, Optional
 
 from adaptive_batch.files import atomic_write
+from adaptive_batch.probe.report import ProbeReport
 
 CACHE_FORMAT = 1
 
@@ -90,7 +91,7 @@ class ProbeCache:
     def path(self, fields: Dict[str, Any]) -> str:
         return os.path.join(self.directory, f"probe_{cache_key(fields)}.json")
 
-    def load(self, fields: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    def load(self, fields: Dict[str, Any]) -> Optional[ProbeReport]:
         """The cached report for ``fields``, or ``None`` (missing, corrupt or stale)."""
         path = self.path(fields)
         if not os.path.exists(path):
@@ -108,12 +109,15 @@ class ProbeCache:
             self.warn(f"probe cache: ignoring stale entry {path} (its fields or format differ); probing again.")
             return None
         problem = report_problem(report, fields)
-        if problem is not None:
-            self.warn(f"probe cache: ignoring invalid entry {path} ({problem}); probing again.")
-            return None
-        return report
+        if problem is None:
+            try:
+                return ProbeReport.from_dict(report)
+            except ValueError as e:
+                problem = str(e)
+        self.warn(f"probe cache: ignoring invalid entry {path} ({problem}); probing again.")
+        return None
 
-    def store(self, fields: Dict[str, Any], report: Dict[str, Any]) -> str:
+    def store(self, fields: Dict[str, Any], report: ProbeReport) -> str:
         """Writes the entry atomically and returns its path."""
-        entry = {"format": CACHE_FORMAT, "fields": fields, "report": report}
+        entry = {"format": CACHE_FORMAT, "fields": fields, "report": report.to_dict()}
         return atomic_write(self.path(fields), lambda f: json.dump(entry, f, indent=2, default=str), text=True)

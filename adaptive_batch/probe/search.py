@@ -72,7 +72,8 @@ class SearchResult:
         ratios = [t.peak_bytes / self.budget_bytes for t in self.trials if t.peak_bytes is not None]
         return max(ratios) if ratios else None
 
-    def to_dict(self) -> dict:
+    def estimate_dict(self) -> dict:
+        """The fitted line's kind, coefficients and prediction, as the report writes them."""
         estimate = {}
         if isinstance(self.estimate, OperatorMemoryEstimate):
             estimate = self.estimate.to_dict(self.predicted_max_batch_size or 1)
@@ -80,10 +81,13 @@ class SearchResult:
             estimate = self.estimate.to_dict()
         estimate["kind"] = _ESTIMATE_KINDS.get(type(self.estimate))
         estimate["predicted_max_batch_size"] = self.predicted_max_batch_size
+        return estimate
+
+    def to_dict(self) -> dict:
         return {
             "max_batch_size": self.max_batch_size,
             "budget_bytes": self.budget_bytes,
-            "estimate": estimate,
+            "estimate": self.estimate_dict(),
             "trials": [asdict(t) for t in self.trials],
             "max_overshoot": self.max_overshoot,
             "total_seconds": self.total_seconds,

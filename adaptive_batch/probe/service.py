@@ -37,14 +37,9 @@ from adaptive_batch.memory.device import (
 from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_versions
 from adaptive_batch.probe.lockstep import LockstepTrial
 from adaptive_batch.probe.search import ROUNDING_MODES, round_batch_size
-from adaptive_batch.probe.throughput import OBJECTIVES, probe_throughput
-from adaptive_batch.probe.trials import (
-    PROBE_FILENAME,
-    describe_result,
-    probe_max_batch_size,
-    probe_report,
-    write_probe_report,
-)
+from adaptive_batch.probe.throughput import OBJECTIVES, ThroughputChoice, probe_throughput
+from adaptive_batch.probe.report import PROBE_FILENAME, CacheUse, ProbeReport, report_of_search, write_probe_report
+from adaptive_batch.probe.trials import probe_max_batch_size
 from adaptive_batch.probe.verify import largest_that_trains, runs_consecutive_steps, verify_steps
 from adaptive_batch.validation import check_bool, check_choice, check_fraction, check_positive_int, check_positive_number, check_safety_margin
 
@@ -247,7 +242,7 @@ def probe_batch_size(
     cache_fields: Optional[Dict[str, Any]] = None,
     log: Callable[[str], None] = print,
     save_report: bool = True,
-) -> Dict[str, Any]:
+) -> ProbeReport:
     """Finds the batch to train with (or reuses a cached result) and writes the report.
 
     Args:
@@ -288,7 +283,7 @@ def probe_batch_size(
         batch_size_objective=options.batch_size_objective, throughput_tolerance=options.throughput_tolerance,
         versions=library_versions(),
     )
-    def publish(report: Dict[str, Any]) -> str:
+    def publish(report: ProbeReport) -> str:
         if not save_report:
             return _report_path(output_dir)
         return save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
@@ -304,18 +299,18 @@ def probe_batch_size(
         state=dict(model=model, optimizer=optimizer, directory=output_dir, log=log), log=log,
     )
     cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
-    largest = None if cached is None else int(cached.get("verified_batch_size", cached["batch_size"]))
+    largest = None if cached is None else cached.largest_that_trains
     if largest is not None and not runs_consecutive_steps(largest, **check):
         log(f"use_maximum_batch_size: the probe cache's batch_size={largest} did not train here; probing again.")
         cached = None
     if cached is not None:
-        report = dict(cached, cache={"hit": True, "path": cache.path(key)})
-        path = publish(report)
+        cached.cache = CacheUse(hit=True, path=cache.path(key))
+        path = publish(cached)
         log(
             f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
-            f"{cached['batch_size']}, no probing; probe_cache=False probes again. Details in {path}"
+            f"{cached.batch_size}, no probing; probe_cache=False probes again. Details in {path}"
         )
-        return report
+        return cached
 
     log(
         f"use_maximum_batch_size: probing up to batch {cap} at seq_len={seq_len} with "
@@ -350,22 +345,21 @@ def probe_batch_size(
         raise BatchSizeTooLargeError(e.bytes_needed, common_budget, source, rank=rank_budgets.index(common_budget)) from None
     verified = largest_that_trains(result.max_batch_size, **check)
     batch_size = round_batch_size(verified, options.batch_size_rounding)
-    extra: Dict[str, Any] = {
-        "capacity": capacity.to_dict(), "trial_address_space_limit": address_space, "batch_size_cap": cap,
-        "batch_size_objective": options.batch_size_objective, "world_size": ranks.world_size,
-        "verified_batch_size": verified, "verify_steps": verify_steps(device),
-        # What every rank measured against its own budget; the batch is what fits on all.
-        "ranks": ranks.gather(lockstep[0].report()),
-    }
+    throughput = None
     if options.batch_size_objective == "throughput":
-        choice = _fastest(options, batch_size, ranks, lambda: trial_memory_limit(address_space), steps)
-        extra["throughput"] = choice.to_dict()
-        batch_size = choice.batch_size
-    report = probe_report(result, batch_size=batch_size, seq_len=seq_len, device=device, budget=budget, extra=extra)
+        throughput = _fastest(options, batch_size, ranks, lambda: trial_memory_limit(address_space), steps)
+        batch_size = throughput.batch_size
+    report = report_of_search(
+        result, batch_size=batch_size, seq_len=seq_len, device=device, budget=budget, capacity=capacity,
+        trial_address_space_limit=address_space, batch_size_cap=cap, batch_size_objective=options.batch_size_objective,
+        world_size=ranks.world_size, verified_batch_size=verified, verify_steps=verify_steps(device),
+        # What every rank measured against its own budget; the batch is what fits on all.
+        ranks=ranks.gather(lockstep[0].report()), throughput=throughput,
+    )
     if cache is not None and not result.stopped_by_time:  # a longer search may find more
         stored = ranks.decide_on_main(lambda: cache.store(key, report))
-        report["cache"] = {"hit": False, "path": stored}
-    log(describe_result(result, budget))
+        report.cache = CacheUse(hit=False, path=stored)
+    log(report.describe())
     path = publish(report)
     log(f"use_maximum_batch_size: the batch to use is {batch_size}; details in {path}")
     return report
@@ -373,7 +367,7 @@ def probe_batch_size(
 
 def _fastest(
     options: ProbeOptions, batch_size: int, ranks: RankGroup, trial_limit: Callable, steps: Dict[str, Any]
-) -> Any:
+) -> ThroughputChoice:
     """The throughput objective: ranks time the same steps; rank 0's choice holds for all."""
     timed = probe_throughput(
         max_batch_size=batch_size, tolerance=options.throughput_tolerance, trial_limit=trial_limit, **steps
@@ -387,7 +381,7 @@ def _fastest(
 
 
 def save_probe_report(
-    report: Dict[str, Any],
+    report: ProbeReport,
     output_dir: str,
     ranks: RankGroup,
     *,

@@ -12,8 +12,6 @@ any loop, not only the recipes in this repository::
 """
 
 from contextlib import nullcontext
-import json
-import os
 from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
@@ -22,18 +20,12 @@ from torch.utils._pytree import tree_leaves
 
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.faults import fault_point
-from adaptive_batch.files import atomic_write
-from adaptive_batch.memory.budget import MemoryBudget, state_tensors
-from adaptive_batch.memory.device import format_bytes, free_mkl_buffers
+from adaptive_batch.memory.budget import state_tensors
+from adaptive_batch.memory.device import free_mkl_buffers
 from adaptive_batch.memory.oom import release_memory
 from adaptive_batch.memory.tracker import StepMemory, measure_phase_peaks
 from adaptive_batch.probe.search import SearchResult, search_max_batch_size
 from adaptive_batch.probe.snapshot import TrainingStateSnapshot
-
-PROBE_FILENAME = "batch_probe.json"
-# Key of the probe result in the recipe state (recipe_state.pt), so a resumed run does not probe.
-PROBE_STATE_KEY = "batch_probe"
-
 
 def measure_training_step(
     train_step: Callable[[Any], None],
@@ -139,47 +131,6 @@ def probe_max_batch_size(
             raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget_source) from None
     release_memory(device)
     return result
-
-
-def probe_report(
-    result: SearchResult,
-    *,
-    batch_size: int,
-    seq_len: int,
-    device: torch.device,
-    budget: MemoryBudget,
-    extra: Optional[Dict[str, Any]] = None,
-) -> Dict[str, Any]:
-    """The content of ``batch_probe.json``: the result, the trials and how the budget was set."""
-    report = result.to_dict()
-    report.update(
-        {
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "device": str(device),
-            "budget": budget.to_dict(),
-            "num_trials": result.num_trials,
-        }
-    )
-    report.update(extra or {})
-    return report
-
-
-def write_probe_report(report: Dict[str, Any], output_dir: str) -> str:
-    """Writes ``batch_probe.json`` atomically (never a half-written file) and returns its path."""
-    return atomic_write(os.path.join(output_dir, PROBE_FILENAME), lambda f: f.write(json.dumps(report, indent=2) + "\n"), text=True)
-
-
-def describe_result(result: SearchResult, budget: MemoryBudget) -> str:
-    """One line for the log: what was found, against which budget, at what cost."""
-    predicted = result.predicted_max_batch_size
-    return (
-        f"use_maximum_batch_size: largest batch that fits is {result.max_batch_size} "
-        f"(estimate predicted {predicted}), budget {format_bytes(budget.budget_bytes)} "
-        f"= {format_bytes(budget.limit_bytes)} from {budget.source} less a "
-        f"{budget.safety_margin:.0%} safety margin; {result.num_trials} trial steps in "
-        f"{result.total_seconds:.1f}s"
-    )
 
 
 def worst_case_text_batch(

@@ -25,6 +25,7 @@ from adaptive_batch.data.token_budget import (
 )
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.probe.report import ProbeReport
 
 
 class SampleBatches:
@@ -33,7 +34,7 @@ class SampleBatches:
     uses_token_budget = False
     counts_lr_in_samples = True
 
-    def adopt_probe(self, report: dict, seq_len: int, log: Callable[[str], None]) -> bool:
+    def adopt_probe(self, report: ProbeReport, seq_len: int, log: Callable[[str], None]) -> bool:
         """Nothing to take from a probe report beyond its batch size; returns ``False``."""
         return False
 
@@ -109,13 +110,13 @@ class TokenBatches:
         self.max_batch_size = max_batch_size
         self.lengths: List[int] = []
 
-    def adopt_probe(self, report: dict, seq_len: int, log: Callable[[str], None]) -> bool:
+    def adopt_probe(self, report: ProbeReport, seq_len: int, log: Callable[[str], None]) -> bool:
         """The budget becomes the probed batch in full-length rows: any batch with as many
         padded tokens fits. Returns whether the report gained ``max_tokens``."""
-        added = "max_tokens" not in report  # a new probe or a cached one
+        added = report.max_tokens is None  # a new probe or a cached one
         if added:
-            report["max_tokens"] = report["batch_size"] * seq_len
-        self.max_tokens = report["max_tokens"]
+            report.max_tokens = report.batch_size * seq_len
+        self.max_tokens = report.max_tokens
         log(f"use_maximum_batch_size: training with max_tokens={self.max_tokens}")
         return added
 

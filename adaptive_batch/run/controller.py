@@ -18,8 +18,9 @@ from adaptive_batch.data.samplers import BATCH_STATE_KEY, BatchState
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.faults import fault_point
 from adaptive_batch.memory.device import prepare_allocator
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.probe.report import PROBE_STATE_KEY, ProbeReport
 from adaptive_batch.probe.service import save_probe_report
-from adaptive_batch.probe.trials import PROBE_STATE_KEY
 from adaptive_batch.run.batching import SampleBatches, TokenBatches
 from adaptive_batch.run.grower import Grower
 from adaptive_batch.run.lr_coupling import LRCoupling
@@ -30,7 +31,7 @@ from adaptive_batch.schedule.global_batch import MicroBatchPlan, micro_batches_p
 from adaptive_batch.schedule.noise_scale import NOISE_SCALE_STATE_KEY
 from adaptive_batch.validation import check_positive_int
 
-Probe = Callable[..., Dict[str, Any]]
+Probe = Callable[..., ProbeReport]
 
 
 class AdaptiveBatchController:
@@ -95,7 +96,7 @@ class AdaptiveBatchController:
         self.grower = Grower(options.growth, options.noise, ranks=self.ranks, log=self.log, warn=self.warn)
         self.lr: Optional[LRCoupling] = None
         self.micro_batch_plan: Optional[MicroBatchPlan] = None
-        self.probe_report: Optional[Dict[str, Any]] = None
+        self.probe_report: Optional[ProbeReport] = None
         self._probe_again = False
         self.batch: Optional[BatchState] = None
         self._batch_state: Optional[Dict[str, Any]] = None
@@ -112,15 +113,19 @@ class AdaptiveBatchController:
         """The batch state, the probe result and the noise scale, under their recipe-state keys."""
         state: Dict[str, Any] = {BATCH_STATE_KEY: self.batch.state_dict()}
         if self.probe_report is not None:
-            state[PROBE_STATE_KEY] = self.probe_report
+            state[PROBE_STATE_KEY] = self.probe_report.to_dict()
         if self.grower.noise_scale is not None:
             state[NOISE_SCALE_STATE_KEY] = self.grower.state_dict()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Takes a resumed run's probe result and batch state from the recipe state (other
-        keys are ignored); the batch state applies once :meth:`settle` has built the batch."""
-        self.probe_report = state.get(PROBE_STATE_KEY)
+        keys are ignored); the batch state applies once :meth:`settle` has built the batch.
+
+        Raises:
+            ConfigError: for a probe result this version cannot read (a newer format).
+        """
+        self.probe_report = None if state.get(PROBE_STATE_KEY) is None else _resumed_report(state[PROBE_STATE_KEY])
         self._batch_state = state.get(BATCH_STATE_KEY)
         self.grower.load_state_dict(state.get(NOISE_SCALE_STATE_KEY))
         if self.batch is not None and self._batch_state is not None:
@@ -158,7 +163,7 @@ class AdaptiveBatchController:
         options = self.options
         probed = False
         if self.probe_report is not None:
-            self.log(f"Resumed run: using the probed batch_size={self.probe_report['batch_size']} from the recipe state.")
+            self.log(f"Resumed run: using the probed batch_size={self.probe_report.batch_size} from the recipe state.")
         elif options.needs_probe:
             if not options.probe.use_maximum_batch_size:
                 self.log(
@@ -180,7 +185,7 @@ class AdaptiveBatchController:
             world_size=self.ranks.world_size, dataset_size=dataset_size, report=report, log=self.log, warn=self.warn,
         )
         if report is not None and self.micro_batch_plan is not None:
-            report["global_batch"], changed = self.micro_batch_plan.to_dict(), True
+            report.global_batch, changed = self.micro_batch_plan.to_dict(), True
         if probed or changed:
             save_probe_report(report, self.output_dir, self.ranks, plot=options.probe.plot, log=self.log)
         self.batch = BatchState(
@@ -337,3 +342,20 @@ class AdaptiveBatchController:
                 world_size=self.ranks.world_size, seconds=seconds,
             ),
         }
+
+
+def _resumed_report(data: Any) -> ProbeReport:
+    """The recipe state's probe result (any format this version reads).
+
+    Raises:
+        ConfigError: when it does not read.
+    """
+    if isinstance(data, ProbeReport):
+        return data
+    try:
+        return ProbeReport.from_dict(data)
+    except ValueError as e:
+        raise ConfigError(
+            f"the recipe state's {PROBE_STATE_KEY!r} does not read ({e}): resume with the adaptive-batch that wrote it, "
+            "or start afresh without resume_from_checkpoint."
+        ) from None

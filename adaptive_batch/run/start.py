@@ -4,9 +4,10 @@ Pure decisions over the probe's report and the settings: they return numbers and
 write nothing (the controller writes the report once, after them).
 """
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.probe.report import ProbeReport
 from adaptive_batch.probe.search import round_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.run.options import AdaptiveBatchOptions
@@ -22,7 +23,7 @@ def first_batch(
     gradient_accumulation_steps: int,
     world_size: int,
     dataset_size: int,
-    report: Optional[Dict[str, Any]],
+    report: Optional[ProbeReport],
     log: Callable[[str], None],
     warn: Callable[[str], None],
 ) -> Tuple[int, int, Optional[MicroBatchPlan]]:
@@ -51,7 +52,7 @@ def starting_batch(
     *,
     batch_size: int,
     gradient_accumulation_steps: int,
-    report: Optional[Dict[str, Any]],
+    report: Optional[ProbeReport],
     probe: ProbeOptions,
     growth: GrowthOptions,
     log: Callable[[str], None],
@@ -68,13 +69,13 @@ def starting_batch(
     if growth.batch_increase_function is None:
         if report is None:
             return batch_size * accumulation, batch_size
-        micro = report["batch_size"]
+        micro = report.batch_size
         log(f"use_maximum_batch_size: training with batch_size={micro}")
         return micro * accumulation, micro
     # Growth is bounded by the largest batch that ran consecutive steps (not the search's answer,
     # which may have failed them), whatever batch the objective chose.
     bound = (
-        round_batch_size(report.get("verified_batch_size", report["batch_size"]), probe.batch_size_rounding)
+        round_batch_size(report.largest_that_trains, probe.batch_size_rounding)
         if report is not None
         else probe.max_batch_size
     )
@@ -99,7 +100,7 @@ def global_batch_plan(
     world_size: int,
     dataset_size: int,
     batch_size: int,
-    report: Optional[Dict[str, Any]],
+    report: Optional[ProbeReport],
     throughput_tolerance: float,
 ) -> MicroBatchPlan:
     """How a rank runs its share of ``global_batch``: micro-batches of the probed batch (or
@@ -114,9 +115,9 @@ def global_batch_plan(
             f"{GLOBAL_KEY}={global_batch} is {share} samples a rank a step, more than the "
             f"{dataset_size} samples a rank has: lower {GLOBAL_KEY} to at most {dataset_size * world_size}."
         )
-    trials = (report or {}).get("throughput", {}).get("trials")
-    if report is not None and trials:
-        return fastest_split(global_batch, world_size=world_size, trials=trials, tolerance=throughput_tolerance)
+    if report is not None and report.throughput is not None and report.throughput.trials:
+        return fastest_split(global_batch, world_size=world_size, trials=[(t.batch_size, t.seconds_per_step) for t in report.throughput.trials],
+                             tolerance=throughput_tolerance)
     if report is not None:
-        return split_global_batch(global_batch, world_size=world_size, largest_micro_batch=report["batch_size"])
+        return split_global_batch(global_batch, world_size=world_size, largest_micro_batch=report.batch_size)
     return split_global_batch(global_batch, world_size=world_size, largest_micro_batch=batch_size, chosen_by="batch_size")

@@ -14,7 +14,7 @@ seed's rule) when it is within the tolerance of the fastest.
 
 from dataclasses import asdict, dataclass
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.validation import check_positive_int
@@ -137,7 +137,7 @@ def split_global_batch(
 
 
 def fastest_split(
-    global_batch_size: int, *, world_size: int, trials: List[Dict[str, float]], tolerance: float
+    global_batch_size: int, *, world_size: int, trials: Sequence[Tuple[int, float]], tolerance: float
 ) -> MicroBatchPlan:
     """The split with the shortest estimated step, from timed steps at several batch sizes.
 
@@ -146,7 +146,7 @@ def fastest_split(
     ``tolerance`` of the fastest, an even split wins, then the fewest micro-batches.
 
     Args:
-        trials: the probe's throughput trials (``batch_size``, ``seconds_per_step``).
+        trials: the probe's throughput trials, as (batch size, seconds a step) pairs.
 
     Raises:
         ValueError: with no trials.
@@ -154,11 +154,11 @@ def fastest_split(
     if not trials:
         raise ValueError("no throughput trials to choose a micro-batch from.")
     plans = []
-    for trial in trials:
+    for batch_size, seconds_per_step in trials:
         plan = split_global_batch(
-            global_batch_size, world_size=world_size, largest_micro_batch=int(trial["batch_size"]), chosen_by="throughput"
+            global_batch_size, world_size=world_size, largest_micro_batch=int(batch_size), chosen_by="throughput"
         )
-        plans.append((plan.gradient_accumulation_steps * float(trial["seconds_per_step"]), plan))
+        plans.append((plan.gradient_accumulation_steps * float(seconds_per_step), plan))
     best = min(seconds for seconds, _ in plans)
     close = [plan for seconds, plan in plans if seconds <= (1 + tolerance) * best]
     return min(close, key=lambda p: (not p.even, p.gradient_accumulation_steps, -p.micro_batch_limit))

@@ -21,6 +21,8 @@ from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 from adaptive_batch.memory.device import device_capacity, format_bytes, parse_memory
 from adaptive_batch.probe.fake_step import CATEGORY_ORDER
 from adaptive_batch.probe.plan import MemoryPlan
+from adaptive_batch.probe.report import ProbeReport
+from adaptive_batch.probe.search import Trial
 from adaptive_batch.memory.budget import default_safety_margin
 from adaptive_batch.schedule.global_batch import check_global_batch, split_global_batch
 from adaptive_batch.validation import check_positive_int, check_safety_margin
@@ -129,21 +131,20 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_report(plan: MemoryPlan) -> dict:
-    """The plan in the shape of a probe report, for the plot: the fake-measured steps are its
-    trials."""
-    return {
-        "trials": [
-            {"phase": "planned", "batch_size": r.batch_size, "fits": True, "peak_bytes": r.peak_bytes}
+def plan_report(plan: MemoryPlan) -> ProbeReport:
+    """The plan as a probe report, for the plot: the fake-measured steps are its trials."""
+    return ProbeReport(
+        trials=[
+            Trial(batch_size=r.batch_size, fits=True, peak_bytes=r.peak_bytes, seconds=0.0, oom=False, phase="planned")
             for r in plan.measured
         ],
-        "estimate": plan.estimate.to_dict(),
-        "budget_bytes": plan.budget_bytes,
-        "max_batch_size": plan.max_batch_size,
-        "batch_size": plan.max_batch_size,
-        "seq_len": plan.seq_len,
-        "device": f"a {format_bytes(plan.device_memory_bytes)} device (planned)",
-    }
+        estimate=plan.estimate.to_dict(),
+        budget_bytes=plan.budget_bytes,
+        max_batch_size=plan.max_batch_size,
+        batch_size=plan.max_batch_size,
+        seq_len=plan.seq_len,
+        device=f"a {format_bytes(plan.device_memory_bytes)} device (planned)",
+    )
 
 
 # ---------------------------------------------------------------- probe
@@ -191,25 +192,25 @@ def _load_recipe_file(path: Path) -> object:
     return module
 
 
-def probe_table(report: dict) -> str:
+def probe_table(report: ProbeReport) -> str:
     """The probe's trials as a text table."""
     rows = [["trial", "phase", "batch", "fits", "peak", "seconds"]]
-    for i, t in enumerate(report["trials"], 1):
+    for i, t in enumerate(report.trials, 1):
         rows.append([
-            str(i), t["phase"], str(t["batch_size"]), "yes" if t["fits"] else ("oom" if t.get("oom") else "no"),
-            format_bytes(t["peak_bytes"]) if t.get("peak_bytes") is not None else "-", f"{t['seconds']:.2f}",
+            str(i), t.phase, str(t.batch_size), "yes" if t.fits else ("oom" if t.oom else "no"),
+            format_bytes(t.peak_bytes) if t.peak_bytes is not None else "-", f"{t.seconds:.2f}",
         ])
     out = _columns(rows)
-    throughput = report.get("throughput")
-    if throughput:
+    throughput = report.throughput
+    if throughput is not None:
         out += _columns(
             [["batch", "samples/s", "s/step"]]
-            + [[str(t["batch_size"]), f"{t['samples_per_second']:.1f}", f"{t['seconds_per_step']:.3f}"] for t in throughput["trials"]]
+            + [[str(t.batch_size), f"{t.samples_per_second:.1f}", f"{t.seconds_per_step:.3f}"] for t in throughput.trials]
         )
-        out.append(f"fastest within {throughput['tolerance']:.0%}: batch {throughput['batch_size']}")
-    if report.get("cache", {}).get("hit"):
-        out.append(f"from the probe cache: {report['cache']['path']} (--no-cache probes again)")
-    out.append(f"largest batch that fits: {report['max_batch_size']}; batch to use: {report['batch_size']}")
+        out.append(f"fastest within {throughput.tolerance:.0%}: batch {throughput.batch_size}")
+    if report.cache is not None and report.cache.hit:
+        out.append(f"from the probe cache: {report.cache.path} (--no-cache probes again)")
+    out.append(f"largest batch that fits: {report.max_batch_size}; batch to use: {report.batch_size}")
     return "\n".join(out)
 
 

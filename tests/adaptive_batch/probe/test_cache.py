@@ -3,15 +3,16 @@ import json
 import pytest
 
 from adaptive_batch.probe.cache import ProbeCache, cache_key, default_cache_dir, library_versions
+from adaptive_batch.probe.report import ProbeReport
 
 FIELDS = {"model": {"_component_": "m", "dim": 256}, "dtype": "torch.float32", "budget_bytes": 1000, "seq_len": 256}
-REPORT = {
+REPORT = ProbeReport.from_dict({
     "max_batch_size": 19,
     "batch_size": 19,
     "budget_bytes": 1000,
     "seq_len": 256,
     "trials": [{"batch_size": 19, "fits": True, "peak_bytes": 990}, {"batch_size": 20, "fits": False, "peak_bytes": 1040}],
-}
+})
 
 
 def test_hit_after_store_and_miss_on_any_changed_field(tmp_path):
@@ -33,13 +34,13 @@ def test_corrupt_and_stale_entries_are_ignored_with_a_warning(tmp_path):
     assert cache.load(FIELDS) is None and "unreadable" in warnings[-1]
     # an entry whose fields are not the key's (hand-edited, or a hash collision)
     with open(path, "w") as f:
-        json.dump({"format": 1, "fields": {**FIELDS, "seq_len": 4096}, "report": REPORT}, f)
+        json.dump({"format": 1, "fields": {**FIELDS, "seq_len": 4096}, "report": REPORT.to_dict()}, f)
     assert cache.load(FIELDS) is None and "stale" in warnings[-1]
     with open(path, "w") as f:
         json.dump({"format": 1, "fields": FIELDS, "report": {"max_batch_size": "19"}}, f)
     assert cache.load(FIELDS) is None and "invalid" in warnings[-1]
     with open(path, "w") as f:
-        json.dump({"format": 0, "fields": FIELDS, "report": REPORT}, f)
+        json.dump({"format": 0, "fields": FIELDS, "report": REPORT.to_dict()}, f)
     assert cache.load(FIELDS) is None and len(warnings) == 4
 
 
@@ -65,6 +66,7 @@ def test_versions_and_default_directory(monkeypatch, tmp_path):
         # well-formed, but its fit is over the budget it names: no probe wrote that
         ({"trials": [{"batch_size": 19, "fits": True, "peak_bytes": 60_000}]}, "claims a peak of 60000 bytes against a budget of 1000"),
         ({"trials": [{"batch_size": 19, "fits": True}]}, "claims a peak of None bytes"),
+        ({"format": 3}, "written by a newer adaptive-batch"),
     ],
 )
 def test_a_poisoned_entry_is_never_a_hit(tmp_path, poison, reason):

@@ -4,8 +4,9 @@ import pytest
 
 from adaptive_batch import ConfigError
 from adaptive_batch.probe.plot import plot_probe_report
+from adaptive_batch.probe.report import ProbeReport
 
-REPORT = {
+REPORT = ProbeReport.from_dict({
     "max_batch_size": 19, "batch_size": 16, "budget_bytes": 500 * 2**20, "seq_len": 256, "device": "cpu",
     "estimate": {"fixed_bytes": 40 * 2**20, "bytes_per_sample": 24 * 2**20},
     "trials": [
@@ -15,7 +16,7 @@ REPORT = {
         {"phase": "search", "batch_size": 19, "fits": True, "peak_bytes": 490 * 2**20},
         {"phase": "search", "batch_size": 20, "fits": False, "peak_bytes": 514 * 2**20},
     ],
-}
+})
 
 
 def test_writes_a_png(tmp_path):

@@ -83,14 +83,14 @@ def test_probe_finds_caches_and_reports(tmp_path):
     common = dict(device=torch.device("cpu"), seq_len=256, dataset_size=10_000, output_dir=str(tmp_path / "out"),
                   cache_fields={"model": "mlp"}, log=lambda line: None)
     report = probe_batch_size(opts, **parts, **common)
-    assert report["cache"]["hit"] is False
+    assert report.cache.hit is False
     on_disk = json.loads((tmp_path / "out" / "batch_probe.json").read_text())
-    assert on_disk["batch_size"] == report["batch_size"] == report["max_batch_size"] > 1
-    fits = {t["batch_size"]: t["fits"] for t in report["trials"]}
-    assert fits[report["max_batch_size"]] and fits[report["max_batch_size"] + 1] is False
-    assert report["world_size"] == 1 and report["ranks"][0]["budget_bytes"] == report["budget"]["budget_bytes"]
+    assert on_disk["batch_size"] == report.batch_size == report.max_batch_size > 1
+    fits = {t.batch_size: t.fits for t in report.trials}
+    assert fits[report.max_batch_size] and fits[report.max_batch_size + 1] is False
+    assert report.world_size == 1 and report.ranks[0]["budget_bytes"] == report.budget.budget_bytes
     again = probe_batch_size(opts, **_mlp_parts(), **common)
-    assert again["cache"]["hit"] is True and again["batch_size"] == report["batch_size"]
+    assert again.cache.hit is True and again.batch_size == report.batch_size
 
 
 def test_a_search_stopped_by_its_time_budget_says_so_and_is_not_cached(tmp_path):
@@ -100,19 +100,19 @@ def test_a_search_stopped_by_its_time_budget_says_so_and_is_not_cached(tmp_path)
     lines = []
     report = probe_batch_size(opts, **parts, device=torch.device("cpu"), seq_len=256, dataset_size=10_000,
                               output_dir=str(tmp_path / "out"), log=lines.append)
-    assert report["stopped_by_time"] and report["batch_size"] == 2  # the estimate steps ran; no search trial
+    assert report.stopped_by_time and report.batch_size == 2  # the estimate steps ran; no search trial
     assert any(line.startswith("probe: stopped at batch 2") for line in lines)
-    assert "cache" not in report and not list((tmp_path / "cache").glob("**/*.json"))
+    assert report.cache is None and not list((tmp_path / "cache").glob("**/*.json"))
 
 
 def test_rounding_and_cap(tmp_path):
     common = dict(device=torch.device("cpu"), seq_len=1, output_dir=str(tmp_path), log=lambda line: None)
     opts = ProbeOptions(max_memory=4 * 2**20, probe_cache=False, batch_size_rounding="power_of_two")
     report = probe_batch_size(opts, **_mlp_parts(), dataset_size=10_000, **common)
-    assert report["batch_size"] & (report["batch_size"] - 1) == 0 and report["batch_size"] <= report["max_batch_size"]
+    assert report.batch_size & (report.batch_size - 1) == 0 and report.batch_size <= report.max_batch_size
     capped = probe_batch_size(ProbeOptions(max_memory=4 * 2**20, probe_cache=False, max_batch_size=3),
                               **_mlp_parts(), dataset_size=10_000, **common)
-    assert capped["batch_size"] == 3 and capped["batch_size_cap"] == 3
+    assert capped.batch_size == 3 and capped.batch_size_cap == 3
 
 
 def test_batch_one_too_large(tmp_path):
@@ -129,13 +129,13 @@ def test_a_cache_entry_that_does_not_train_is_not_trusted(tmp_path):
     common = dict(device=torch.device("cpu"), seq_len=256, dataset_size=10**6, output_dir=str(tmp_path / "out"),
                   cache_fields={"model": "mlp"}, log=lines.append)
     report = probe_batch_size(opts, **_mlp_parts(), **common)
-    path = report["cache"]["path"]
+    path = report.cache.path
     entry = json.loads(open(path).read())
-    found = report["batch_size"]
+    found = report.batch_size
     claim = 50 * found  # well formed (a fitting trial at its size), far too large
     entry["report"].update(batch_size=claim, max_batch_size=claim, verified_batch_size=claim)
     # it even claims a peak within the budget; only real steps can tell
-    entry["report"]["trials"].append({"batch_size": claim, "fits": True, "peak_bytes": report["budget_bytes"] - 1})
+    entry["report"]["trials"].append({"batch_size": claim, "fits": True, "peak_bytes": report.budget_bytes - 1})
     with open(path, "w") as f:
         json.dump(entry, f)
     parts = _mlp_parts()
@@ -148,5 +148,5 @@ def test_a_cache_entry_that_does_not_train_is_not_trusted(tmp_path):
 
     parts["train_step"] = step_with_a_limit
     again = probe_batch_size(opts, **parts, **common)
-    assert again["cache"]["hit"] is False and again["batch_size"] <= 2 * found  # probed again, never the claim
+    assert again.cache.hit is False and again.batch_size <= 2 * found  # probed again, never the claim
     assert any(f"probe cache's batch_size={claim} did not train here; probing again" in line for line in lines)

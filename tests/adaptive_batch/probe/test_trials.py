@@ -7,13 +7,8 @@ from torchtune.models.llama3_2 import llama3_2
 from adaptive_batch import BatchSizeTooLargeError
 from adaptive_batch.memory.device import DeviceCapacity, device_capacity
 from adaptive_batch.memory.budget import memory_budget, training_state_bytes
-from adaptive_batch.probe.trials import (
-    PROBE_FILENAME,
-    probe_max_batch_size,
-    probe_report,
-    worst_case_text_batch,
-    write_probe_report,
-)
+from adaptive_batch.probe.report import PROBE_FILENAME, read_probe_report, report_of_search, write_probe_report
+from adaptive_batch.probe.trials import probe_max_batch_size, worst_case_text_batch
 
 SEQ = 64
 VOCAB = 128
@@ -147,7 +142,7 @@ def test_report_has_the_documented_fields(tmp_path):
     cap = DeviceCapacity(device="cpu", headroom_bytes=10**9, source="MemAvailable", hard_limit=False)
     budget = memory_budget(max_memory_bytes=None, capacity=cap, live_bytes=0, safety_margin=0.01)
     path = write_probe_report(
-        probe_report(result, batch_size=4, seq_len=SEQ, device=CPU, budget=budget), str(tmp_path)
+        report_of_search(result, batch_size=4, seq_len=SEQ, device=CPU, budget=budget), str(tmp_path)
     )
     assert path.endswith(PROBE_FILENAME)
     report = json.loads(open(path).read())
@@ -155,3 +150,5 @@ def test_report_has_the_documented_fields(tmp_path):
     assert {"fixed_bytes", "bytes_per_sample", "predicted_max_batch_size"} <= set(report["estimate"])
     assert {"batch_size", "fits", "peak_bytes", "seconds"} <= set(report["trials"][0])
     assert report["total_seconds"] > 0 and "budget_bytes" in report
+    typed = read_probe_report(path)
+    assert report["format"] == 2 and typed.trials == result.trials and typed.budget == budget

@@ -1,5 +1,6 @@
 """The controller's decisions, in-process: settling the batch, growth, steps, LR coupling, state."""
 
+import copy
 import json
 import math
 from typing import Any, Dict, List
@@ -19,7 +20,7 @@ from adaptive_batch import (
 from adaptive_batch.data.samplers import BATCH_STATE_KEY
 from adaptive_batch.data.token_budget import TokenBatchOptions
 from adaptive_batch.memory.device import DeviceCapacity
-from adaptive_batch.probe.trials import PROBE_STATE_KEY
+from adaptive_batch.probe.report import PROBE_STATE_KEY, ProbeReport
 from adaptive_batch.run.batching import SampleBatches, TokenBatches
 from adaptive_batch.schedule.global_batch import GlobalBatchOptions
 from adaptive_batch.schedule.growth import GrowthOptions
@@ -50,12 +51,12 @@ class ScriptedProbe:
     """Stands in for probe_batch_size: records its calls and answers with a report."""
 
     def __init__(self, max_batch_size: int, batch_size: int = None) -> None:
-        self.report = {"max_batch_size": max_batch_size, "batch_size": batch_size or max_batch_size}
+        self.report = ProbeReport(max_batch_size=max_batch_size, batch_size=batch_size or max_batch_size, budget_bytes=2**30)
         self.calls: List[Dict[str, Any]] = []
 
     def __call__(self, options, **kwargs):
         self.calls.append(dict(kwargs, options=options))
-        return dict(self.report)
+        return copy.deepcopy(self.report)
 
 
 def test_the_controller_checks_the_settings_against_the_run_before_anything(tmp_path):
@@ -86,7 +87,7 @@ def test_probed_batch_is_the_micro_batch(tmp_path):
     assert (batch.batch_size, batch.max_micro_batch_size) == (38, 19)
     (call,) = probe.calls
     assert call["dataset_size"] == 500 and call["options"].use_maximum_batch_size and call["output_dir"] == str(tmp_path)
-    assert ctl.probe_report["batch_size"] == 19
+    assert ctl.probe_report.batch_size == 19
     assert "use_maximum_batch_size: training with batch_size=19" in ctl.lines
     # The report is written once, by the controller, after the settling it adds to it.
     assert call["save_report"] is False
@@ -97,10 +98,10 @@ def test_a_global_batch_is_added_to_the_report_written_once(tmp_path, monkeypatc
     from adaptive_batch.run import controller as module
 
     writes = []
-    monkeypatch.setattr(module, "save_probe_report", lambda report, *a, **k: writes.append(dict(report)))
+    monkeypatch.setattr(module, "save_probe_report", lambda report, *a, **k: writes.append(copy.deepcopy(report)))
     ctl = controller(tmp_path, global_batch=GlobalBatchOptions(global_batch_size=32), probe=ProbeOptions(use_maximum_batch_size=True))
     ctl.settle(dataset_size=500, probe=ScriptedProbe(12))
-    assert len(writes) == 1 and writes[0]["global_batch"]["per_rank"] == 32
+    assert len(writes) == 1 and writes[0].global_batch["per_rank"] == 32
 
 
 def test_growth_without_bound_probes_and_bounds_by_the_rounded_maximum(tmp_path):
@@ -130,7 +131,7 @@ def test_token_budget_from_the_probe(tmp_path):
     ctl = controller(tmp_path, seq_len=32, probe=ProbeOptions(use_maximum_batch_size=True), tokens=TokenBatchOptions(max_tokens=64))
     assert isinstance(ctl.mode, TokenBatches) and ctl.mode.uses_token_budget
     batch = ctl.settle(dataset_size=10, probe=ScriptedProbe(5), lengths=[20] * 10)
-    assert ctl.probe_report["max_tokens"] == 160 == ctl.mode.max_tokens
+    assert ctl.probe_report.max_tokens == 160 == ctl.mode.max_tokens
     # the report on disk has the budget too, and a token batch runs whole unless it runs out
     assert '"max_tokens": 160' in (tmp_path / "batch_probe.json").read_text()
     assert batch.max_micro_batch_size == 10
@@ -262,6 +263,12 @@ def test_non_lambda_scheduler_is_refused(tmp_path):
         ctl.attach_lr(optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1), read_lr=lambda: 0.0)
 
 
+def test_a_probe_result_this_version_cannot_read_is_refused_in_one_line(tmp_path):
+    state = {PROBE_STATE_KEY: {"format": 99, "max_batch_size": 4}}
+    with pytest.raises(ConfigError, match="the recipe state's 'batch_probe' does not read .*format=99.*newer adaptive-batch"):
+        controller(tmp_path).load_state_dict(state)
+
+
 def test_state_round_trip_skips_the_probe(tmp_path):
     growth = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch")
     first = controller(tmp_path, growth=growth)
@@ -274,7 +281,7 @@ def test_state_round_trip_skips_the_probe(tmp_path):
     resumed.load_state_dict({**state, "epochs_run": 2})
     probe = ScriptedProbe(99)
     batch = resumed.settle(dataset_size=40, probe=probe)
-    assert probe.calls == [] and resumed.probe_report["max_batch_size"] == 12
+    assert probe.calls == [] and resumed.probe_report.max_batch_size == 12
     assert (batch.batch_size, batch.samples_seen, resumed.global_step, batch.max_micro_batch_size) == (8, 24, 5, 12)
     assert math.isclose(resumed.lr_schedule_steps(1, 10), 40 / 4)
 

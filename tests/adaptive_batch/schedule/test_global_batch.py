@@ -8,6 +8,7 @@ import torch
 
 from adaptive_batch import AdaptiveBatchController, AdaptiveBatchOptions, ConfigError, ProbeOptions
 from adaptive_batch.data.token_budget import TokenBatchOptions
+from adaptive_batch.probe.report import ProbeReport
 from adaptive_batch.schedule.global_batch import GlobalBatchOptions, fastest_split, split_global_batch
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 
@@ -28,11 +29,7 @@ def test_fewest_micro_batches_as_equal_as_possible(global_batch, world, largest,
 
 
 def test_fastest_split_prefers_an_even_split_within_the_tolerance():
-    trials = [  # seconds a step at each timed size: the device saturates at 8
-        {"batch_size": 4, "seconds_per_step": 0.50},
-        {"batch_size": 8, "seconds_per_step": 0.80},
-        {"batch_size": 10, "seconds_per_step": 1.00},
-    ]
+    trials = [(4, 0.50), (8, 0.80), (10, 1.00)]  # seconds a step at each timed size: the device saturates at 8
     # 40 a step: 10 x 4 = 4.0 s and 8 x 5 = 4.0 s, 4 x 10 = 5.0 s; both fastest are even: fewer wins
     assert fastest_split(40, world_size=1, trials=trials, tolerance=0.02).micro_batch_limit == 10
     # 24 a step: 10 -> 3 uneven micro-batches (3.0 s), 8 -> 3 even (2.4 s)
@@ -71,11 +68,11 @@ def test_global_batch_over_the_data_is_refused(tmp_path):
 
 
 def test_probed_micro_batch_and_constant_lr_through_an_out_of_memory_error(tmp_path):
-    probe_report = {"max_batch_size": 10, "batch_size": 10}
+    probe_report = ProbeReport(max_batch_size=10, batch_size=10, budget_bytes=2**30)
     ctl = controller(
         tmp_path, 24, probe=ProbeOptions(use_maximum_batch_size=True), lr_scaling=LRScalingOptions(lr_scaling="linear")
     )
-    batch = ctl.settle(dataset_size=100, probe=lambda options, **kw: dict(probe_report))
+    batch = ctl.settle(dataset_size=100, probe=lambda options, **kw: probe_report)
     assert (batch.batch_size, batch.max_micro_batch_size) == (24, 10)
     written = json.loads((tmp_path / "batch_probe.json").read_text())["global_batch"]
     assert written["micro_batch_size"] == 8 and written["gradient_accumulation_steps"] == 3 and written["even"]
@@ -114,7 +111,7 @@ def test_the_global_batch_grows_by_accumulation_within_what_fits(tmp_path):
         tmp_path, 8, probe=ProbeOptions(use_maximum_batch_size=True),
         growth=GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch"),
     )
-    batch = ctl.settle(dataset_size=64, probe=lambda options, **kw: {"max_batch_size": 4, "batch_size": 4})
+    batch = ctl.settle(dataset_size=64, probe=lambda options, **kw: ProbeReport(max_batch_size=4, batch_size=4, budget_bytes=2**30))
     rows = list(range(64))
     loader = StatefulDataLoader(rows, batch_sampler=ctl.batch_sampler(rows, shuffle=False), collate_fn=list)
     sizes = []
