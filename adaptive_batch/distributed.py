@@ -84,6 +84,14 @@ class RankGroup:
         self.rank = dist.get_rank() if self.distributed else 0
         self.device = device if self.distributed and dist.get_backend() == "nccl" else torch.device("cpu")
 
+    @classmethod
+    def alone(cls) -> "RankGroup":
+        """This process by itself, even inside a process group: for a probe each rank runs on
+        its own (``find_max_batch_size``), whose answers the caller agrees on if it wants."""
+        group = cls.__new__(cls)
+        group.distributed, group.world_size, group.rank, group.device = False, 1, 0, torch.device("cpu")
+        return group
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0

@@ -20,6 +20,7 @@ from torchtune import config
 
 from adaptive_batch.memory.device import format_bytes
 from adaptive_batch.memory.estimator import LinearMemoryEstimate, OperatorMemoryEstimate, PhaseMemoryEstimate
+from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.trials import measure_training_step, worst_case_text_batch
 from adaptive_batch.torchtune import next_token_loss
 
@@ -43,7 +44,7 @@ def measure_config(path: str, large: int) -> dict:
 
     def measure(b: int):
         batch = worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab, device=torch.device("cpu"))
-        return measure_training_step(step, batch, model=model, optimizer=optimizer, device=torch.device("cpu"))
+        return measure_training_step(ProbeTarget(step, None, model, optimizer, torch.device("cpu")), batch)
 
     measure(1)  # warm-up: the optimizer state
     m = {b: measure(b) for b in (1, 2, 3, large)}

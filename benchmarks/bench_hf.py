@@ -16,9 +16,14 @@ RLIMIT_AS to the process's size plus the headroom (as ``prlimit --as`` would):
 
 Every process runs with the glibc options :class:`AdaptiveBatchTrainer` sets for its own
 training under a limit (``M_MMAP_THRESHOLD`` 256 KiB, ``M_ARENA_MAX`` 1), so the methods and
-the truth share one allocator. The true maximum is the largest micro-batch that trains 10 steps in a fresh process under the
-same limit (plain ``Trainer``), found by walking from ours; each method's answer is tried the
-same way (``trains``).
+the truth share one allocator. Each method is judged against the step it then trains: a method
+that trains its answer as the whole step (the peers: one micro-batch, no accumulation) against the
+largest batch a plain ``Trainer`` trains 10 steps with in a fresh process under the same limit; one
+that trains the effective batch in accumulated micro-batches (ours: the first micro-batch's
+gradients alive through the next) against the largest micro-batch a plain ``Trainer`` trains 10
+steps with at 2 accumulated micro-batches a step. Each truth is found by walking from the first
+answer judged by it, and each method's training (its micro-batch and accumulation, as it trains
+them) runs 10 steps in a fresh process the same way.
 
     make bench-hf                                       # the 32K row: docs/benchmarks.md
     python benchmarks/bench_hf.py --vocab 128256 --headroom 6GiB
@@ -92,9 +97,9 @@ def _trainer(kind: str, vocab: int, out: str, per_device: int, steps: int):
     return Trainer(model=model, args=args, train_dataset=data), None
 
 
-def _truth(vocab: int, out: str, batch: int) -> dict:
+def _truth(vocab: int, out: str, batch: int, accumulation: int) -> dict:
     trainer, _ = _trainer("plain", vocab, out, batch, 10)
-    trainer.args.gradient_accumulation_steps = 1  # 10 optimizer steps of one micro-batch each
+    trainer.args.gradient_accumulation_steps = accumulation  # 10 optimizer steps of that many micro-batches
     try:
         trainer.train()
     except RuntimeError as e:
@@ -118,13 +123,15 @@ def _trainers(kind: str, vocab: int, out: str) -> dict:
     trainer.train()
     if kind == "ours":
         trials = [line for line in lines if line.startswith("probe trial")]
-        return {"found": trainer.adaptive_batch["max_micro_batch_size"], "trial_steps": len(trials),
-                "oom_trials": sum("out of memory" in line for line in trials), "effective": EFFECTIVE,
+        state = trainer.adaptive_batch
+        return {"found": state["max_micro_batch_size"], "trial_steps": len(trials),
+                "oom_trials": sum("out of memory" in line for line in trials),
+                "micro": state["per_device_train_batch_size"], "accumulation": state["gradient_accumulation_steps"],
                 "search_s": float(next(line for line in lines if line.startswith("search_s")).split()[1])}
     # auto_find_batch_size lowers the per-device batch and keeps the accumulation steps (1 here);
     # its answer is known when the step at it has run, the end of train() here
     return {"found": tries[-1], "trial_steps": len(tries), "oom_trials": len(tries) - 1,
-            "effective": tries[-1] * trainer.args.gradient_accumulation_steps, "search_s": _since_limit()}
+            "micro": tries[-1], "accumulation": trainer.args.gradient_accumulation_steps, "search_s": _since_limit()}
 
 
 def _plain_step(model, optimizer):
@@ -153,8 +160,8 @@ def _accelerate(vocab: int) -> dict:
         return batch_size
 
     found = find()
-    return {"found": found, "trial_steps": len(tries), "oom_trials": len(tries) - 1, "effective": found,
-            "search_s": _since_limit()}
+    return {"found": found, "trial_steps": len(tries), "oom_trials": len(tries) - 1, "micro": found,
+            "accumulation": 1, "search_s": _since_limit()}
 
 
 def _lightning(vocab: int, mode: str, out: str) -> dict:
@@ -192,14 +199,14 @@ def _lightning(vocab: int, mode: str, out: str) -> dict:
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
     _limit()
     found = int(Tuner(trainer).scale_batch_size(Module(), mode=mode, init_val=2, max_trials=25))
-    return {"found": found, "trial_steps": counts["steps"], "oom_trials": counts["oom"], "effective": found,
-            "search_s": _since_limit()}
+    return {"found": found, "trial_steps": counts["steps"], "oom_trials": counts["oom"], "micro": found,
+            "accumulation": 1, "search_s": _since_limit()}
 
 
-def worker(kind: str, vocab: int, batch: int) -> dict:
+def worker(kind: str, vocab: int, batch: int, accumulation: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         if kind == "truth":
-            return _truth(vocab, out, batch)
+            return _truth(vocab, out, batch, accumulation)
         if kind == "accelerate":
             return _accelerate(vocab)
         if kind.startswith("lightning_"):
@@ -208,10 +215,11 @@ def worker(kind: str, vocab: int, batch: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver side
-def _spawn(kind: str, vocab: int, headroom: int, batch: int = 0) -> dict:
+def _spawn(kind: str, vocab: int, headroom: int, batch: int = 0, accumulation: int = 1) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), BENCH_HEADROOM=str(headroom))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--vocab", str(vocab), "--batch", str(batch)],
+    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--vocab", str(vocab), "--batch", str(batch),
+                           "--accumulation", str(accumulation)],
                           capture_output=True, text=True, env=env, timeout=3600)
     m = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
     if not m:
@@ -226,9 +234,10 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.vocab, args.batch)), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker, args.vocab, args.batch, args.accumulation)), flush=True)
         return
     from adaptive_batch import parse_memory
 
@@ -237,36 +246,48 @@ def main() -> None:
     for kind in args.methods.split(","):
         rows[kind] = _spawn(kind, args.vocab, headroom)
         print(kind, rows[kind], flush=True)
-    trains = {}  # batch -> whether it trains 10 steps in a fresh process
+    trains = {}  # (micro-batch, accumulation) -> whether it trains 10 steps in a fresh process
 
-    def fresh(batch: int) -> bool:
-        if batch not in trains:
-            trains[batch] = _spawn("truth", args.vocab, headroom, batch)["trains"]
-            print(f"truth {batch}: {trains[batch]}", flush=True)
-        return trains[batch]
+    def fresh(batch: int, accumulation: int) -> bool:
+        # Past the second micro-batch no more gradients are alive: 2 stands for any accumulation.
+        key = (batch, min(accumulation, 2))
+        if key not in trains:
+            trains[key] = batch >= 1 and _spawn("truth", args.vocab, headroom, *key)["trains"]
+            print(f"truth {key}: {trains[key]}", flush=True)
+        return trains[key]
 
-    truth = rows[next(iter(rows))]["found"]
-    if fresh(truth):
-        while fresh(truth + 1):
-            truth += 1
-    else:
-        while truth > 1 and not fresh(truth - 1):
-            truth -= 1
-        truth -= 1
+    def truth(step: int) -> int:
+        """The largest micro-batch that trains at ``step`` micro-batches a step, walked from the
+        first answer of a method that trains that way."""
+        largest = next(row["found"] for row in rows.values() if min(row["accumulation"], 2) == step)
+        if fresh(largest, step):
+            while fresh(largest + 1, step):
+                largest += 1
+            return largest
+        while largest > 1 and not fresh(largest - 1, step):
+            largest -= 1
+        return largest - 1
+
+    truths = {step: truth(step) for step in sorted({min(row["accumulation"], 2) for row in rows.values()})}
     first = next(iter(rows))
+    said = "; ".join(f"**{t}** {'as the whole step' if step == 1 else 'in accumulated micro-batches'}"
+                     for step, t in truths.items())
     lines = [
         f"Random-init transformers Llama (4 layers, dim 512, vocabulary {args.vocab:,}), sequence {SEQ}, AdamW, fp32, "
-        f"under {args.headroom} of address space over each process's size (RLIMIT_AS); true maximum micro-batch "
-        f"**{truth}** (the largest that trains 10 steps in a fresh process).",
+        f"under {args.headroom} of address space over each process's size (RLIMIT_AS); each method asked for an "
+        f"effective batch of {EFFECTIVE}. True maximum micro-batch (the largest that trains 10 steps in a fresh "
+        f"process, as the method then trains it): {said}.",
         "",
-        "| method | found | found/true | trains 10 steps (fresh) | trial steps | OOM trials | effective batch trained "
-        f"| search s | search s / {first}'s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | found | trains as (micro-batch x steps) | effective batch trained | true max for that step | found/true "
+        f"| trains 10 steps (fresh) | trial steps | OOM trials | search s | search s / {first}'s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, row in rows.items():
-        lines.append(f"| {kind} | {row['found']} | {row['found'] / max(truth, 1):.3f} | "
-                     f"{'yes' if fresh(row['found']) else 'no'} | {row['trial_steps']} | {row['oom_trials']} "
-                     f"| {row['effective']} | {row['search_s']:.0f} | {row['search_s'] / rows[first]['search_s']:.2f} |")
+        step, micro, accumulation = min(row["accumulation"], 2), row["micro"], row["accumulation"]
+        lines.append(f"| {kind} | {row['found']} | {micro} x {accumulation} | {micro * accumulation} | {truths[step]} | "
+                     f"{row['found'] / max(truths[step], 1):.3f} | {'yes' if fresh(micro, accumulation) else 'no'} | "
+                     f"{row['trial_steps']} | {row['oom_trials']} | {row['search_s']:.0f} | "
+                     f"{row['search_s'] / rows[first]['search_s']:.2f} |")
     lines += ["", f"Made by `python benchmarks/bench_hf.py --vocab {args.vocab} --headroom {args.headroom}` on "
               f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; search s: from the limit to the answer (ours: "
               "the probe and its consecutive-step check; the peers: until their search returns, the Trainer's after its "

@@ -75,6 +75,7 @@ def _run_ours(headroom: int, margin: float) -> dict:
 
     from adaptive_batch.memory.device import device_capacity
     from adaptive_batch.memory.budget import memory_budget, training_state_bytes
+    from adaptive_batch.probe.target import ProbeTarget
     from adaptive_batch.probe.trials import probe_max_batch_size
 
     model, opt, _, train_step, make_batch, _, _ = _setup()
@@ -86,10 +87,8 @@ def _run_ours(headroom: int, margin: float) -> dict:
         safety_margin=margin,
     )
     with tempfile.TemporaryDirectory() as d:
-        result = probe_max_batch_size(
-            train_step=train_step, make_batch=make_batch, model=model, optimizer=opt,
-            device=torch.device("cpu"), budget_bytes=budget.budget_bytes, snapshot_dir=d,
-        )
+        target = ProbeTarget(train_step, make_batch, model, opt, torch.device("cpu"))
+        result = probe_max_batch_size(target, budget_bytes=budget.budget_bytes, snapshot_dir=d)
     search = [t for t in result.trials if t.phase == "search"]
     return {
         "found": result.max_batch_size,

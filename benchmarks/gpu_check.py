@@ -169,12 +169,13 @@ def dataset_size(cfg, workdir: Path) -> int:
 
 def measure_curve(step, make_batch, model, optimizer, device, found: int) -> List[Dict[str, Any]]:
     """Each phase's peak at batch sizes from 1 to ``found``: what a first guess has to predict."""
+    from adaptive_batch.probe.target import ProbeTarget
     from adaptive_batch.probe.trials import measure_training_step
 
     sizes = sorted({1, 2, 3, 4, 6, 8} | {max(1, found * k // 8) for k in range(1, 9)})
     points = []
     for b in [b for b in sizes if b <= found]:
-        memory = measure_training_step(step, make_batch(b), model=model, optimizer=optimizer, device=device)
+        memory = measure_training_step(ProbeTarget(step, make_batch, model, optimizer, device), make_batch(b))
         points.append({"batch_size": b, "phases": memory.phase_peak_bytes, "start": memory.start_bytes})
     return points
 
@@ -187,23 +188,24 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
     import adaptive_batch as ab
     from adaptive_batch.memory.oom import release_memory
     from adaptive_batch.probe.service import probe_batch_size, step_budget
+    from adaptive_batch.probe.target import ProbeTarget
     from adaptive_batch.torchtune.planning import plan_from_config
 
     cfg = load_config(name)
     model, optimizer, step = build(cfg, device)
     make_batch = make_batch_fn(cfg, model, device)
     options = ab.ProbeOptions(max_memory=max_memory, memory_safety_margin=margin, probe_cache=False)
-    budget, _ = step_budget(options, device=device, model=model, optimizer=optimizer)
+    target = ProbeTarget(step, make_batch, model, optimizer, device)
+    budget, _ = step_budget(options, target)
     hold_card_to(device, budget.limit_bytes)
     t0 = time.perf_counter()
     # The recipes' probe: the search, then the answer's consecutive steps held to the budget.
-    report = probe_batch_size(options, train_step=step, make_batch=make_batch, model=model, optimizer=optimizer,
-                              device=device, seq_len=int(cfg.tokenizer.max_seq_len), dataset_size=1 << 40,
-                              output_dir=str(workdir), log=lambda line: None, save_report=False)
+    report = probe_batch_size(options, target, seq_len=int(cfg.tokenizer.max_seq_len), output_dir=str(workdir),
+                              log=None, save_report=False)
     probe_seconds = time.perf_counter() - t0
     found = report.batch_size
     curve = measure_curve(step, make_batch, model, optimizer, device, found) if curve_points else []
-    del model, optimizer, step
+    del model, optimizer, step, target
     release_memory(device)
     hold_card_to(device, 1 << 62)
     row: Dict[str, Any] = {

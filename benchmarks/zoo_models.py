@@ -5,7 +5,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from adaptive_batch.probe.child import ProbeTarget
+from adaptive_batch.probe.target import ProbeTarget
 
 SEQ_LEN = 128
 

@@ -34,6 +34,7 @@ from adaptive_batch.faults import fault_point
 from adaptive_batch.files import OutputDirLock, remove_partial_writes
 from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
 from adaptive_batch.probe.report import ProbeReport
+from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.trials import worst_case_text_batch
 from adaptive_batch.run import step_checkpoints
 from adaptive_batch.run.lr_coupling import ParamGroupsOf
@@ -355,9 +356,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             worst_case_text_batch, seq_len=self._tokenizer.max_seq_len,
             vocab_size=self._model.tok_embeddings.num_embeddings, device=self._device,
         )
+        target = ProbeTarget(self._probe_step, make_batch, self._model, self._optimizer, self._device)
         probe = partial(
-            ab.probe_batch_size, train_step=self._probe_step, make_batch=make_batch, model=self._model,
-            optimizer=self._optimizer, seq_len=self._tokenizer.max_seq_len, cache_fields=self._probe_cache_fields(cfg),
+            ab.probe_batch_size, target=target, seq_len=self._tokenizer.max_seq_len,
+            cache_fields=self._probe_cache_fields(cfg),
         )
         self._batching.settle(
             dataset_size=math.ceil(len(dataset) / self._ranks.world_size), max_steps_per_epoch=self.max_steps_per_epoch,

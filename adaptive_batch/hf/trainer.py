@@ -22,7 +22,6 @@ import os
 from typing import Any, Callable, Dict, Optional
 import warnings
 
-import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 

@@ -26,7 +26,9 @@ no allocator option. Under a hard CPU budget it gives the process the recipes' g
 (said in one line), since the caller trains on the answer and glibc's defaults move a step's
 peak from process to process; the answer is still this process's, and a fresh process may fit
 a little more after a trial that ran out of memory here, unless ``build=`` runs the trials in
-fresh processes (docs/probe.md).
+fresh processes (docs/probe.md). It is :func:`~adaptive_batch.probe.service.probe_batch_size` (the
+recipes' probe) without the cache, the ranks and the report, unless ``build=`` takes the trials
+to fresh processes.
 """
 
 import logging
@@ -36,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.memory.budget import MemoryBudget, after_margin
 from adaptive_batch.memory.device import (
@@ -45,16 +48,14 @@ from adaptive_batch.memory.device import (
     glibc_mmap_threshold_set,
     prepare_allocator,
 )
-from adaptive_batch.probe.child import ProbeTarget, child_trial
+from adaptive_batch.probe.child import child_trial
 from adaptive_batch.probe.search import search_max_batch_size
-
 from adaptive_batch.probe.service import (
-    DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, check_reserve_bytes, step_budget, trial_address_space,
-    trial_memory_limit,
+    DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, probe_batch_size, step_budget,
 )
-from adaptive_batch.probe.target import check_make_batch, step_device
+from adaptive_batch.probe.target import ProbeTarget, check_make_batch
 from adaptive_batch.probe.trials import probe_max_batch_size
-from adaptive_batch.probe.verify import largest_that_trains, verify_steps
+from adaptive_batch.probe.verify import verify_steps
 from adaptive_batch.validation import check_safety_margin
 
 _LOG = logging.getLogger(__name__)
@@ -121,51 +122,30 @@ def find_max_batch_size(
         check_safety_margin(safety_margin, key="safety_margin")
     options = ProbeOptions(
         max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size,
-        probe_time_budget=time_budget,
+        probe_time_budget=time_budget, probe_cache=False,
     )
-    device = step_device(model, device)
+    target = ProbeTarget(train_step, make_batch, model, optimizer, device, lr_scheduler).on_its_device()
     check_make_batch(make_batch)
-    budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
-    if device.type == "cpu" and not budget.is_soft:
+    budget, capacity = step_budget(options, target)
+    if target.device.type == "cpu" and not budget.is_soft:
         # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
         # process to process (BERT's answer trained in one fresh process and failed in the next).
         if glibc_mmap_threshold_set() is None:  # the Trainer and AdaptiveBatch have set and said it
             say = log if log is not None else _LOG.info
-            prepare_allocator(device, probing=True, log=say, warn=say)
+            prepare_allocator(target.device, probing=True, log=say, warn=say)
         # Only an address-space limit is each process's own: under a cgroup or the machine's
         # RAM a child's copy of the model would take from the caller's room.
         if build is not None and capacity.source == ADDRESS_SPACE_SOURCE:
-            guess = _tensor_guess(train_step, make_batch, model=model, optimizer=optimizer, device=device,
-                                  budget=budget, lr_scheduler=lr_scheduler, snapshot_dir=snapshot_dir)
+            guess = _tensor_guess(target, budget=budget, snapshot_dir=snapshot_dir)
             return _probe_in_children(build, budget, capacity, guess=guess, max_batch_size=max_batch_size,
                                       time_budget=options.probe_time_budget, log=log)
         if log is not None:
             log(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
                 "leaves worse than a fresh one's: under an address-space limit (RLIMIT_AS), pass build=f() -> "
                 "ProbeTarget to run them in fresh processes.")
-    limits = dict(device=device, model=model, optimizer=optimizer)
-    address_space = trial_address_space(budget, capacity, **limits)
-    reserve_bytes = check_reserve_bytes(budget, capacity, **limits)
-    result = probe_max_batch_size(
-        train_step=train_step,
-        make_batch=make_batch,
-        model=model,
-        optimizer=optimizer,
-        device=device,
-        budget_bytes=budget.budget_bytes,
-        lr_scheduler=lr_scheduler,
-        max_batch_size=max_batch_size,
-        snapshot_dir=snapshot_dir,
-        log=log,
-        trial_limit=lambda: trial_memory_limit(address_space, log=log),
-        budget_source=budget.source,
-        time_budget_s=options.probe_time_budget,
-    )
-    state = dict(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, directory=snapshot_dir, log=log)
-    return largest_that_trains(
-        result.max_batch_size, train_step=train_step, make_batch=make_batch, device=device, state=state,
-        budget_bytes=budget.budget_bytes, reserve_bytes=reserve_bytes, soft_budget=budget.is_soft, log=log,
-    )
+    # The recipes' probe without their cache, ranks and report: each rank answers for itself.
+    report = probe_batch_size(options, target, ranks=RankGroup.alone(), log=log, snapshot_dir=snapshot_dir)
+    return report.batch_size
 
 
 # Address space moves in steps of glibc's heap (8 MiB and more), so the children's search settles
@@ -173,13 +153,12 @@ def find_max_batch_size(
 ADDRESS_SPACE_TOLERANCE = 0.005
 
 
-def _tensor_guess(train_step: Callable[[Any], None], make_batch: Callable[[int], Any], *, budget: MemoryBudget,
-                  **state: Any) -> Optional[int]:
+def _tensor_guess(target: ProbeTarget, *, budget: MemoryBudget, snapshot_dir: Optional[str]) -> Optional[int]:
     """A first guess from steps at batch 1 and 2 in this process (nothing runs out of memory at
     those): where the operator lines' tensor bytes meet the budget. Address space holds more
     than tensors, so it guesses high; the children's trials measure from below it."""
-    result = probe_max_batch_size(train_step=train_step, make_batch=make_batch, budget_bytes=budget.budget_bytes,
-                                  max_batch_size=2, budget_source=budget.source, **state)
+    result = probe_max_batch_size(target, budget_bytes=budget.budget_bytes, max_batch_size=2, budget_source=budget.source,
+                                  snapshot_dir=snapshot_dir)
     return None if result.estimate is None else result.estimate.max_batch_size(budget.budget_bytes)
 
 

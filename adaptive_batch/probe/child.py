@@ -20,27 +20,10 @@ import traceback
 from typing import Any, Callable, Optional, Tuple
 
 import torch
-from torch import nn
 
 from adaptive_batch.memory.device import glibc_mmap_threshold_set, proc_status_bytes, return_freed_memory_to_os
 from adaptive_batch.memory.oom import first_line, is_oom_error
-
-
-@dataclass
-class ProbeTarget:
-    """What a probe trial trains: the parts ``build()`` returns in a child process.
-
-    Attributes:
-        train_step: one full training step on a batch (forward, loss, backward, optimizer step).
-        make_batch: the worst-case batch of a given size.
-        model: the model ``train_step`` trains.
-        optimizer: its optimizer, if the step keeps state.
-    """
-
-    train_step: Callable[[Any], None]
-    make_batch: Callable[[int], Any]
-    model: nn.Module
-    optimizer: Optional[torch.optim.Optimizer] = None
+from adaptive_batch.probe.target import ProbeTarget  # what build() returns; importable from here as before
 
 
 class ChildOutOfMemoryError(MemoryError):

@@ -12,9 +12,6 @@ from dataclasses import dataclass
 import os
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
-import torch
-from torch import nn
-
 from adaptive_batch.distributed import MAX_MEMORY_ENV, RankGroup
 from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 from adaptive_batch.memory.budget import (
@@ -38,6 +35,7 @@ from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_ve
 from adaptive_batch.probe.lockstep import LockstepTrial
 from adaptive_batch.probe.search import ROUNDING_MODES, round_batch_size
 from adaptive_batch.probe.throughput import OBJECTIVES, ThroughputChoice, probe_throughput
+from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.report import PROBE_FILENAME, CacheUse, ProbeReport, report_of_search, write_probe_report
 from adaptive_batch.probe.trials import probe_max_batch_size
 from adaptive_batch.probe.verify import largest_that_trains, runs_consecutive_steps, verify_steps
@@ -148,14 +146,8 @@ class ProbeOptions:
         return float(self.memory_safety_margin)
 
 
-def step_budget(
-    options: ProbeOptions,
-    *,
-    device: torch.device,
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
-) -> "tuple[MemoryBudget, DeviceCapacity]":
-    """The budget for a step's peak on ``device`` (``max_memory`` or the device, less the
+def step_budget(options: ProbeOptions, target: ProbeTarget) -> "tuple[MemoryBudget, DeviceCapacity]":
+    """The budget for a step's peak on ``target.device`` (``max_memory`` or the device, less the
     margin), and the capacity it was read from.
 
     Raises:
@@ -163,54 +155,46 @@ def step_budget(
     """
     # No allocator settings here: whoever trains on the answer sets them (prepare_allocator) and
     # says so: the recipes, AdaptiveBatch, the Trainer, find_max_batch_size under a hard budget.
+    device = target.device
     capacity = device_capacity(device)
     budget = memory_budget(
         max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes),
         capacity=capacity,
-        live_bytes=training_state_bytes(model, optimizer),
+        live_bytes=training_state_bytes(target.model, target.optimizer),
         safety_margin=options.safety_margin(device.type),
     )
     return budget, capacity
 
 
-def trial_address_space(
-    budget: MemoryBudget,
-    capacity: DeviceCapacity,
-    *,
-    device: torch.device,
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
-) -> Optional[int]:
-    """The soft ``RLIMIT_AS`` the probe's trials run under on CPU, ``None`` elsewhere.
+@dataclass(frozen=True)
+class TrialLimits:
+    """What the trials and the answer's check are held to, read before any step grows the heap.
 
-    Available RAM and a cgroup limit are soft: a trial past them is ended by the kernel's OOM
-    killer, not refused. Under this limit (the address space now plus
-    :func:`~adaptive_batch.memory.budget.trial_headroom_bytes`: what ``prlimit --as`` would give)
-    a trial that overshoots fails to allocate, which the search catches.
+    Attributes:
+        address_space: the soft ``RLIMIT_AS`` the CPU trials run under (``None`` elsewhere): the
+            address space now plus :func:`~adaptive_batch.memory.budget.trial_headroom_bytes`,
+            what ``prlimit --as`` would give. Available RAM and a cgroup limit are soft (a trial
+            past them wakes the kernel's OOM killer); under this one it fails to allocate, which
+            the search catches.
+        reserve_bytes: the heap the consecutive-step check holds back
+            (:func:`~adaptive_batch.memory.budget.check_reserve_bytes`).
     """
-    vm_size = proc_status_bytes("VmSize") if device.type == "cpu" else None
-    if vm_size is None:
-        return None
-    return vm_size + trial_headroom_bytes(budget, capacity, state_bytes=training_state_bytes(model, optimizer))
 
+    address_space: Optional[int]
+    reserve_bytes: int
 
-def check_reserve_bytes(
-    budget: MemoryBudget,
-    capacity: DeviceCapacity,
-    *,
-    device: torch.device,
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
-) -> int:
-    """The heap the answer's consecutive-step check holds back
-    (:func:`~adaptive_batch.memory.budget.check_reserve_bytes`)."""
-    return _check_reserve_bytes(budget, capacity, device=device, state_bytes=training_state_bytes(model, optimizer))
+    @classmethod
+    def read(cls, budget: MemoryBudget, capacity: DeviceCapacity, target: ProbeTarget) -> "TrialLimits":
+        state = training_state_bytes(target.model, target.optimizer)
+        vm_size = proc_status_bytes("VmSize") if target.device.type == "cpu" else None
+        address_space = None if vm_size is None else vm_size + trial_headroom_bytes(budget, capacity, state_bytes=state)
+        return cls(address_space, _check_reserve_bytes(budget, capacity, device=target.device, state_bytes=state))
 
 
 @contextmanager
 def trial_memory_limit(limit_bytes: Optional[int], log: Optional[Callable[[str], None]] = None) -> Iterator[Optional[int]]:
-    """Holds the block to ``limit_bytes`` of address space (see :func:`trial_address_space`);
-    a tighter limit already set stays, and the previous one is back on exit.
+    """Holds the block to ``limit_bytes`` of address space (see :class:`TrialLimits`); a tighter
+    limit already set stays, and the previous one is back on exit.
 
     Yields:
         The limit in force, or ``None`` when ``limit_bytes`` is ``None``.
@@ -229,97 +213,141 @@ def trial_memory_limit(limit_bytes: Optional[int], log: Optional[Callable[[str],
 
 def probe_batch_size(
     options: ProbeOptions,
+    target: ProbeTarget,
     *,
-    train_step: Callable[[Any], None],
-    make_batch: Callable[[int], Any],
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
-    device: torch.device,
-    seq_len: int,
-    dataset_size: int,
-    output_dir: str,
+    seq_len: Optional[int] = None,
+    dataset_size: Optional[int] = None,
+    output_dir: Optional[str] = None,
     ranks: Optional[RankGroup] = None,
     cache_fields: Optional[Dict[str, Any]] = None,
-    log: Callable[[str], None] = print,
+    log: Optional[Callable[[str], None]] = print,
     save_report: bool = True,
+    snapshot_dir: Optional[str] = None,
 ) -> ProbeReport:
     """Finds the batch to train with (or reuses a cached result) and writes the report.
 
     Args:
         options: the probe's settings.
-        train_step: one full training step (forward, loss, backward, optimizer step).
-        make_batch: a worst-case batch of a given size.
-        model: the model the step trains; restored afterwards.
-        optimizer: its optimizer; restored afterwards.
-        device: where the step runs.
-        seq_len: the sequence length of ``make_batch``'s rows, for the report and cache key.
-        dataset_size: the samples one rank has, a cap on the batch.
-        output_dir: where ``batch_probe.json``, the plot and the temporary snapshot go.
-        ranks: the data-parallel ranks (one process when ``None``).
+        target: what the trials train (its model, optimizer and scheduler are put back).
+        seq_len: the sequence length of the worst-case batch's rows, for the report and cache key.
+        dataset_size: the samples one rank has, a cap on the batch (``None``: no cap but
+            ``options.max_batch_size``).
+        output_dir: where ``batch_probe.json`` and the plot go (``None``: no report written).
+        ranks: the data-parallel ranks (the default process group's, or this process alone
+            outside one, when ``None``).
         cache_fields: what changes a step's memory (model, optimizer, dtype, ...), for the
             cache key; the budget, device, caps and versions are added here.
-        log: where progress lines go.
+        log: where progress lines go (``None``: nowhere).
         save_report: write ``batch_probe.json`` (and the plot); ``False`` when the caller
             writes it once after adding to it (the controller).
+        snapshot_dir: where the temporary copy of the training state goes (``output_dir`` when
+            ``None``, else a temporary directory).
 
     Returns:
         The report: what ``batch_probe.json`` holds (``batch_size`` is the one to use).
 
     Raises:
         BatchSizeTooLargeError: when batch 1 does not fit.
-        ConfigError: for a ``max_memory`` the device cannot give.
+        ConfigError: for a ``max_memory`` the device cannot give, or a device this torch lacks.
     """
-    ranks = ranks or RankGroup(device)
-    budget, capacity = step_budget(options, device=device, model=model, optimizer=optimizer)
+    say = log or (lambda line: None)
+    target = target.on_its_device()
+    ranks = ranks or RankGroup(target.device)
+    budget, capacity = step_budget(options, target)
     # Every rank searches against the smallest budget; each measures against its own.
     rank_budgets = ranks.gather(budget.budget_bytes)
-    common_budget = min(rank_budgets)
-    cap = dataset_size if options.max_batch_size is None else min(dataset_size, options.max_batch_size)
-
-    cache = ProbeCache(options.probe_cache_dir or default_cache_dir(), warn=log) if options.probe_cache else None
+    caps = [c for c in (dataset_size, options.max_batch_size) if c is not None]
+    cap = min(caps) if caps else None
+    limits = TrialLimits.read(budget, capacity, target)
+    snapshot_dir = snapshot_dir or output_dir
+    check = _AnswerCheck(target, limits, budget_bytes=min(rank_budgets), soft=budget.is_soft, ranks=ranks,
+                         snapshot_dir=snapshot_dir, log=log)
+    cache = ProbeCache(options.probe_cache_dir or default_cache_dir(), warn=say) if options.probe_cache else None
     key = dict(
-        cache_fields or {}, seq_len=seq_len, device=device_name(device), budget_bytes=common_budget,
+        cache_fields or {}, seq_len=seq_len, device=device_name(target.device), budget_bytes=min(rank_budgets),
         rank_budget_bytes=rank_budgets, batch_size_cap=cap, batch_size_rounding=options.batch_size_rounding,
         batch_size_objective=options.batch_size_objective, throughput_tolerance=options.throughput_tolerance,
         versions=library_versions(),
     )
-    def publish(report: ProbeReport) -> str:
-        if not save_report:
-            return _report_path(output_dir)
-        return save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
-
-    # Read before any step grows the heap: the trials' limit, and the heap the check holds back.
-    limits = dict(device=device, model=model, optimizer=optimizer)
-    address_space = trial_address_space(budget, capacity, **limits)
-    reserve_bytes = check_reserve_bytes(budget, capacity, **limits)
-    # Training's own steps at the answer, held to the budget: the check every answer passes.
-    check = dict(
-        train_step=train_step, make_batch=make_batch, device=device, budget_bytes=common_budget,
-        reserve_bytes=reserve_bytes, soft_budget=budget.is_soft, agree=ranks.any,
-        state=dict(model=model, optimizer=optimizer, directory=output_dir, log=log), log=log,
-    )
-    cached = None if cache is None else ranks.decide_on_main(lambda: cache.load(key))
-    largest = None if cached is None else cached.largest_that_trains
-    if largest is not None and not runs_consecutive_steps(largest, **check):
-        log(f"use_maximum_batch_size: the probe cache's batch_size={largest} did not train here; probing again.")
-        cached = None
+    cached = None if cache is None else _trusted_cache_entry(cache, key, ranks, check, say)
     if cached is not None:
         cached.cache = CacheUse(hit=True, path=cache.path(key))
-        path = publish(cached)
-        log(
+        path = _publish(cached, options, output_dir, ranks, save_report, say)
+        say(
             f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
             f"{cached.batch_size}, no probing; probe_cache=False probes again. Details in {path}"
         )
         return cached
+    say(f"use_maximum_batch_size: probing {'' if cap is None else f'up to batch {cap} '}"
+        f"{'' if seq_len is None else f'at seq_len={seq_len} '}with {budget.describe()}.")
+    report = _search(options, target, budget, capacity, limits, check, rank_budgets=rank_budgets, cap=cap,
+                     seq_len=seq_len, ranks=ranks, snapshot_dir=snapshot_dir, log=log)
+    if cache is not None and not report.stopped_by_time:  # a longer search may find more
+        report.cache = CacheUse(hit=False, path=ranks.decide_on_main(lambda: cache.store(key, report)))
+    say(report.describe())
+    path = _publish(report, options, output_dir, ranks, save_report, say)
+    say(f"use_maximum_batch_size: the batch to use is {report.batch_size}" + ("" if path is None else f"; details in {path}"))
+    return report
 
-    log(
-        f"use_maximum_batch_size: probing up to batch {cap} at seq_len={seq_len} with "
-        f"{budget.describe()}."
-    )
-    steps = dict(
-        train_step=train_step, make_batch=make_batch, model=model, optimizer=optimizer, device=device,
-        snapshot_dir=output_dir, log=log,
-    )
+
+@dataclass(frozen=True)
+class _AnswerCheck:
+    """Training's own consecutive steps at an answer, held to the budget: the check every
+    answer (the search's, a cached one) passes before it is trusted."""
+
+    target: ProbeTarget
+    limits: TrialLimits
+    budget_bytes: int
+    soft: bool
+    ranks: RankGroup
+    snapshot_dir: Optional[str]
+    log: Optional[Callable[[str], None]]
+
+    def _kwargs(self) -> Dict[str, Any]:
+        return dict(snapshot_dir=self.snapshot_dir, budget_bytes=self.budget_bytes, soft_budget=self.soft,
+                    reserve_bytes=self.limits.reserve_bytes, agree=self.ranks.any, log=self.log)
+
+    def passes(self, batch_size: int) -> bool:
+        return runs_consecutive_steps(batch_size, self.target, **self._kwargs())
+
+    def largest_up_to(self, batch_size: int) -> int:
+        return largest_that_trains(batch_size, self.target, **self._kwargs())
+
+
+def _trusted_cache_entry(
+    cache: ProbeCache, key: Dict[str, Any], ranks: RankGroup, check: _AnswerCheck, say: Callable[[str], None]
+) -> Optional[ProbeReport]:
+    """The cached report for ``key`` when its answer trains here, else ``None``."""
+    cached = ranks.decide_on_main(lambda: cache.load(key))
+    if cached is None or check.passes(cached.largest_that_trains):
+        return cached
+    say(f"use_maximum_batch_size: the probe cache's batch_size={cached.largest_that_trains} did not train here; "
+        "probing again.")
+    return None
+
+
+def _search(
+    options: ProbeOptions,
+    target: ProbeTarget,
+    budget: MemoryBudget,
+    capacity: DeviceCapacity,
+    limits: TrialLimits,
+    check: _AnswerCheck,
+    *,
+    rank_budgets: List[int],
+    cap: Optional[int],
+    seq_len: Optional[int],
+    ranks: RankGroup,
+    snapshot_dir: Optional[str],
+    log: Optional[Callable[[str], None]],
+) -> ProbeReport:
+    """The real-step search in lockstep on every rank, the answer's check, the rounding and the
+    objective: the report of a probe that ran.
+
+    Raises:
+        BatchSizeTooLargeError: when batch 1 does not fit (naming the rank whose budget is smallest).
+    """
+    common_budget = min(rank_budgets)
     lockstep: List[LockstepTrial] = []
 
     def agree_on_outcomes(run_trial: Callable[[int], int]) -> LockstepTrial:
@@ -328,14 +356,9 @@ def probe_batch_size(
 
     try:
         result = probe_max_batch_size(
-            budget_bytes=common_budget,
-            max_batch_size=cap,
-            wrap_trial=agree_on_outcomes,
-            trial_limit=lambda: trial_memory_limit(address_space, log=log),
-            budget_source=budget.source,
-            time_budget_s=options.probe_time_budget,
-            agree=ranks.any,
-            **steps,
+            target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir, log=log,
+            wrap_trial=agree_on_outcomes, trial_limit=lambda: trial_memory_limit(limits.address_space, log=log),
+            budget_source=budget.source, time_budget_s=options.probe_time_budget, agree=ranks.any,
         )
     except BatchSizeTooLargeError as e:
         if not ranks.distributed:
@@ -343,41 +366,54 @@ def probe_batch_size(
         # Every rank stops with the figures of the rank whose budget is the smallest: name it.
         source = MAX_MEMORY_ENV if budget.source == "max_memory" and os.environ.get(MAX_MEMORY_ENV) else budget.source
         raise BatchSizeTooLargeError(e.bytes_needed, common_budget, source, rank=rank_budgets.index(common_budget)) from None
-    verified = largest_that_trains(result.max_batch_size, **check)
+    verified = check.largest_up_to(result.max_batch_size)
     batch_size = round_batch_size(verified, options.batch_size_rounding)
     throughput = None
     if options.batch_size_objective == "throughput":
-        throughput = _fastest(options, batch_size, ranks, lambda: trial_memory_limit(address_space), steps)
+        throughput = _fastest(options, target, batch_size, ranks, limits, snapshot_dir=snapshot_dir, log=log)
         batch_size = throughput.batch_size
-    report = report_of_search(
-        result, batch_size=batch_size, seq_len=seq_len, device=device, budget=budget, capacity=capacity,
-        trial_address_space_limit=address_space, batch_size_cap=cap, batch_size_objective=options.batch_size_objective,
-        world_size=ranks.world_size, verified_batch_size=verified, verify_steps=verify_steps(device),
+    return report_of_search(
+        result, batch_size=batch_size, seq_len=seq_len, device=target.device, budget=budget, capacity=capacity,
+        trial_address_space_limit=limits.address_space, batch_size_cap=cap, batch_size_objective=options.batch_size_objective,
+        world_size=ranks.world_size, verified_batch_size=verified, verify_steps=verify_steps(target.device),
         # What every rank measured against its own budget; the batch is what fits on all.
         ranks=ranks.gather(lockstep[0].report()), throughput=throughput,
     )
-    if cache is not None and not result.stopped_by_time:  # a longer search may find more
-        stored = ranks.decide_on_main(lambda: cache.store(key, report))
-        report.cache = CacheUse(hit=False, path=stored)
-    log(report.describe())
-    path = publish(report)
-    log(f"use_maximum_batch_size: the batch to use is {batch_size}; details in {path}")
-    return report
 
 
 def _fastest(
-    options: ProbeOptions, batch_size: int, ranks: RankGroup, trial_limit: Callable, steps: Dict[str, Any]
+    options: ProbeOptions,
+    target: ProbeTarget,
+    batch_size: int,
+    ranks: RankGroup,
+    limits: TrialLimits,
+    *,
+    snapshot_dir: Optional[str],
+    log: Optional[Callable[[str], None]],
 ) -> ThroughputChoice:
     """The throughput objective: ranks time the same steps; rank 0's choice holds for all."""
     timed = probe_throughput(
-        max_batch_size=batch_size, tolerance=options.throughput_tolerance, trial_limit=trial_limit, **steps
+        target, max_batch_size=batch_size, tolerance=options.throughput_tolerance, snapshot_dir=snapshot_dir, log=log,
+        trial_limit=lambda: trial_memory_limit(limits.address_space),
     )
     choice = ranks.broadcast(timed)
-    steps["log"](
-        f"batch_size_objective=throughput: batch {choice.batch_size} is within "
-        f"{choice.tolerance:.0%} of the best {choice.best_samples_per_second:.1f} samples/s."
-    )
+    if log is not None:
+        log(
+            f"batch_size_objective=throughput: batch {choice.batch_size} is within "
+            f"{choice.tolerance:.0%} of the best {choice.best_samples_per_second:.1f} samples/s."
+        )
     return choice
+
+
+def _publish(
+    report: ProbeReport, options: ProbeOptions, output_dir: Optional[str], ranks: RankGroup, save: bool,
+    log: Callable[[str], None],
+) -> Optional[str]:
+    if output_dir is None:
+        return None
+    if not save:
+        return _report_path(output_dir)
+    return save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
 
 
 def save_probe_report(

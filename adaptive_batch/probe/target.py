@@ -1,6 +1,8 @@
-"""What a probe is handed, checked before any step runs: the device the step runs on, and a
-batch maker that builds the size it is asked for. A bad one is one line naming the argument."""
+"""What a probe is handed, checked before any step runs: one :class:`ProbeTarget` (the step, the
+batch maker, the training state it changes, the device), on a device this torch has, with a batch
+maker that builds the size it is asked for. A bad one is one line naming the argument."""
 
+from dataclasses import dataclass, replace
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
@@ -8,7 +10,41 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.probe.snapshot import TrainingStateSnapshot
 from adaptive_batch.rng import rng_state, set_rng_state
+
+
+@dataclass
+class ProbeTarget:
+    """What a probe trains: every trial, check and timing takes this one record.
+
+    Attributes:
+        train_step: one full training step on a batch (forward, loss, backward, optimizer step).
+        make_batch: the worst-case batch of a given size.
+        model: the model ``train_step`` trains.
+        optimizer: its optimizer, if the step keeps state.
+        device: where the step runs; the model's when ``None`` (:meth:`on_its_device`).
+        lr_scheduler: put back with the model and optimizer after the probe, when given.
+    """
+
+    train_step: Callable[[Any], None]
+    make_batch: Callable[[int], Any]
+    model: nn.Module
+    optimizer: Optional[torch.optim.Optimizer] = None
+    device: Optional[torch.device] = None
+    lr_scheduler: Optional[Any] = None
+
+    def on_its_device(self) -> "ProbeTarget":
+        """This target with its device resolved (:func:`step_device`).
+
+        Raises:
+            ConfigError: see :func:`step_device`.
+        """
+        return replace(self, device=step_device(self.model, self.device))
+
+    def snapshot(self, directory: Optional[str] = None, log: Optional[Callable[[str], None]] = None) -> TrainingStateSnapshot:
+        """A context that saves the model, optimizer, scheduler and RNG and puts them back."""
+        return TrainingStateSnapshot(self.model, self.optimizer, self.lr_scheduler, directory=directory, log=log)
 
 
 def step_device(model: nn.Module, device: Optional[Union[str, torch.device]]) -> torch.device:

@@ -9,13 +9,12 @@ keeps the *smallest* batch within ``tolerance`` of the best samples per second.
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 import time
-from typing import Any, Callable, ContextManager, List, Optional
+from typing import Callable, ContextManager, List, Optional
 
 import torch
-from torch import nn
 
 from adaptive_batch.probe.search import powers_of_two
-from adaptive_batch.probe.snapshot import TrainingStateSnapshot
+from adaptive_batch.probe.target import ProbeTarget
 
 OBJECTIVES = ("max_fit", "throughput")
 
@@ -80,22 +79,17 @@ def choose_by_throughput(
 
 
 def probe_throughput(
+    target: ProbeTarget,
     *,
-    train_step: Callable[[Any], None],
-    make_batch: Callable[[int], Any],
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
-    device: torch.device,
     max_batch_size: int,
     tolerance: float,
     timed_steps: int = 2,
-    lr_scheduler: Optional[Any] = None,
     snapshot_dir: Optional[str] = None,
     log: Optional[Callable[[str], None]] = None,
     trial_limit: Optional[Callable[[], ContextManager]] = None,
 ) -> ThroughputChoice:
-    """Times real training steps at :func:`throughput_candidates` of ``max_batch_size``;
-    model, optimizer, scheduler and RNG are restored afterwards.
+    """Times real training steps of ``target`` at :func:`throughput_candidates` of
+    ``max_batch_size``; its model, optimizer, scheduler and the RNG are restored afterwards.
 
     Each size runs one untimed step (allocations, kernel choice) and then ``timed_steps``,
     inside ``trial_limit()`` when given (the probe's memory limit).
@@ -105,19 +99,17 @@ def probe_throughput(
     """
 
     def seconds_per_step(batch_size: int) -> float:
-        batch = make_batch(batch_size)
+        batch = target.make_batch(batch_size)
         # A fresh dict a step: a step may pop from it (the recipes pop "labels").
-        train_step(dict(batch) if isinstance(batch, dict) else batch)
-        _synchronize(device)
+        target.train_step(dict(batch) if isinstance(batch, dict) else batch)
+        _synchronize(target.device)
         start = time.perf_counter()
         for _ in range(timed_steps):
-            train_step(dict(batch) if isinstance(batch, dict) else batch)
-        _synchronize(device)
+            target.train_step(dict(batch) if isinstance(batch, dict) else batch)
+        _synchronize(target.device)
         return (time.perf_counter() - start) / timed_steps
 
-    with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir, log=log), (
-        trial_limit() if trial_limit is not None else nullcontext()
-    ):
+    with target.snapshot(snapshot_dir, log), (trial_limit() if trial_limit is not None else nullcontext()):
         return choose_by_throughput(
             seconds_per_step, throughput_candidates(max_batch_size), tolerance=tolerance, log=log
         )

@@ -1,21 +1,18 @@
 """The offline probe: real training steps at trial batch sizes, then everything put back.
 
-:func:`probe_max_batch_size` takes a training-step callable and a batch maker, so it works for
-any loop, not only the recipes in this repository::
+:func:`probe_max_batch_size` takes a :class:`~adaptive_batch.probe.target.ProbeTarget` (a
+training-step callable, a batch maker and the state they change), so it works for any loop, not
+only the recipes in this repository::
 
-    result = probe_max_batch_size(
-        train_step=lambda batch: my_step(model, optimizer, batch),
-        make_batch=lambda b: worst_case_batch(b, seq_len=2048),
-        model=model, optimizer=optimizer, device=torch.device("cuda"),
-        budget_bytes=70 * 2**30,
-    )
+    target = ProbeTarget(lambda batch: my_step(model, optimizer, batch),
+                         lambda b: worst_case_batch(b, seq_len=2048), model, optimizer, torch.device("cuda"))
+    result = probe_max_batch_size(target, budget_bytes=70 * 2**30)
 """
 
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from adaptive_batch.errors import BatchSizeTooLargeError
@@ -25,28 +22,25 @@ from adaptive_batch.memory.device import free_mkl_buffers
 from adaptive_batch.memory.oom import release_memory
 from adaptive_batch.memory.tracker import StepMemory, measure_phase_peaks
 from adaptive_batch.probe.search import SearchResult, search_max_batch_size
-from adaptive_batch.probe.snapshot import TrainingStateSnapshot
+from adaptive_batch.probe.target import ProbeTarget
 
-def measure_training_step(
-    train_step: Callable[[Any], None],
-    batch: Any,
-    *,
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
-    device: torch.device,
-) -> StepMemory:
-    """Runs ``train_step(batch)`` once and measures it: the peak of each phase and, on CPU,
-    the memory after each operator, with the training state and the batch counted. Afterwards
-    MKL's buffers for the step's product shapes are given back (:func:`free_mkl_buffers`): kept,
-    those of every size a probe tries pile up in a process that trains one size (with 2 threads,
-    26 MiB by the 6th trial of the 152K-vocabulary config, enough for its true maximum to fail).
+
+def measure_training_step(target: ProbeTarget, batch: Any) -> StepMemory:
+    """Runs ``target.train_step(batch)`` once on ``target.device`` and measures it: the peak of
+    each phase and, on CPU, the memory after each operator, with the training state and the batch
+    counted. Afterwards MKL's buffers for the step's product shapes are given back
+    (:func:`free_mkl_buffers`): kept, those of every size a probe tries pile up in a process that
+    trains one size (with 2 threads, 26 MiB by the 6th trial of the 152K-vocabulary config, enough
+    for its true maximum to fail).
 
     Raises:
         Whatever the step raises, out-of-memory errors included (its gradients are dropped).
     """
+    model, optimizer = target.model, target.optimizer
     baseline = state_tensors(model, optimizer) + [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     try:
-        return measure_phase_peaks(lambda: train_step(batch), device, baseline, model=model, optimizer=optimizer)
+        return measure_phase_peaks(lambda: target.train_step(batch), target.device, baseline, model=model,
+                                   optimizer=optimizer)
     finally:
         # A step that failed half-way leaves gradients behind.
         if optimizer is not None:
@@ -55,14 +49,9 @@ def measure_training_step(
 
 
 def probe_max_batch_size(
+    target: ProbeTarget,
     *,
-    train_step: Callable[[Any], None],
-    make_batch: Callable[[int], Any],
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
-    device: torch.device,
     budget_bytes: int,
-    lr_scheduler: Optional[Any] = None,
     max_batch_size: Optional[int] = None,
     snapshot_dir: Optional[str] = None,
     log: Optional[Callable[[str], None]] = None,
@@ -74,21 +63,15 @@ def probe_max_batch_size(
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
-    Each trial builds a batch with ``make_batch(b)`` and runs ``train_step(batch)`` (forward,
-    loss, backward, optimizer step, zero grad) while measuring the peak of each phase of the
-    step and, on CPU, its memory after each operator; the estimate is a line per operator (per
-    phase where operators are not measured). Model, optimizer, LR
-    scheduler and RNG state are saved before the first trial and restored after the last, also
-    when a trial raises.
+    Each trial builds a batch with ``target.make_batch(b)`` and runs ``target.train_step(batch)``
+    (forward, loss, backward, optimizer step, zero grad) while measuring the peak of each phase of
+    the step and, on CPU, its memory after each operator; the estimate is a line per operator (per
+    phase where operators are not measured). The target's model, optimizer, LR scheduler and the
+    RNG are saved before the first trial and restored after the last, also when a trial raises.
 
     Args:
-        train_step: one full optimizer step on a batch.
-        make_batch: builds a worst-case batch of a given size (longest sequences).
-        model: the model ``train_step`` trains.
-        optimizer: its optimizer (``None`` if the step keeps none).
-        device: where the step runs.
+        target: what the trials train, on its resolved device.
         budget_bytes: the most a step's peak may be.
-        lr_scheduler: restored as well when given.
         max_batch_size: the largest size worth trying (e.g. the dataset size).
         snapshot_dir: where the temporary snapshot file goes.
         log: called with one line per trial.
@@ -107,15 +90,14 @@ def probe_max_batch_size(
     Raises:
         BatchSizeTooLargeError: when batch size 1 does not fit.
     """
+    device = target.device
 
     def run_trial(batch_size: int) -> StepMemory:
-        measured = measure_training_step(train_step, make_batch(batch_size), model=model, optimizer=optimizer, device=device)
+        measured = measure_training_step(target, target.make_batch(batch_size))
         fault_point("probe_trial")
         return measured
 
-    with TrainingStateSnapshot(model, optimizer, lr_scheduler, directory=snapshot_dir, log=log), (
-        trial_limit() if trial_limit is not None else nullcontext()
-    ):
+    with target.snapshot(snapshot_dir, log), (trial_limit() if trial_limit is not None else nullcontext()):
         try:
             result = search_max_batch_size(
                 run_trial if wrap_trial is None else wrap_trial(run_trial),

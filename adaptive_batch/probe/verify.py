@@ -9,7 +9,7 @@ and the largest size that passes is the answer.
 """
 
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.memory.tracker import measure_peak_bytes
-from adaptive_batch.probe.snapshot import TrainingStateSnapshot
+from adaptive_batch.probe.target import ProbeTarget
 
 # How far the answer steps down after a failed check: a few sizes of a large batch at once,
 # then a bisection back up between the passing and the failing size.
@@ -78,26 +78,22 @@ def heap_reserve(device: torch.device, reserve_bytes: int) -> Iterator[None]:
 
 def runs_consecutive_steps(
     batch_size: int,
+    target: ProbeTarget,
     *,
-    train_step: Callable[[Any], None],
-    make_batch: Callable[[int], Any],
-    device: torch.device,
-    state: Dict[str, Any],
+    snapshot_dir: Optional[str] = None,
     budget_bytes: Optional[int] = None,
     reserve_bytes: int = 0,
     soft_budget: bool = False,
     agree: Callable[[bool], bool] = lambda failed: failed,
     log: Optional[Callable[[str], None]] = None,
 ) -> bool:
-    """Whether ``batch_size`` runs :func:`verify_steps` consecutive real steps now, as the
-    caller's loop will, with the training state put back afterwards.
+    """Whether ``batch_size`` runs :func:`verify_steps` consecutive real steps of ``target`` now,
+    as the caller's loop will, with the training state put back afterwards.
 
     Args:
         batch_size: the size to check.
-        train_step: one full training step.
-        make_batch: a worst-case batch of a given size.
-        device: where the step runs.
-        state: :class:`TrainingStateSnapshot`'s arguments (model, optimizer, ...).
+        target: what the steps train, on its resolved device.
+        snapshot_dir: where the temporary copy of the training state goes.
         budget_bytes: on CUDA the steps are held to it; ``None`` for the device as it is.
         reserve_bytes: on CPU the heap held back from the steps (see :func:`heap_reserve`).
         soft_budget: on CPU, judge ``budget_bytes`` by each step's live tensor bytes (a soft
@@ -111,24 +107,25 @@ def runs_consecutive_steps(
     Raises:
         Whatever the step raises other than an out-of-memory error.
     """
+    device = target.device
     steps = verify_steps(device)
     by_tensors = soft_budget and device.type == "cpu" and budget_bytes is not None
 
     def run() -> Optional[str]:
         with heap_reserve(device, reserve_bytes):
             for step in range(steps):
-                batch = make_batch(batch_size)
+                batch = target.make_batch(batch_size)
                 if not by_tensors:
-                    train_step(batch)
+                    target.train_step(batch)
                     continue
-                baseline = state_tensors(state["model"], state.get("optimizer")) + _tensors_of(batch)
-                peak = measure_peak_bytes(lambda: train_step(batch), device, baseline)
+                baseline = state_tensors(target.model, target.optimizer) + _tensors_of(batch)
+                peak = measure_peak_bytes(lambda: target.train_step(batch), device, baseline)
                 if peak > budget_bytes:
                     return f"step {step + 1}'s live tensors peaked at {peak} bytes, over the budget's {budget_bytes}"
         return None
 
     # The state goes back after the cap is lifted: restoring is not training's to pay for.
-    with TrainingStateSnapshot(**state), cuda_memory_cap(device, budget_bytes):
+    with target.snapshot(snapshot_dir, log), cuda_memory_cap(device, budget_bytes):
         # The check runs a size the search saw fit, or one below it.
         over_budget, failure = catch_oom(run, after_a_smaller_step=True)
     release_memory(device)
@@ -143,7 +140,7 @@ def _tensors_of(batch: Any) -> list:
     return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 
-def largest_that_trains(batch_size: int, **check: Any) -> int:
+def largest_that_trains(batch_size: int, target: ProbeTarget, **check: Any) -> int:
     """The largest size up to ``batch_size`` that passes :func:`runs_consecutive_steps`
     (``check`` is its keyword arguments): 2% lower at a time until one passes, then, on CUDA, a
     bisection back up to the size just below one that failed.
@@ -151,21 +148,21 @@ def largest_that_trains(batch_size: int, **check: Any) -> int:
     Returns:
         ``batch_size`` if it passes, else the largest smaller size that does (1 at the least).
     """
-    if batch_size <= 1 or runs_consecutive_steps(batch_size, **check):
+    if batch_size <= 1 or runs_consecutive_steps(batch_size, target, **check):
         return batch_size
     bad, good = batch_size, _step_down(batch_size)
-    while good > 1 and not runs_consecutive_steps(good, **check):
+    while good > 1 and not runs_consecutive_steps(good, target, **check):
         bad, good = good, _step_down(good)
     # Back up only on CUDA, where a step's memory repeats: on CPU glibc's heap moves by 16-33 MiB
     # between runs, so a size that passed just under a failing one can fail in the next step.
-    while check["device"].type == "cuda" and bad - good > 1:
+    while target.device.type == "cuda" and bad - good > 1:
         middle = (good + bad) // 2
-        if runs_consecutive_steps(middle, **check):
+        if runs_consecutive_steps(middle, target, **check):
             good = middle
         else:
             bad = middle
     if check.get("log") is not None:
-        check["log"](f"probe: the answer is {good}, which runs {verify_steps(check['device'])} consecutive steps; {bad} did not.")
+        check["log"](f"probe: the answer is {good}, which runs {verify_steps(target.device)} consecutive steps; {bad} did not.")
     return good
 
 

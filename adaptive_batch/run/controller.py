@@ -151,8 +151,8 @@ class AdaptiveBatchController:
         Args:
             dataset_size: the samples of one rank.
             max_steps_per_epoch: torchtune's cap on an epoch's steps, or ``None``.
-            probe: ``probe(options, dataset_size=, device=, ranks=, output_dir=, log=,
-                save_report=False)`` (a partial of :func:`probe_batch_size`), when probing.
+            probe: ``probe(options, dataset_size=, ranks=, output_dir=, log=, save_report=False)``
+                (a partial of :func:`probe_batch_size` with its target), when probing.
             lengths: every sample's length in tokens (token-budget batches only).
 
         Raises:
@@ -173,8 +173,8 @@ class AdaptiveBatchController:
             if probe is None:
                 raise ValueError("settle() needs probe= to find the largest batch that fits.")
             self.probe_report = probe(
-                options.probe, dataset_size=dataset_size, device=self.device, ranks=self.ranks,
-                output_dir=self.output_dir, log=self.log, save_report=False,
+                options.probe, dataset_size=dataset_size, ranks=self.ranks, output_dir=self.output_dir, log=self.log,
+                save_report=False,
             )
             probed = True
         report = self.probe_report

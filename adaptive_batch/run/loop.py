@@ -23,7 +23,7 @@ from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.loader import LOADER_KEYS, loader_settings
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.service import probe_batch_size
-from adaptive_batch.probe.target import check_make_batch, step_device
+from adaptive_batch.probe.target import ProbeTarget, check_make_batch, step_device
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
 from adaptive_batch.run.options import AdaptiveBatchOptions
 
@@ -176,10 +176,8 @@ class AdaptiveBatch:
         ctl = self.controller
         probe = None
         if ctl.options.needs_probe:
-            probe = partial(
-                probe_batch_size, train_step=self._train_step, make_batch=self._make_batch, model=self.model,
-                optimizer=self.optimizer, seq_len=0,
-            )
+            target = ProbeTarget(self._train_step, self._make_batch, self.model, self.optimizer, ctl.device)
+            probe = partial(probe_batch_size, target=target, seq_len=0)
         ctl.settle(dataset_size=len(self.dataset), probe=probe)
         sampler = ctl.batch_sampler(self.dataset, shuffle=self._shuffle)
         self._dataloader = StatefulDataLoader(

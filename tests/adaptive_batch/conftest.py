@@ -48,6 +48,7 @@ def real_step_memory(build, loss_fn, vocab_size: int, seq_len: int = 64):
     ``build()`` makes (seeded), as the probe measures it."""
     import torch
 
+    from adaptive_batch.probe.target import ProbeTarget
     from adaptive_batch.probe.trials import measure_training_step, worst_case_text_batch
     from adaptive_batch.torchtune import next_token_loss
 
@@ -62,6 +63,6 @@ def real_step_memory(build, loss_fn, vocab_size: int, seq_len: int = 64):
 
     def measure(b):
         batch = worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab_size, device=torch.device("cpu"))
-        return measure_training_step(step, batch, model=model, optimizer=optimizer, device=torch.device("cpu"))
+        return measure_training_step(ProbeTarget(step, None, model, optimizer, torch.device("cpu")), batch)
 
     return measure

@@ -7,7 +7,7 @@ import signal
 
 import torch
 
-from adaptive_batch.probe.child import ProbeTarget
+from adaptive_batch.probe.target import ProbeTarget
 
 SEGFAULT_ABOVE, PRIMITIVE_ABOVE = 13, 10
 

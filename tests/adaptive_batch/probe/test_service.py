@@ -8,6 +8,7 @@ from torch import nn
 
 from adaptive_batch import BatchSizeTooLargeError, ConfigError, ProbeOptions, probe_batch_size
 from adaptive_batch.probe.service import default_safety_margin
+from adaptive_batch.probe.target import ProbeTarget
 
 
 def test_defaults_are_the_documented_ones():
@@ -73,32 +74,31 @@ def _mlp_parts(width=256):
     def make_batch(b):
         return {"x": torch.ones(b, width), "y": torch.zeros(b, 1)}
 
-    return dict(train_step=step, make_batch=make_batch, model=model, optimizer=optimizer)
+    return ProbeTarget(step, make_batch, model, optimizer, torch.device("cpu"))
 
 
 def test_probe_finds_caches_and_reports(tmp_path):
-    parts = _mlp_parts()
+    target = _mlp_parts()
     # Parameters and Adam state ~1.5 MiB; 1 KiB of input a sample plus activations.
     opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache_dir=str(tmp_path / "cache"))
-    common = dict(device=torch.device("cpu"), seq_len=256, dataset_size=10_000, output_dir=str(tmp_path / "out"),
+    common = dict(seq_len=256, dataset_size=10_000, output_dir=str(tmp_path / "out"),
                   cache_fields={"model": "mlp"}, log=lambda line: None)
-    report = probe_batch_size(opts, **parts, **common)
+    report = probe_batch_size(opts, target, **common)
     assert report.cache.hit is False
     on_disk = json.loads((tmp_path / "out" / "batch_probe.json").read_text())
     assert on_disk["batch_size"] == report.batch_size == report.max_batch_size > 1
     fits = {t.batch_size: t.fits for t in report.trials}
     assert fits[report.max_batch_size] and fits[report.max_batch_size + 1] is False
     assert report.world_size == 1 and report.ranks[0]["budget_bytes"] == report.budget.budget_bytes
-    again = probe_batch_size(opts, **_mlp_parts(), **common)
+    again = probe_batch_size(opts, _mlp_parts(), **common)
     assert again.cache.hit is True and again.batch_size == report.batch_size
 
 
 def test_a_search_stopped_by_its_time_budget_says_so_and_is_not_cached(tmp_path):
-    parts = _mlp_parts()
     opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache_dir=str(tmp_path / "cache"),
                         probe_time_budget=1e-9)
     lines = []
-    report = probe_batch_size(opts, **parts, device=torch.device("cpu"), seq_len=256, dataset_size=10_000,
+    report = probe_batch_size(opts, _mlp_parts(), seq_len=256, dataset_size=10_000,
                               output_dir=str(tmp_path / "out"), log=lines.append)
     assert report.stopped_by_time and report.batch_size == 2  # the estimate steps ran; no search trial
     assert any(line.startswith("probe: stopped at batch 2") for line in lines)
@@ -106,18 +106,18 @@ def test_a_search_stopped_by_its_time_budget_says_so_and_is_not_cached(tmp_path)
 
 
 def test_rounding_and_cap(tmp_path):
-    common = dict(device=torch.device("cpu"), seq_len=1, output_dir=str(tmp_path), log=lambda line: None)
+    common = dict(seq_len=1, output_dir=str(tmp_path), log=lambda line: None)
     opts = ProbeOptions(max_memory=4 * 2**20, probe_cache=False, batch_size_rounding="power_of_two")
-    report = probe_batch_size(opts, **_mlp_parts(), dataset_size=10_000, **common)
+    report = probe_batch_size(opts, _mlp_parts(), dataset_size=10_000, **common)
     assert report.batch_size & (report.batch_size - 1) == 0 and report.batch_size <= report.max_batch_size
     capped = probe_batch_size(ProbeOptions(max_memory=4 * 2**20, probe_cache=False, max_batch_size=3),
-                              **_mlp_parts(), dataset_size=10_000, **common)
+                              _mlp_parts(), dataset_size=10_000, **common)
     assert capped.batch_size == 3 and capped.batch_size_cap == 3
 
 
 def test_batch_one_too_large(tmp_path):
     with pytest.raises(BatchSizeTooLargeError):
-        probe_batch_size(ProbeOptions(max_memory=2**20, probe_cache=False), **_mlp_parts(), device=torch.device("cpu"),
+        probe_batch_size(ProbeOptions(max_memory=2**20, probe_cache=False), _mlp_parts(),
                          seq_len=1, dataset_size=8, output_dir=str(tmp_path), log=lambda line: None)
 
 
@@ -126,9 +126,9 @@ def test_a_cache_entry_that_does_not_train_is_not_trusted(tmp_path):
     checked by real steps at its size first, and the probe runs again when they fail."""
     opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache_dir=str(tmp_path / "cache"))
     lines = []
-    common = dict(device=torch.device("cpu"), seq_len=256, dataset_size=10**6, output_dir=str(tmp_path / "out"),
+    common = dict(seq_len=256, dataset_size=10**6, output_dir=str(tmp_path / "out"),
                   cache_fields={"model": "mlp"}, log=lines.append)
-    report = probe_batch_size(opts, **_mlp_parts(), **common)
+    report = probe_batch_size(opts, _mlp_parts(), **common)
     path = report.cache.path
     entry = json.loads(open(path).read())
     found = report.batch_size
@@ -138,15 +138,15 @@ def test_a_cache_entry_that_does_not_train_is_not_trusted(tmp_path):
     entry["report"]["trials"].append({"batch_size": claim, "fits": True, "peak_bytes": report.budget_bytes - 1})
     with open(path, "w") as f:
         json.dump(entry, f)
-    parts = _mlp_parts()
-    step = parts["train_step"]
+    target = _mlp_parts()
+    step = target.train_step
 
     def step_with_a_limit(batch):  # what does not fit here runs out of memory, as on a card
         if batch["x"].shape[0] > 2 * found:
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         step(batch)
 
-    parts["train_step"] = step_with_a_limit
-    again = probe_batch_size(opts, **parts, **common)
+    target.train_step = step_with_a_limit
+    again = probe_batch_size(opts, target, **common)
     assert again.cache.hit is False and again.batch_size <= 2 * found  # probed again, never the claim
     assert any(f"probe cache's batch_size={claim} did not train here; probing again" in line for line in lines)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from adaptive_batch.probe.throughput import choose_by_throughput, probe_throughput, throughput_candidates
+from adaptive_batch.probe.target import ProbeTarget
 
 
 def test_candidates_are_powers_of_two_and_the_maximum():
@@ -56,10 +57,8 @@ def test_probe_throughput_times_real_steps_and_restores_the_model(tmp_path):
         opt.zero_grad()
         time.sleep(saturating(seen[-1]) / 5)  # 24-84 ms: timer noise stays small against 19% steps
 
-    choice = probe_throughput(
-        train_step=train_step, make_batch=lambda b: {"x": torch.zeros(b, 8)}, model=model, optimizer=opt,
-        device=torch.device("cpu"), max_batch_size=32, tolerance=0.02, snapshot_dir=str(tmp_path),
-    )
+    target = ProbeTarget(train_step, lambda b: {"x": torch.zeros(b, 8)}, model, opt, torch.device("cpu"))
+    choice = probe_throughput(target, max_batch_size=32, tolerance=0.02, snapshot_dir=str(tmp_path))
     assert seen == [b for b in [1, 2, 4, 8, 16, 32] for _ in range(3)]  # one untimed, two timed each
     assert choice.batch_size == 32 and len(choice.trials) == 6
     for k, v in model.state_dict().items():

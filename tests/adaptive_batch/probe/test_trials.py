@@ -8,6 +8,7 @@ from adaptive_batch import BatchSizeTooLargeError
 from adaptive_batch.memory.device import DeviceCapacity, device_capacity
 from adaptive_batch.memory.budget import memory_budget, training_state_bytes
 from adaptive_batch.probe.report import PROBE_FILENAME, read_probe_report, report_of_search, write_probe_report
+from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.trials import probe_max_batch_size, worst_case_text_batch
 
 SEQ = 64
@@ -50,8 +51,7 @@ def test_probe_finds_a_bracketed_size_and_leaves_training_untouched(tmp_path):
     live = training_state_bytes(model, opt)
     budget = live * 3 + 40 * 1024**2
     result = probe_max_batch_size(
-        train_step=step_fn(model, opt), make_batch=make_batch, model=model, optimizer=opt,
-        device=CPU, budget_bytes=budget, snapshot_dir=str(tmp_path),
+        ProbeTarget(step_fn(model, opt), make_batch, model, opt, CPU), budget_bytes=budget, snapshot_dir=str(tmp_path),
     )
     fits = {t.batch_size: t for t in result.trials if t.fits}
     assert result.max_batch_size in fits and fits[result.max_batch_size].peak_bytes <= budget
@@ -76,8 +76,7 @@ def test_each_trial_gives_back_mkls_buffers_for_its_shapes(tmp_path, monkeypatch
     monkeypatch.setattr(trials, "free_mkl_buffers", lambda: freed.append(True))
     model, opt = tiny()
     result = probe_max_batch_size(
-        train_step=step_fn(model, opt), make_batch=make_batch, model=model, optimizer=opt,
-        device=CPU, budget_bytes=training_state_bytes(model, opt) * 3 + 40 * 1024**2, snapshot_dir=str(tmp_path),
+        ProbeTarget(step_fn(model, opt), make_batch, model, opt, CPU), budget_bytes=training_state_bytes(model, opt) * 3 + 40 * 1024**2, snapshot_dir=str(tmp_path),
     )
     assert any(t.fits for t in result.trials) and len(freed) == result.num_trials
 
@@ -86,6 +85,7 @@ UNDER_A_LIMIT = """
 import json, sys
 from adaptive_batch.memory.budget import memory_budget, training_state_bytes
 from adaptive_batch.memory.device import device_capacity
+from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.trials import probe_max_batch_size
 from tests.adaptive_batch.conftest import address_space_headroom
 from tests.adaptive_batch.probe.test_trials import CPU, make_batch, step_fn, tiny
@@ -95,8 +95,8 @@ with address_space_headroom(100 * 1024**2):
     budget = memory_budget(max_memory_bytes=None, capacity=device_capacity(CPU),
                            live_bytes=training_state_bytes(model, opt), safety_margin=0.0)
     # Hold the search to real allocation failures: the budget is the whole limit and more.
-    result = probe_max_batch_size(train_step=step_fn(model, opt), make_batch=make_batch, model=model, optimizer=opt,
-                                  device=CPU, budget_bytes=budget.budget_bytes * 4, snapshot_dir=sys.argv[1])
+    result = probe_max_batch_size(
+        ProbeTarget(step_fn(model, opt), make_batch, model, opt, CPU), budget_bytes=budget.budget_bytes * 4, snapshot_dir=sys.argv[1])
 step_fn(model, opt)(make_batch(result.max_batch_size))  # the limit lifted: training goes on
 print(json.dumps({"source": budget.source, "found": result.max_batch_size,
                   "oom": [t.batch_size for t in result.trials if t.oom]}))
@@ -125,8 +125,7 @@ def test_batch_one_too_large(tmp_path):
     model, opt = tiny()
     with pytest.raises(BatchSizeTooLargeError) as info:
         probe_max_batch_size(
-            train_step=step_fn(model, opt), make_batch=make_batch, model=model, optimizer=opt,
-            device=CPU, budget_bytes=1024, snapshot_dir=str(tmp_path),
+        ProbeTarget(step_fn(model, opt), make_batch, model, opt, CPU), budget_bytes=1024, snapshot_dir=str(tmp_path),
         )
     assert info.value.bytes_needed > 1024
     assert torch.equal(model.tok_embeddings.weight, tiny()[0].tok_embeddings.weight)
@@ -135,8 +134,7 @@ def test_batch_one_too_large(tmp_path):
 def test_report_has_the_documented_fields(tmp_path):
     model, opt = tiny()
     result = probe_max_batch_size(
-        train_step=step_fn(model, opt), make_batch=make_batch, model=model, optimizer=opt,
-        device=CPU, budget_bytes=training_state_bytes(model, opt) * 3 + 20 * 1024**2,
+        ProbeTarget(step_fn(model, opt), make_batch, model, opt, CPU), budget_bytes=training_state_bytes(model, opt) * 3 + 20 * 1024**2,
         max_batch_size=4, snapshot_dir=str(tmp_path),
     )
     cap = DeviceCapacity(device="cpu", headroom_bytes=10**9, source="MemAvailable", hard_limit=False)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from adaptive_batch.probe import verify
+from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.verify import cuda_memory_cap, largest_that_trains, runs_consecutive_steps
 
 OOM = "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"
@@ -35,19 +36,17 @@ def _parts(second_step_fails_above: int):
             kept.clear()  # a new check starts afresh
         return torch.randn(b, 4)
 
-    state = dict(model=model, optimizer=optimizer, lr_scheduler=None, directory=None, log=None)
-    check = dict(train_step=step, make_batch=make_batch, device=torch.device("cpu"), state=state)
-    return model, sizes, check
+    return model, sizes, ProbeTarget(step, make_batch, model, optimizer, torch.device("cpu"))
 
 
 def test_steps_down_then_back_up_to_the_largest_that_trains(monkeypatch):
-    model, sizes, check = _parts(second_step_fails_above=90)
-    check["device"] = torch.device("cuda", 0)  # bisects back up there; nothing here touches CUDA
+    model, sizes, target = _parts(second_step_fails_above=90)
+    target.device = torch.device("cuda", 0)  # bisects back up there; nothing here touches CUDA
     monkeypatch.setattr(verify, "cuda_memory_cap", lambda device, limit: contextlib.nullcontext())
     monkeypatch.setattr(verify, "release_memory", lambda device: None)
     before = [p.detach().clone() for p in model.parameters()]
     lines = []
-    assert largest_that_trains(100, log=lines.append, **check) == 90
+    assert largest_that_trains(100, target, log=lines.append) == 90
     steps = verify.VERIFY_STEPS["cuda"]
     # 2% at a time until one passes, then 91 (between 90 and 92) fails its second step.
     assert sizes == [100, 100, 98, 98, 96, 96, 94, 94, 92, 92] + [90] * steps + [91, 91]
@@ -59,40 +58,40 @@ def test_steps_down_then_back_up_to_the_largest_that_trains(monkeypatch):
 def test_on_cpu_only_steps_down():
     """glibc's heap moves between runs by more than a size's step: a size bisected up to on CPU
     failed the caller's next step (test_under_a_real_process_limit, 2 of 3 runs under load)."""
-    _, sizes, check = _parts(second_step_fails_above=97)
-    assert largest_that_trains(100, **check) == 96
+    _, sizes, target = _parts(second_step_fails_above=97)
+    assert largest_that_trains(100, target) == 96
     assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [100, 98, 96]
 
 
 def test_bisects_between_a_passing_and_a_failing_size_on_cuda(monkeypatch):
-    _, sizes, check = _parts(second_step_fails_above=97)
-    check["device"] = torch.device("cuda", 0)
+    _, sizes, target = _parts(second_step_fails_above=97)
+    target.device = torch.device("cuda", 0)
     monkeypatch.setattr(verify, "cuda_memory_cap", lambda device, limit: contextlib.nullcontext())
     monkeypatch.setattr(verify, "release_memory", lambda device: None)
-    assert largest_that_trains(100, **check) == 97
+    assert largest_that_trains(100, target) == 97
     assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [100, 98, 96, 97]
 
 
 def test_an_answer_that_trains_costs_one_check():
-    _, sizes, check = _parts(second_step_fails_above=1000)
-    assert largest_that_trains(100, **check) == 100
+    _, sizes, target = _parts(second_step_fails_above=1000)
+    assert largest_that_trains(100, target) == 100
     assert sizes == [100] * verify.VERIFY_STEPS["cpu"]
 
 
 def test_another_ranks_failure_fails_every_rank():
     """The ranks agree (``RankGroup.any``): a size that fails on one fails on all."""
-    _, _, check = _parts(second_step_fails_above=1000)
+    _, _, target = _parts(second_step_fails_above=1000)
     lines = []
-    assert not runs_consecutive_steps(8, agree=lambda failed: True, log=lines.append, **check)
+    assert not runs_consecutive_steps(8, target, agree=lambda failed: True, log=lines.append)
     assert "(another rank)" in lines[0]
-    assert largest_that_trains(8, agree=lambda failed: True, **check) == 1
+    assert largest_that_trains(8, target, agree=lambda failed: True) == 1
 
 
 def test_other_errors_propagate():
-    _, _, check = _parts(second_step_fails_above=1000)
-    check["train_step"] = lambda batch: 1 / 0
+    _, _, target = _parts(second_step_fails_above=1000)
+    target.train_step = lambda batch: 1 / 0
     with pytest.raises(ZeroDivisionError):
-        runs_consecutive_steps(4, **check)
+        runs_consecutive_steps(4, target)
 
 
 def test_cuda_checks_are_held_to_the_budget_and_the_fraction_put_back(monkeypatch):
@@ -166,13 +165,11 @@ def test_on_cpu_a_soft_budget_is_held_by_the_steps_live_tensor_bytes():
         optimizer.step()
         optimizer.zero_grad()
 
-    state = dict(model=model, optimizer=optimizer, directory=None, log=None)
-    check = dict(train_step=step, make_batch=lambda b: torch.randn(b, 64), device=torch.device("cpu"), state=state,
-                 soft_budget=True)
+    target = ProbeTarget(step, lambda b: torch.randn(b, 64), model, optimizer, torch.device("cpu"))
     # the parameters and AdamW's two moments alone are ~1.6 MiB; one sample's activations ~8 KiB
     lines = []
-    assert runs_consecutive_steps(4, budget_bytes=8 * 2**20, **check)
-    assert not runs_consecutive_steps(2000, budget_bytes=8 * 2**20, log=lines.append, **check)
+    assert runs_consecutive_steps(4, target, budget_bytes=8 * 2**20, soft_budget=True)
+    assert not runs_consecutive_steps(2000, target, budget_bytes=8 * 2**20, soft_budget=True, log=lines.append)
     assert "live tensors peaked at" in lines[0] and "over the budget's 8388608" in lines[0]
     # the same size is not judged by tensors under a hard limit (allocation failures decide there)
-    assert runs_consecutive_steps(2000, budget_bytes=8 * 2**20, **dict(check, soft_budget=False))
+    assert runs_consecutive_steps(2000, target, budget_bytes=8 * 2**20, soft_budget=False)
