@@ -37,29 +37,34 @@ ROWS = [
     ("bert", "find_max_batch_size", "soft", "512MiB"),
     ("bert", "find_max_batch_size", "hard", 1.5),
     ("hf-llama", "AdaptiveBatchTrainer", "soft", "24MiB"),
+    ("hf-llama8k", "AdaptiveBatchTrainer", "hard", 1.5),
 ]
+# The Trainer's models: (vocabulary, hidden, intermediate, layers, heads, shortest and longest sample).
+TRAINER_MODELS = {"hf-llama": (512, 128, 256, 2, 4, 32, 64), "hf-llama8k": (8192, 256, 688, 4, 4, 32, 512)}
 MARGIN = 0.01  # the CPU's default safety margin: the budget the truth is held to
 
 
-def _trainer_parts(max_length: int, cls, **kwargs):
-    """A random-init 2-layer Llama (vocabulary 512) in the Trainer: samples of 32-64 tokens
-    through a padding collator (``max_length`` pins every sample to 64 for the truth), an
-    effective batch of 32 as 16 x 2."""
+def _trainer_parts(model: str, max_length: int, cls, **kwargs):
+    """A random-init Llama of :data:`TRAINER_MODELS` in the Trainer: samples of uneven lengths
+    (the longest among them) through a padding collator (``max_length`` pins every sample to it
+    for the truth), an effective batch of 32 (16 x 2, or ``per_device`` x 2), ``steps`` steps."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "adaptive_batch", "hf"))
     from test_trainer import ByteCollator
 
+    vocab, hidden, intermediate, layers, heads, shortest, longest = TRAINER_MODELS[model]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=longest)
     generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(32, 65, (64,), generator=generator).tolist()
-    samples = [{"input_ids": torch.randint(1, 512, (max_length or n,), generator=generator).tolist()} for n in lengths]
+    lengths = torch.randint(shortest, longest + 1, (64,), generator=generator).tolist()
+    lengths[7] = longest
+    samples = [{"input_ids": torch.randint(1, vocab, (max_length or n,), generator=generator).tolist()} for n in lengths]
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=kwargs.pop("per_device", 16),
-                             gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-3, report_to=[], use_cpu=True,
-                             disable_tqdm=True, save_strategy="no", logging_strategy="no")
+                             gradient_accumulation_steps=2, max_steps=kwargs.pop("steps", 2), learning_rate=1e-3,
+                             report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
     return cls(model=LlamaForCausalLM(config), args=args, train_dataset=samples, data_collator=ByteCollator(), **kwargs)
 
 
@@ -71,8 +76,12 @@ def probe(row: int) -> dict:
     if method == "AdaptiveBatchTrainer":
         from adaptive_batch.hf import AdaptiveBatchTrainer
 
-        trainer = _trainer_parts(0, AdaptiveBatchTrainer, max_memory=budget, probe_eval=False, log=lines.append)
-        trainer.train()
+        trainer = _trainer_parts(model, 0, AdaptiveBatchTrainer, max_memory=budget if kind == "soft" else None,
+                                 probe_eval=False, log=lines.append)
+        if kind == "hard":  # glibc's defaults, as a user's script has them: the Trainer sets its own
+            limit_address_space(int(budget * 2**30), recipe_allocator=False)
+        start = time.perf_counter()
+        trainer.train()  # the probe, then training's own steps at the answer
         found = trainer.adaptive_batch["max_micro_batch_size"]
     else:
         from zoo_models import BUILDERS
@@ -146,7 +155,7 @@ def _trainer_truth(budget_bytes: int) -> int:
 
     def fits(b: int) -> bool:
         nonlocal tracker
-        trainer = _trainer_parts(64, Tracked, per_device=b)
+        trainer = _trainer_parts("hf-llama", 64, Tracked, per_device=b)
         tracker = MemTracker()
         tracker.track_external(trainer.model)
         with tracker:
@@ -165,7 +174,9 @@ def trains(row: int, batch_size: int, steps: int) -> dict:
 
     from adaptive_batch import is_oom_error
 
-    model, _, _, headroom = ROWS[row]
+    model, method, _, headroom = ROWS[row]
+    if method == "AdaptiveBatchTrainer":
+        return _trainer_trains(model, headroom, batch_size, steps)
     target = BUILDERS[model]()
     # the process as find_max_batch_size leaves its caller under a hard limit: the recipes' glibc settings
     limit_address_space(int(headroom * 2**30), recipe_allocator=True)
@@ -176,6 +187,24 @@ def trains(row: int, batch_size: int, steps: int) -> dict:
             if not is_oom_error(e, after_a_smaller_step=True):
                 raise
             return {"trains": False, "failed_at": step + 1}
+    return {"trains": True}
+
+
+def _trainer_trains(model: str, headroom: float, batch_size: int, steps: int) -> dict:
+    """A plain ``Trainer`` at ``batch_size`` x 2 accumulated micro-batches, every sample at the
+    longest length, ``steps`` steps, on the glibc settings ``AdaptiveBatchTrainer`` trains with."""
+    from transformers import Trainer
+
+    from adaptive_batch import is_oom_error
+
+    trainer = _trainer_parts(model, TRAINER_MODELS[model][-1], Trainer, per_device=batch_size, steps=steps)
+    limit_address_space(int(headroom * 2**30), recipe_allocator=True)
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001
+        if not is_oom_error(e, after_a_smaller_step=True):
+            raise
+        return {"trains": False, "failed_at": int(trainer.state.global_step) + 1}
     return {"trains": True}
 
 
