@@ -26,9 +26,9 @@ no allocator option. Under a hard CPU budget it gives the process the recipes' g
 (said in one line), since the caller trains on the answer and glibc's defaults move a step's
 peak from process to process; the answer is still this process's, and a fresh process may fit
 a little more after a trial that ran out of memory here, unless ``build=`` runs the trials in
-fresh processes (docs/probe.md). It is :func:`~adaptive_batch.probe.service.probe_batch_size` (the
-recipes' probe) without the cache, the ranks and the report, unless ``build=`` takes the trials
-to fresh processes.
+fresh processes (docs/probe.md). It is the recipes' probe
+(:func:`~adaptive_batch.probe.service.search_and_check`, what ``probe_batch_size`` runs) without
+the cache, the ranks and the report, unless ``build=`` takes the trials to fresh processes.
 """
 
 import logging
@@ -51,7 +51,7 @@ from adaptive_batch.memory.device import (
 from adaptive_batch.probe.child import child_trial
 from adaptive_batch.probe.search import search_max_batch_size
 from adaptive_batch.probe.service import (
-    DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, probe_batch_size, step_budget,
+    DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
 from adaptive_batch.probe.target import ProbeTarget, check_make_batch
 from adaptive_batch.probe.trials import probe_max_batch_size
@@ -94,7 +94,8 @@ def find_max_batch_size(
             directory when ``None``).
         time_budget: seconds the search may take; past it the largest size that fitted so
             far is checked and returned, with a line saying so. ``None``: no limit.
-        log: called with one line per trial.
+        log: called with a line per trial, for the answer's check, and for what a hard budget
+            means here.
         build: a picklable top-level function returning a :class:`ProbeTarget` (the same
             step, batch maker, model and optimizer, built afresh). Under an outside ``RLIMIT_AS``
             on CPU with ``max_memory`` not below it (a hard budget), each trial then runs in a
@@ -144,7 +145,10 @@ def find_max_batch_size(
                 "leaves worse than a fresh one's: under an address-space limit (RLIMIT_AS), pass build=f() -> "
                 "ProbeTarget to run them in fresh processes.")
     # The recipes' probe without their cache, ranks and report: each rank answers for itself.
-    report = probe_batch_size(options, target, ranks=RankGroup.alone(), log=log, snapshot_dir=snapshot_dir)
+    report = search_and_check(
+        options, target, budget, capacity, TrialLimits.read(budget, capacity, target), rank_budgets=[budget.budget_bytes],
+        cap=max_batch_size, seq_len=None, ranks=RankGroup.alone(), snapshot_dir=snapshot_dir, log=log,
+    )
     return report.batch_size
 
 

@@ -1,7 +1,7 @@
 """The probe's result as one typed record, and its versioned JSON form.
 
-:class:`ProbeReport` is what ``batch_probe.json`` holds, what a recipe state, a probe-cache entry
-and a Trainer checkpoint keep, and what every reader takes: the search's answer, the batch to use,
+:class:`ProbeReport` is what ``batch_probe.json`` holds, what a recipe state and a probe-cache entry
+keep, and what every reader takes: the search's answer, the batch to use,
 the trials, the budget and how it was judged, and the fields a run adds later (the global batch's
 micro-batch plan, the token budget). :meth:`ProbeReport.to_dict` writes format
 :data:`REPORT_FORMAT`; :meth:`ProbeReport.from_dict` also reads the unversioned reports (format 1)
@@ -26,6 +26,8 @@ PROBE_FILENAME = "batch_probe.json"
 PROBE_STATE_KEY = "batch_probe"
 # 1: the dict written before the report was typed (no "format" key); 2: this class's form.
 REPORT_FORMAT = 2
+# Written only when set, as format 1 wrote them: a reader of format 1 takes a key's presence for a value.
+_ONLY_WHEN_SET = ("throughput", "cache", "global_batch", "max_tokens")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ class ProbeReport:
         data = {"format": REPORT_FORMAT}
         for f in fields(self):
             value = getattr(self, f.name)
+            if value is None and f.name in _ONLY_WHEN_SET:
+                continue
             if f.name == "trials":
                 value = [asdict(t) for t in value]
             elif f.name in _RECORDS:
@@ -151,13 +155,15 @@ class ProbeReport:
     def describe(self) -> str:
         """One line for the log: what was found, against which budget, at what cost."""
         budget = self.budget
+        # This rank's own budget and where it came from (the search's is the smallest rank's).
         source = "" if budget is None else (
             f" = {format_bytes(budget.limit_bytes)} from {budget.source} less a {budget.safety_margin:.0%} safety margin"
         )
         return (
             f"use_maximum_batch_size: largest batch that fits is {self.max_batch_size} "
             f"(estimate predicted {self.estimate.get('predicted_max_batch_size')}), budget "
-            f"{format_bytes(self.budget_bytes)}{source}; {self.num_trials} trial steps in {self.total_seconds:.1f}s"
+            f"{format_bytes(self.budget_bytes if budget is None else budget.budget_bytes)}{source}; "
+            f"{self.num_trials} trial steps in {self.total_seconds:.1f}s"
         )
 
 

@@ -260,8 +260,7 @@ def probe_batch_size(
     cap = min(caps) if caps else None
     limits = TrialLimits.read(budget, capacity, target)
     snapshot_dir = snapshot_dir or output_dir
-    check = _AnswerCheck(target, limits, budget_bytes=min(rank_budgets), soft=budget.is_soft, ranks=ranks,
-                         snapshot_dir=snapshot_dir, log=log)
+    check = _AnswerCheck(target, limits, min(rank_budgets), budget.is_soft, ranks, snapshot_dir, log)
     cache = ProbeCache(options.probe_cache_dir or default_cache_dir(), warn=say) if options.probe_cache else None
     key = dict(
         cache_fields or {}, seq_len=seq_len, device=device_name(target.device), budget_bytes=min(rank_budgets),
@@ -275,13 +274,13 @@ def probe_batch_size(
         path = _publish(cached, options, output_dir, ranks, save_report, say)
         say(
             f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
-            f"{cached.batch_size}, no probing; probe_cache=False probes again. Details in {path}"
+            f"{cached.batch_size}, no probing; probe_cache=False probes again." + ("" if path is None else f" Details in {path}")
         )
         return cached
     say(f"use_maximum_batch_size: probing {'' if cap is None else f'up to batch {cap} '}"
         f"{'' if seq_len is None else f'at seq_len={seq_len} '}with {budget.describe()}.")
-    report = _search(options, target, budget, capacity, limits, check, rank_budgets=rank_budgets, cap=cap,
-                     seq_len=seq_len, ranks=ranks, snapshot_dir=snapshot_dir, log=log)
+    report = search_and_check(options, target, budget, capacity, limits, rank_budgets=rank_budgets, cap=cap,
+                              seq_len=seq_len, ranks=ranks, snapshot_dir=snapshot_dir, log=log)
     if cache is not None and not report.stopped_by_time:  # a longer search may find more
         report.cache = CacheUse(hit=False, path=ranks.decide_on_main(lambda: cache.store(key, report)))
     say(report.describe())
@@ -326,13 +325,12 @@ def _trusted_cache_entry(
     return None
 
 
-def _search(
+def search_and_check(
     options: ProbeOptions,
     target: ProbeTarget,
     budget: MemoryBudget,
     capacity: DeviceCapacity,
     limits: TrialLimits,
-    check: _AnswerCheck,
     *,
     rank_budgets: List[int],
     cap: Optional[int],
@@ -342,12 +340,15 @@ def _search(
     log: Optional[Callable[[str], None]],
 ) -> ProbeReport:
     """The real-step search in lockstep on every rank, the answer's check, the rounding and the
-    objective: the report of a probe that ran.
+    objective: the report of a probe that ran, with no cache, no report written and no line but
+    the trials' and the check's (both entry points call it: :func:`probe_batch_size` and
+    ``find_max_batch_size``).
 
     Raises:
         BatchSizeTooLargeError: when batch 1 does not fit (naming the rank whose budget is smallest).
     """
     common_budget = min(rank_budgets)
+    check = _AnswerCheck(target, limits, common_budget, budget.is_soft, ranks, snapshot_dir, log)
     lockstep: List[LockstepTrial] = []
 
     def agree_on_outcomes(run_trial: Callable[[int], int]) -> LockstepTrial:

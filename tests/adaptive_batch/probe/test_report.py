@@ -52,6 +52,14 @@ def test_the_json_form_round_trips_and_loads_with_weights_only(tmp_path):
     assert read_probe_report(path) == report and json.loads(open(path).read())["budget"]["kind"] == "hard"
 
 
+def test_fields_a_run_adds_are_written_only_when_set():
+    """Format 1 wrote throughput, cache, global_batch and max_tokens only when set, and its
+    readers take a key's presence for a value (a null max_tokens would be a token budget of None)."""
+    bare = ProbeReport(max_batch_size=3, batch_size=3, budget_bytes=1).to_dict()
+    assert not {"throughput", "cache", "global_batch", "max_tokens"} & set(bare)
+    assert ProbeReport(max_batch_size=3, batch_size=3, budget_bytes=1, max_tokens=96).to_dict()["max_tokens"] == 96
+
+
 def test_the_largest_that_trains_is_the_batch_where_no_check_ran():
     assert ProbeReport(max_batch_size=9, batch_size=8, budget_bytes=1).largest_that_trains == 8
     assert ProbeReport(max_batch_size=9, batch_size=8, budget_bytes=1, verified_batch_size=9).largest_that_trains == 9

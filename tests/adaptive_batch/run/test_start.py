@@ -3,10 +3,16 @@
 import pytest
 
 from adaptive_batch import ConfigError, ProbeOptions
+from adaptive_batch.probe.report import ProbeReport
 from adaptive_batch.run.start import global_batch_plan, starting_batch
 from adaptive_batch.schedule.growth import GrowthOptions
 
 GROW = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch")
+
+
+def probed(**fields):
+    """A probe report as its JSON holds it (read as a resumed run or the cache reads one)."""
+    return ProbeReport.from_dict({"budget_bytes": 2**30, "max_batch_size": fields.get("batch_size"), **fields})
 
 
 def start(report=None, probe=ProbeOptions(), growth=GrowthOptions(), batch_size=4, accumulation=1):
@@ -19,12 +25,12 @@ def start(report=None, probe=ProbeOptions(), growth=GrowthOptions(), batch_size=
 def test_without_growth_the_probed_batch_is_the_micro_batch():
     assert start()[0] == (4, 4)
     assert start(accumulation=3)[0] == (12, 4)
-    (got, lines, _) = start(report={"batch_size": 10, "max_batch_size": 11}, accumulation=2)
+    (got, lines, _) = start(report=probed(batch_size=10, max_batch_size=11), accumulation=2)
     assert got == (20, 10) and "training with batch_size=10" in lines[0]
 
 
 def test_with_growth_the_largest_fit_rounded_bounds_the_micro_batch_and_the_start():
-    report = {"batch_size": 5, "max_batch_size": 13, "verified_batch_size": 13}
+    report = probed(batch_size=5, max_batch_size=13, verified_batch_size=13)
     rounded = ProbeOptions(batch_size_rounding="power_of_two")
     assert start(report, rounded, GROW)[0] == (4, 8)
     (got, _, warnings) = start(report, rounded, GROW, batch_size=16)
@@ -37,15 +43,15 @@ def test_with_growth_the_largest_fit_rounded_bounds_the_micro_batch_and_the_star
 def test_growth_is_bounded_by_the_verified_batch_not_the_search():
     """On an H100 the search found 173 and 173 failed within 10 consecutive steps (the answer
     was 170), yet growth was bounded by 173."""
-    report = {"batch_size": 170, "max_batch_size": 173, "verified_batch_size": 170}
+    report = probed(batch_size=170, max_batch_size=173, verified_batch_size=170)
     (got, lines, _) = start(report, ProbeOptions(), GROW, batch_size=2)
     assert got == (2, 170) and "micro-batches of up to 170" in lines[0]
     # A report without the field (a cache entry from before it) falls back to the batch it chose.
-    assert start({"batch_size": 9, "max_batch_size": 13}, ProbeOptions(), GROW)[0] == (4, 9)
+    assert start(probed(batch_size=9, max_batch_size=13), ProbeOptions(), GROW)[0] == (4, 9)
 
 
 def test_a_global_batch_splits_into_micro_batches_of_at_most_the_probed_one():
-    plan = global_batch_plan(24, world_size=2, dataset_size=100, batch_size=4, report={"batch_size": 5},
+    plan = global_batch_plan(24, world_size=2, dataset_size=100, batch_size=4, report=probed(batch_size=5),
                              throughput_tolerance=0.02)
     assert plan.per_rank == 12 and plan.micro_batch_limit <= 5
     unprobed = global_batch_plan(24, world_size=2, dataset_size=100, batch_size=4, report=None,
