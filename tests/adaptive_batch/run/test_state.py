@@ -11,6 +11,7 @@ from adaptive_batch import (
     ConfigError,
     RunState,
 )
+from adaptive_batch.probe.report import ProbeReport
 from adaptive_batch.run.state import RUN_STATE_KEY, fingerprint
 
 CPU = torch.device("cpu")
@@ -91,7 +92,7 @@ def _global_batch_run(tmp_path, max_memory, found):
 
     def probe(options, **kwargs):
         probes.append(options.max_memory)
-        return {"batch_size": found, "budget": {}}
+        return ProbeReport(max_batch_size=found, batch_size=found, budget_bytes=2**30)
 
     state = RunState(controller, settings={"global_batch_size": 12, "max_memory": max_memory})
     return controller, state, probe, probes
