@@ -36,6 +36,8 @@ def test_found_batch_fits_the_next_does_not_and_nothing_changed():
     lines = []
     found = find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory="64MiB", log=lines.append)
     assert found > 1 and lines
+    # the recipes' probe without the recipe: no line names a recipe key or a report file
+    assert not [line for line in lines if "use_maximum_batch_size" in line or "batch_probe.json" in line], lines
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert optimizer.state == {} or all(len(s) == 0 for s in optimizer.state.values())
     assert torch.equal(torch.get_rng_state(), rng)
