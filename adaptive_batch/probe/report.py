@@ -18,7 +18,7 @@ import torch
 from adaptive_batch.files import atomic_write
 from adaptive_batch.memory.budget import HARD, MemoryBudget
 from adaptive_batch.memory.device import DeviceCapacity, format_bytes
-from adaptive_batch.probe.search import SearchResult, Trial
+from adaptive_batch.probe.search import SearchResult, Trial, max_overshoot
 from adaptive_batch.probe.throughput import ThroughputChoice, ThroughputTrial
 
 PROBE_FILENAME = "batch_probe.json"
@@ -97,9 +97,7 @@ class ProbeReport:
 
     @property
     def max_overshoot(self) -> Optional[float]:
-        """The largest measured trial peak as a multiple of the budget."""
-        ratios = [t.peak_bytes / self.budget_bytes for t in self.trials if t.peak_bytes is not None]
-        return max(ratios) if ratios and self.budget_bytes > 0 else None
+        return max_overshoot(self.trials, self.budget_bytes)
 
     @property
     def largest_that_trains(self) -> int:

@@ -49,6 +49,13 @@ class Trial:
 Estimate = Union[LinearMemoryEstimate, PhaseMemoryEstimate, OperatorMemoryEstimate]
 
 
+def max_overshoot(trials: List[Trial], budget_bytes: int) -> Optional[float]:
+    """The largest measured trial peak as a multiple of the budget (``None``: none measured).
+    Trials that ran out of memory have no peak; they count among the trials all the same."""
+    ratios = [t.peak_bytes / budget_bytes for t in trials if t.peak_bytes is not None]
+    return max(ratios) if ratios and budget_bytes > 0 else None
+
+
 @dataclass
 class SearchResult:
     """What the search found and every trial it ran."""
@@ -67,10 +74,7 @@ class SearchResult:
 
     @property
     def max_overshoot(self) -> Optional[float]:
-        """The largest measured trial peak as a multiple of the budget (``None``: none measured).
-        Trials that ran out of memory have no peak; they count in ``trials``."""
-        ratios = [t.peak_bytes / self.budget_bytes for t in self.trials if t.peak_bytes is not None]
-        return max(ratios) if ratios else None
+        return max_overshoot(self.trials, self.budget_bytes)
 
     def estimate_dict(self) -> dict:
         """The fitted line's kind, coefficients and prediction, as the report writes them."""

@@ -222,7 +222,6 @@ def probe_batch_size(
     cache_fields: Optional[Dict[str, Any]] = None,
     log: Optional[Callable[[str], None]] = print,
     save_report: bool = True,
-    snapshot_dir: Optional[str] = None,
 ) -> ProbeReport:
     """Finds the batch to train with (or reuses a cached result) and writes the report.
 
@@ -232,7 +231,8 @@ def probe_batch_size(
         seq_len: the sequence length of the worst-case batch's rows, for the report and cache key.
         dataset_size: the samples one rank has, a cap on the batch (``None``: no cap but
             ``options.max_batch_size``).
-        output_dir: where ``batch_probe.json`` and the plot go (``None``: no report written).
+        output_dir: where ``batch_probe.json``, the plot and the temporary snapshot go (``None``:
+            no report written, the snapshot in a temporary directory).
         ranks: the data-parallel ranks (the default process group's, or this process alone
             outside one, when ``None``).
         cache_fields: what changes a step's memory (model, optimizer, dtype, ...), for the
@@ -240,8 +240,6 @@ def probe_batch_size(
         log: where progress lines go (``None``: nowhere).
         save_report: write ``batch_probe.json`` (and the plot); ``False`` when the caller
             writes it once after adding to it (the controller).
-        snapshot_dir: where the temporary copy of the training state goes (``output_dir`` when
-            ``None``, else a temporary directory).
 
     Returns:
         The report: what ``batch_probe.json`` holds (``batch_size`` is the one to use).
@@ -259,8 +257,7 @@ def probe_batch_size(
     caps = [c for c in (dataset_size, options.max_batch_size) if c is not None]
     cap = min(caps) if caps else None
     limits = TrialLimits.read(budget, capacity, target)
-    snapshot_dir = snapshot_dir or output_dir
-    check = _AnswerCheck(target, limits, min(rank_budgets), budget.is_soft, ranks, snapshot_dir, log)
+    check = _AnswerCheck(target, limits, min(rank_budgets), budget.is_soft, ranks, output_dir, log)
     cache = ProbeCache(options.probe_cache_dir or default_cache_dir(), warn=say) if options.probe_cache else None
     key = dict(
         cache_fields or {}, seq_len=seq_len, device=device_name(target.device), budget_bytes=min(rank_budgets),
@@ -280,7 +277,7 @@ def probe_batch_size(
     say(f"use_maximum_batch_size: probing {'' if cap is None else f'up to batch {cap} '}"
         f"{'' if seq_len is None else f'at seq_len={seq_len} '}with {budget.describe()}.")
     report = search_and_check(options, target, budget, capacity, limits, rank_budgets=rank_budgets, cap=cap,
-                              seq_len=seq_len, ranks=ranks, snapshot_dir=snapshot_dir, log=log)
+                              seq_len=seq_len, ranks=ranks, snapshot_dir=output_dir, log=log)
     if cache is not None and not report.stopped_by_time:  # a longer search may find more
         report.cache = CacheUse(hit=False, path=ranks.decide_on_main(lambda: cache.store(key, report)))
     say(report.describe())

@@ -85,3 +85,11 @@ def test_a_report_that_does_not_read_is_one_line_naming_the_field(change, messag
 def test_not_an_object():
     with pytest.raises(ValueError, match="a probe report is an object, not list"):
         ProbeReport.from_dict([1, 2])
+
+
+def test_the_summary_line_names_this_ranks_own_budget():
+    """Every rank searches against the smallest rank's budget; the line once printed that figure
+    beside this rank's limit and margin, which do not add up to it."""
+    mine = MemoryBudget(budget_bytes=99 * 2**20, limit_bytes=100 * 2**20, safety_margin=0.01, source="max_memory")
+    line = ProbeReport(max_batch_size=3, batch_size=3, budget_bytes=50 * 2**20, budget=mine).describe()
+    assert "budget 99.00 MiB = 100.00 MiB from max_memory less a 1% safety margin" in line, line
