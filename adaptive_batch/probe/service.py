@@ -17,7 +17,6 @@ from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 from adaptive_batch.memory.budget import (
     MemoryBudget,
     check_reserve_bytes as _check_reserve_bytes,
-    default_safety_margin,
     memory_budget,
     training_state_bytes,
     trial_headroom_bytes,
@@ -60,7 +59,7 @@ class ProbeOptions:
             the device (``0.8``, ``"80%"``), or ``None`` for the device.
         memory_safety_margin: fraction of the budget held back; ``None`` for the device's
             default (:func:`default_safety_margin`: 0.05 on CUDA, for the caching allocator's
-            fragmentation; 0.01 on CPU).
+            fragmentation; 0.01 on CPU, none under an address-space limit).
         batch_size_rounding: ``"none"`` keeps the found size, ``"power_of_two"`` rounds down.
         max_batch_size: the largest batch the probe may choose (and growth's bound when not
             probing), or ``None``.
@@ -139,12 +138,6 @@ class ProbeOptions:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def safety_margin(self, device_type: str) -> float:
-        """The margin to hold back on ``device_type``."""
-        if self.memory_safety_margin is None:
-            return default_safety_margin(device_type)
-        return float(self.memory_safety_margin)
-
 
 def step_budget(options: ProbeOptions, target: ProbeTarget) -> "tuple[MemoryBudget, DeviceCapacity]":
     """The budget for a step's peak on ``target.device`` (``max_memory`` or the device, less the
@@ -161,7 +154,7 @@ def step_budget(options: ProbeOptions, target: ProbeTarget) -> "tuple[MemoryBudg
         max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes),
         capacity=capacity,
         live_bytes=training_state_bytes(target.model, target.optimizer),
-        safety_margin=options.safety_margin(device.type),
+        safety_margin=options.memory_safety_margin,
     )
     return budget, capacity
 

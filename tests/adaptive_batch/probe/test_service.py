@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from adaptive_batch import BatchSizeTooLargeError, ConfigError, ProbeOptions, probe_batch_size
-from adaptive_batch.probe.service import default_safety_margin
 from adaptive_batch.probe.target import ProbeTarget
 
 
@@ -15,9 +14,7 @@ def test_defaults_are_the_documented_ones():
     opts = ProbeOptions()
     assert (opts.use_maximum_batch_size, opts.max_memory, opts.batch_size_rounding) == (False, None, "none")
     assert (opts.batch_size_objective, opts.throughput_tolerance, opts.probe_cache, opts.plot) == ("max_fit", 0.02, True, False)
-    assert opts.safety_margin("cpu") == default_safety_margin("cpu") == 0.01
-    assert opts.safety_margin("cuda") == default_safety_margin("cuda") == 0.05
-    assert ProbeOptions(memory_safety_margin=0.2).safety_margin("cuda") == 0.2
+    assert opts.memory_safety_margin is None  # the device's and the limit's default (test_budget)
 
 
 def test_max_memory_in_bytes():
