@@ -352,19 +352,23 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
         # measure_noise_scale's gradient copy exists before the probe, which counts it.
         self._batching.track_gradients(self._model.parameters())
-        make_batch = partial(
-            worst_case_text_batch, seq_len=self._tokenizer.max_seq_len,
-            vocab_size=self._model.tok_embeddings.num_embeddings, device=self._device,
-        )
-        target = ProbeTarget(self._probe_step, make_batch, self._model, self._optimizer, self._device)
+        # Under a hard limit in address space each trial builds this recipe again in a fresh process.
         probe = partial(
-            ab.probe_batch_size, target=target, seq_len=self._tokenizer.max_seq_len,
-            cache_fields=self._probe_cache_fields(cfg),
+            ab.probe_batch_size, target=self.probe_target(), seq_len=self._tokenizer.max_seq_len,
+            cache_fields=self._probe_cache_fields(cfg), build=abt.RecipeTrialBuild.of(self, cfg),
         )
         self._batching.settle(
             dataset_size=math.ceil(len(dataset) / self._ranks.world_size), max_steps_per_epoch=self.max_steps_per_epoch,
             probe=probe, lengths=lengths,
         )
+
+    def probe_target(self) -> ProbeTarget:
+        """What the probe's trials train: this recipe's own step on worst-case batches."""
+        make_batch = partial(
+            worst_case_text_batch, seq_len=self._tokenizer.max_seq_len,
+            vocab_size=self._model.tok_embeddings.num_embeddings, device=self._device,
+        )
+        return ProbeTarget(self._probe_step, make_batch, self._model, self._optimizer, self._device)
 
     def _probe_cache_fields(self, cfg: DictConfig) -> Dict[str, Any]:
         """What changes a step's memory, for the probe cache's key."""

@@ -29,23 +29,27 @@ SOFT: BudgetKind = "soft"
 HARD: BudgetKind = "hard"
 # The source of a budget set by ``max_memory``.
 MAX_MEMORY_SOURCE = "max_memory"
+# The default margin when every trial runs in a fresh process under an address-space limit.
+FRESH_PROCESS_MARGIN = 0.001
 # How far past the budget's headroom a trial may reach under a hard limit (the search's own bound).
 MAX_TRIAL_OVERSHOOT = 1.25
 
 
-def default_safety_margin(device_type: str, *, address_space_limit: bool = False) -> float:
+def default_safety_margin(device_type: str, *, fresh_process_trials: bool = False) -> float:
     """The fraction of the budget held back when the config leaves it to the device.
 
     CUDA's caching allocator reserves more than it hands out (fragmentation), so 5%. On the CPU
-    a soft budget counts live tensor bytes, so 1% covers what kernels allocate outside tensors.
-    Under an address-space limit (``RLIMIT_AS``) nothing: the trials and the answer's check fail
-    to allocate in the limit's own unit, and with the recipes' glibc settings fresh processes
-    agree to 0.03%, while 1% cost a whole sample wherever one is over 1% of the headroom (15
-    found where 16 trained).
+    1%: under a soft budget for what kernels allocate outside tensors, under a hard limit for
+    the heap an out-of-memory trial leaves the probing process (a Trainer's answer at 0% passed
+    its check and ran out of memory in training). 0.1% when every trial runs in a fresh process
+    under an address-space limit: the answer is judged in the limit's own unit by a process with
+    no scars, and fresh processes agree to 0.03% on the recipes' glibc settings, while 1% cost a
+    whole sample wherever one is over 1% of the headroom (at 0 an MLP answered 10482 where 10481
+    trains).
     """
     if device_type == "cuda":
         return 0.05
-    return 0.0 if address_space_limit else 0.01
+    return FRESH_PROCESS_MARGIN if fresh_process_trials else 0.01
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ def memory_budget(
     capacity: DeviceCapacity,
     live_bytes: int,
     safety_margin: Optional[float] = None,
+    fresh_process_trials: bool = False,
 ) -> MemoryBudget:
     """The budget for a step's peak, from ``max_memory`` or from the device's headroom.
 
@@ -106,7 +111,9 @@ def memory_budget(
         capacity: the device's headroom, read after the model and optimizer were built.
         live_bytes: tensor bytes alive when ``capacity`` was read; they count in every peak.
         safety_margin: fraction in ``[0, 1)`` held back; ``None`` for the default of the
-            device and the limit (:func:`default_safety_margin`).
+            device and the trials (:func:`default_safety_margin`).
+        fresh_process_trials: the trials run in fresh processes when the budget is the hard
+            limit of an ``RLIMIT_AS`` (the caller can build them there).
 
     Raises:
         ValueError: if ``safety_margin`` is outside ``[0, 1)``.
@@ -118,7 +125,8 @@ def memory_budget(
         limit, source, kind = device_limit, capacity.source, HARD
     if safety_margin is None:
         device_type = capacity.device.split(":")[0]
-        safety_margin = default_safety_margin(device_type, address_space_limit=kind == HARD and source == ADDRESS_SPACE_SOURCE)
+        in_children = fresh_process_trials and kind == HARD and source == ADDRESS_SPACE_SOURCE
+        safety_margin = default_safety_margin(device_type, fresh_process_trials=in_children)
     check_safety_margin(safety_margin)
     return MemoryBudget(
         budget_bytes=after_margin(limit, safety_margin),

@@ -102,7 +102,8 @@ def child_trial(
 
     Args:
         build: a picklable function (defined at a module's top level) returning the
-            :class:`ProbeTarget`; it runs in each child.
+            :class:`ProbeTarget`; it runs in each child. Its ``preload`` attribute, when it has
+            one, names modules to import once in the server the children are forked from.
         headroom_bytes: the address space each child may add after building, the parent's own.
         steps: consecutive steps a child runs (training's first steps, where a heap settles).
         timeout_s: seconds a child may take to answer; past them it is a hang, stopped (``None``:
@@ -121,7 +122,8 @@ def child_trial(
     context = multiprocessing.get_context("forkserver")
     # The server imports torch once and has run no parallel region, so its forks start clean
     # (a fork of a process whose OpenMP pool ran hangs) and a trial costs its build, not an import.
-    context.set_forkserver_preload(["torch", __name__])
+    # A build may name more (a recipe's torchtune): the first trial's list holds for the process.
+    context.set_forkserver_preload(["torch", __name__, *getattr(build, "preload", ())])
 
     def run(batch_size: int) -> int:
         parent, child = context.Pipe(duplex=False)

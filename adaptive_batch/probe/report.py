@@ -58,7 +58,10 @@ class ProbeReport:
         batch_size_cap: the largest size the search could answer (dataset, ``max_batch_size``).
         batch_size_objective: ``"max_fit"`` or ``"throughput"``.
         world_size: the data-parallel ranks that agreed on the answer.
-        verify_steps: the consecutive steps the check ran.
+        verify_steps: the consecutive steps the check ran (each child's, when the trials ran in
+            fresh processes).
+        trials_in_fresh_processes: every trial ran in a fresh process (a hard limit in address
+            space, with the training parts built again there): no in-process check followed.
         ranks: what each rank measured against its own budget.
         throughput: the timings behind a throughput choice.
         total_seconds: how long the search took.
@@ -83,6 +86,7 @@ class ProbeReport:
     batch_size_objective: str = "max_fit"
     world_size: int = 1
     verify_steps: Optional[int] = None
+    trials_in_fresh_processes: bool = False
     ranks: List[Dict[str, Any]] = field(default_factory=list)
     throughput: Optional[ThroughputChoice] = None
     total_seconds: float = 0.0
@@ -161,7 +165,7 @@ class ProbeReport:
             f"use_maximum_batch_size: largest batch that fits is {self.max_batch_size} "
             f"(estimate predicted {self.estimate.get('predicted_max_batch_size')}), budget "
             f"{format_bytes(self.budget_bytes if budget is None else budget.budget_bytes)}{source}; "
-            f"{self.num_trials} trial steps in {self.total_seconds:.1f}s"
+            f"{self.num_trials} trial{' processes' if self.trials_in_fresh_processes else ' steps'} in {self.total_seconds:.1f}s"
         )
 
 

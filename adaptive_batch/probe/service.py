@@ -31,6 +31,7 @@ from adaptive_batch.memory.device import (
     proc_status_bytes,
 )
 from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_versions
+from adaptive_batch.probe.children import search_in_children, trials_in_children
 from adaptive_batch.probe.lockstep import LockstepTrial
 from adaptive_batch.probe.search import ROUNDING_MODES, round_batch_size
 from adaptive_batch.probe.throughput import OBJECTIVES, ThroughputChoice, probe_throughput
@@ -59,7 +60,7 @@ class ProbeOptions:
             the device (``0.8``, ``"80%"``), or ``None`` for the device.
         memory_safety_margin: fraction of the budget held back; ``None`` for the device's
             default (:func:`default_safety_margin`: 0.05 on CUDA, for the caching allocator's
-            fragmentation; 0.01 on CPU, none under an address-space limit).
+            fragmentation; 0.01 on CPU, 0.001 when the trials run in fresh processes).
         batch_size_rounding: ``"none"`` keeps the found size, ``"power_of_two"`` rounds down.
         max_batch_size: the largest batch the probe may choose (and growth's bound when not
             probing), or ``None``.
@@ -139,9 +140,13 @@ class ProbeOptions:
             raise ConfigError(str(e)) from None
 
 
-def step_budget(options: ProbeOptions, target: ProbeTarget) -> "tuple[MemoryBudget, DeviceCapacity]":
+def step_budget(
+    options: ProbeOptions, target: ProbeTarget, *, fresh_process_trials: bool = False
+) -> "tuple[MemoryBudget, DeviceCapacity]":
     """The budget for a step's peak on ``target.device`` (``max_memory`` or the device, less the
-    margin), and the capacity it was read from.
+    margin), and the capacity it was read from. ``fresh_process_trials``: the caller can run
+    the trials in fresh processes (a ``build`` on one process), which a hard limit in address
+    space then does with no default margin.
 
     Raises:
         ConfigError: for a ``max_memory`` the device cannot give.
@@ -155,6 +160,7 @@ def step_budget(options: ProbeOptions, target: ProbeTarget) -> "tuple[MemoryBudg
         capacity=capacity,
         live_bytes=training_state_bytes(target.model, target.optimizer),
         safety_margin=options.memory_safety_margin,
+        fresh_process_trials=fresh_process_trials and device.type == "cpu",
     )
     return budget, capacity
 
@@ -215,6 +221,7 @@ def probe_batch_size(
     cache_fields: Optional[Dict[str, Any]] = None,
     log: Optional[Callable[[str], None]] = print,
     save_report: bool = True,
+    build: Optional[Callable[[], ProbeTarget]] = None,
 ) -> ProbeReport:
     """Finds the batch to train with (or reuses a cached result) and writes the report.
 
@@ -233,6 +240,10 @@ def probe_batch_size(
         log: where progress lines go (``None``: nowhere).
         save_report: write ``batch_probe.json`` (and the plot); ``False`` when the caller
             writes it once after adding to it (the controller).
+        build: a picklable function that builds ``target`` afresh (the recipes build it from
+            their config). Under a hard limit in address space on one process, every trial then
+            runs in a fresh process (:mod:`adaptive_batch.probe.children`), so an out-of-memory
+            trial or a crash cannot scar or end this one.
 
     Returns:
         The report: what ``batch_probe.json`` holds (``batch_size`` is the one to use).
@@ -244,7 +255,7 @@ def probe_batch_size(
     say = log or (lambda line: None)
     target = target.on_its_device()
     ranks = ranks or RankGroup(target.device)
-    budget, capacity = step_budget(options, target)
+    budget, capacity = step_budget(options, target, fresh_process_trials=build is not None and not ranks.distributed)
     # Every rank searches against the smallest budget; each measures against its own.
     rank_budgets = ranks.gather(budget.budget_bytes)
     caps = [c for c in (dataset_size, options.max_batch_size) if c is not None]
@@ -269,8 +280,10 @@ def probe_batch_size(
         return cached
     say(f"use_maximum_batch_size: probing {'' if cap is None else f'up to batch {cap} '}"
         f"{'' if seq_len is None else f'at seq_len={seq_len} '}with {budget.describe()}.")
+    in_children = trials_in_children(build, budget, capacity, device=target.device, distributed=ranks.distributed)
     report = search_and_check(options, target, budget, capacity, limits, rank_budgets=rank_budgets, cap=cap,
-                              seq_len=seq_len, ranks=ranks, snapshot_dir=output_dir, log=log)
+                              seq_len=seq_len, ranks=ranks, snapshot_dir=output_dir, log=log,
+                              build=build if in_children else None)
     if cache is not None and not report.stopped_by_time:  # a longer search may find more
         report.cache = CacheUse(hit=False, path=ranks.decide_on_main(lambda: cache.store(key, report)))
     say(report.describe())
@@ -328,11 +341,14 @@ def search_and_check(
     ranks: RankGroup,
     snapshot_dir: Optional[str],
     log: Optional[Callable[[str], None]],
+    build: Optional[Callable[[], ProbeTarget]] = None,
 ) -> ProbeReport:
     """The real-step search in lockstep on every rank, the answer's check, the rounding and the
     objective: the report of a probe that ran, with no cache, no report written and no line but
     the trials' and the check's (both entry points call it: :func:`probe_batch_size` and
-    ``find_max_batch_size``).
+    ``find_max_batch_size``). With ``build`` (where
+    :func:`~adaptive_batch.probe.children.trials_in_children` holds) every trial runs training's
+    first steps in a fresh process instead, and no in-process check follows.
 
     Raises:
         BatchSizeTooLargeError: when batch 1 does not fit (naming the rank whose budget is smallest).
@@ -345,19 +361,24 @@ def search_and_check(
         lockstep.append(LockstepTrial(ranks, run_trial, budget_bytes=budget.budget_bytes, common_budget_bytes=common_budget))
         return lockstep[-1]
 
-    try:
-        result = probe_max_batch_size(
-            target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir, log=log,
-            wrap_trial=agree_on_outcomes, trial_limit=lambda: trial_memory_limit(limits.address_space, log=log),
-            budget_source=budget.source, time_budget_s=options.probe_time_budget, agree=ranks.any,
-        )
-    except BatchSizeTooLargeError as e:
-        if not ranks.distributed:
-            raise
-        # Every rank stops with the figures of the rank whose budget is the smallest: name it.
-        source = MAX_MEMORY_ENV if budget.source == "max_memory" and os.environ.get(MAX_MEMORY_ENV) else budget.source
-        raise BatchSizeTooLargeError(e.bytes_needed, common_budget, source, rank=rank_budgets.index(common_budget)) from None
-    verified = check.largest_up_to(result.max_batch_size)
+    if build is not None:
+        result = search_in_children(build, target, budget, capacity, max_batch_size=cap,
+                                    time_budget=options.probe_time_budget, snapshot_dir=snapshot_dir, log=log)
+        verified = result.max_batch_size  # each child ran training's first consecutive steps
+    else:
+        try:
+            result = probe_max_batch_size(
+                target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir, log=log,
+                wrap_trial=agree_on_outcomes, trial_limit=lambda: trial_memory_limit(limits.address_space, log=log),
+                budget_source=budget.source, time_budget_s=options.probe_time_budget, agree=ranks.any,
+            )
+        except BatchSizeTooLargeError as e:
+            if not ranks.distributed:
+                raise
+            # Every rank stops with the figures of the rank whose budget is the smallest: name it.
+            source = MAX_MEMORY_ENV if budget.source == "max_memory" and os.environ.get(MAX_MEMORY_ENV) else budget.source
+            raise BatchSizeTooLargeError(e.bytes_needed, common_budget, source, rank=rank_budgets.index(common_budget)) from None
+        verified = check.largest_up_to(result.max_batch_size)
     batch_size = round_batch_size(verified, options.batch_size_rounding)
     throughput = None
     if options.batch_size_objective == "throughput":
@@ -367,8 +388,9 @@ def search_and_check(
         result, batch_size=batch_size, seq_len=seq_len, device=target.device, budget=budget, capacity=capacity,
         trial_address_space_limit=limits.address_space, batch_size_cap=cap, batch_size_objective=options.batch_size_objective,
         world_size=ranks.world_size, verified_batch_size=verified, verify_steps=verify_steps(target.device),
+        trials_in_fresh_processes=build is not None,
         # What every rank measured against its own budget; the batch is what fits on all.
-        ranks=ranks.gather(lockstep[0].report()), throughput=throughput,
+        ranks=ranks.gather(lockstep[0].report()) if lockstep else [], throughput=throughput,
     )
 
 

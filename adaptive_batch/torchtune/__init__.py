@@ -37,11 +37,13 @@ from adaptive_batch.torchtune.config import (
 from adaptive_batch.torchtune.data import pydoc_paragraphs, pydoc_text_dataset
 from adaptive_batch.torchtune.loss import next_token_loss
 from adaptive_batch.torchtune.tokenizer import ByteTokenizer, byte_tokenizer
+from adaptive_batch.torchtune.trial_build import RecipeTrialBuild
 
 __all__ = [
     "ByteTokenizer",
     "UnreadableEpochState",
     "RESUME_AUTO",
+    "RecipeTrialBuild",
     "TORCHTUNE_KEYS",
     "adaptive_options",
     "build",

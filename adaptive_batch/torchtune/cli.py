@@ -164,7 +164,7 @@ def load_recipe_class(cfg: DictConfig, recipe: Optional[str]) -> Callable:
         name = "lora" if "lora" in str(cfg.model.get("_component_", "")) else "full"
         module = importlib.import_module(f"{RECIPES_PACKAGE}.{name}_finetune_single_device")
     else:
-        module = _load_recipe_file(Path(recipe))
+        module = load_recipe_file(Path(recipe))
     classes = [
         v for v in vars(module).values()
         if isinstance(v, type) and v.__module__ == module.__name__ and hasattr(v, "setup") and hasattr(v, "train")
@@ -172,7 +172,7 @@ def load_recipe_class(cfg: DictConfig, recipe: Optional[str]) -> Callable:
     return classes[-1]
 
 
-def _load_recipe_file(path: Path) -> object:
+def load_recipe_file(path: Path) -> object:
     """A recipe file of a ``recipes/`` folder, imported as ``recipes.<name>`` so its relative
     imports of sibling recipes work; that folder's parent goes first on ``sys.path``, before
     the ``recipes`` package torchtune's wheel installs."""

@@ -1,0 +1,93 @@
+"""The search with every trial in a fresh process, for a hard limit in address space.
+
+Under an outside ``RLIMIT_AS`` on CPU a trial that runs out of memory scars the process that ran
+it (glibc moves the thread to another arena for good) and a crash in a native kernel ends it.
+Where the caller can build the training parts again (``build``: the recipes and the CLI build
+them from the config, a library user passes a function), each trial is a child process
+(:mod:`adaptive_batch.probe.child`) held to this process's headroom, and the answer is the
+largest batch that runs training's first steps in a fresh process.
+"""
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from adaptive_batch.errors import BatchSizeTooLargeError
+from adaptive_batch.memory.budget import MemoryBudget, after_margin
+from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity, format_bytes
+from adaptive_batch.probe.child import child_trial
+from adaptive_batch.probe.search import SearchResult, search_max_batch_size
+from adaptive_batch.probe.target import ProbeTarget
+from adaptive_batch.probe.trials import probe_max_batch_size
+from adaptive_batch.probe.verify import verify_steps
+
+# Address space moves in steps of glibc's heap (8 MiB and more), so the children's search settles
+# within half a percent of the answer instead of crawling to one sample (19 trials on an MLP).
+ADDRESS_SPACE_TOLERANCE = 0.005
+
+
+def trials_in_children(build: Optional[Callable[[], ProbeTarget]], budget: MemoryBudget, capacity: DeviceCapacity,
+                       *, device: torch.device, distributed: bool) -> bool:
+    """Whether the trials go to fresh processes: a ``build`` to make them from, a hard budget
+    set by an address-space limit on CPU (each process's own: under a cgroup or the machine's RAM
+    a child's copy of the model takes from the caller's room), and no other rank to step with."""
+    return (build is not None and device.type == "cpu" and not budget.is_soft
+            and capacity.source == ADDRESS_SPACE_SOURCE and not distributed)
+
+
+def search_in_children(
+    build: Callable[[], ProbeTarget],
+    target: ProbeTarget,
+    budget: MemoryBudget,
+    capacity: DeviceCapacity,
+    *,
+    max_batch_size: Optional[int],
+    time_budget: Optional[float],
+    snapshot_dir: Optional[str],
+    log: Optional[Callable[[str], None]],
+) -> SearchResult:
+    """The search judged in the hard limit's own unit: the address space a child's steps added,
+    against this process's headroom less the safety margin. Each trial runs training's first
+    consecutive steps, so no in-process check follows.
+
+    Raises:
+        BatchSizeTooLargeError: when batch 1 does not run in a fresh process.
+    """
+    headroom = capacity.headroom_bytes
+    steps = verify_steps(torch.device("cpu"))
+    if log is not None:
+        log(f"probe: {budget.describe()}; each trial runs {steps} steps in a fresh process held to this process's "
+            f"headroom of {format_bytes(headroom)} of address space, judged by the address space it adds.")
+    guess = _tensor_guess(target, budget=budget, snapshot_dir=snapshot_dir)
+    if guess is not None and max_batch_size is not None:
+        guess = min(guess, max_batch_size)
+    # The line in address space is measured at a half and three quarters of the tensor guess
+    # (tensors are part of address space, so the guess is high): at batch 1-2 glibc's heap absorbs
+    # a step (a conv net's slope came out a quarter of the true one), and from a quarter and a half
+    # the line still bent (4 out-of-memory trials); from here the conv net took 4 trials, none out
+    # of memory.
+    sizes = (1, 2) if guess is None or guess < 8 else (guess // 2, 3 * guess // 4)
+    if log is not None:
+        log(f"probe: the tensor bytes of steps at batch 1 and 2 put the answer at most at {guess}; "
+            f"the line in address space is measured at {sizes[0]} and {sizes[1]}.")
+    try:
+        return search_max_batch_size(
+            # One trial longer than the whole probe may take is a hang.
+            child_trial(build, headroom_bytes=headroom, steps=steps, timeout_s=time_budget),
+            budget_bytes=after_margin(headroom, budget.safety_margin),
+            max_batch_size=max_batch_size, warmup=False, log=log, max_overshoot=math.inf, time_budget_s=time_budget,
+            release=lambda: None,  # nothing of a trial is left in this process
+            estimate_sizes=sizes, tolerance=ADDRESS_SPACE_TOLERANCE,
+        )
+    except BatchSizeTooLargeError as e:
+        raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget.source) from None
+
+
+def _tensor_guess(target: ProbeTarget, *, budget: MemoryBudget, snapshot_dir: Optional[str]) -> Optional[int]:
+    """A first guess from steps at batch 1 and 2 in this process (nothing runs out of memory at
+    those): where the operator lines' tensor bytes meet the budget. Address space holds more
+    than tensors, so it guesses high; the children's trials measure from below it."""
+    result = probe_max_batch_size(target, budget_bytes=budget.budget_bytes, max_batch_size=2, budget_source=budget.source,
+                                  snapshot_dir=snapshot_dir)
+    return None if result.estimate is None else result.estimate.max_batch_size(budget.budget_bytes)

@@ -1,0 +1,85 @@
+"""A recipe's training parts built again in a trial process, from the run's own config.
+
+Under a hard limit in address space the probe's trials run in fresh processes
+(:mod:`adaptive_batch.probe.children`); each builds what it trains with :class:`RecipeTrialBuild`:
+the recipe's own constructor and setup on the run's config, with the weights, data and tokenizer
+the run reads and everything it would write sent to a scratch folder of the trial's own, then the
+recipe's own probe step (:meth:`probe_target`).
+"""
+
+from dataclasses import dataclass
+import importlib
+import inspect
+import logging
+from multiprocessing import util as mp_util
+from pathlib import Path
+import shutil
+import tempfile
+from typing import Any, Dict
+import warnings
+
+from omegaconf import DictConfig, OmegaConf
+
+from adaptive_batch.probe.target import ProbeTarget
+
+# What a recipe's setup writes under: a trial's go to its scratch folder, never the run's.
+_WRITTEN_KEYS = ("output_dir", "checkpointer.output_dir", "metric_logger.log_dir", "profiler.output_dir")
+# What a trial must not do: probe, resume, save, draw, cache.
+_TRIAL_SETTINGS: Dict[str, Any] = {
+    "use_maximum_batch_size": False, "resume_from_checkpoint": False, "save_every_n_steps": None, "plot": False,
+    "probe_cache": False, "probe_cache_dir": None, "profiler.enabled": False,
+}
+
+
+@dataclass(frozen=True)
+class RecipeTrialBuild:
+    """Picklable: builds, in a trial process, the recipe ``class_name`` of ``module`` (or of
+    the file ``recipe_file`` when the module cannot be imported by name, as under ``tune run``)
+    on ``config_yaml``, and returns its probe target."""
+
+    module: str
+    class_name: str
+    recipe_file: str
+    config_yaml: str
+    # Imported once in the server the trial processes are forked from, not in each of them.
+    preload = ("torchtune", "torchtune.training", "adaptive_batch.torchtune")
+
+    @classmethod
+    def of(cls, recipe: Any, cfg: DictConfig) -> "RecipeTrialBuild":
+        """The build of ``recipe``'s class on ``cfg`` as it stands after the recipe's weights
+        were settled (the files it loads, resolved)."""
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        trial = OmegaConf.create(resolved)
+        for key, value in _TRIAL_SETTINGS.items():
+            if OmegaConf.select(trial, key.rsplit(".", 1)[0]) is not None or "." not in key:
+                OmegaConf.update(trial, key, value, force_add=True)
+        recipe_cls = type(recipe)
+        return cls(
+            module=recipe_cls.__module__, class_name=recipe_cls.__qualname__,
+            recipe_file=str(Path(inspect.getfile(recipe_cls)).resolve()),
+            config_yaml=OmegaConf.to_yaml(trial),
+        )
+
+    def __call__(self) -> ProbeTarget:
+        # The trial's own lines would repeat the run's setup once a trial: only errors show.
+        logging.disable(logging.WARNING)
+        warnings.simplefilter("ignore")
+        scratch = tempfile.mkdtemp(prefix="adaptive-batch-trial-")
+        mp_util.Finalize(None, shutil.rmtree, args=(scratch, True), exitpriority=10)
+        cfg = OmegaConf.create(self.config_yaml)
+        for key in _WRITTEN_KEYS:
+            if key == "output_dir" or OmegaConf.select(cfg, key) is not None:
+                OmegaConf.update(cfg, key, f"{scratch}/{key.replace('.', '_')}", force_add=True)
+        recipe = self._recipe_class()(cfg=cfg)
+        recipe.setup(cfg=cfg)
+        return recipe.probe_target()
+
+    def _recipe_class(self) -> type:
+        if self.module not in ("__main__", "__mp_main__"):
+            try:
+                return getattr(importlib.import_module(self.module), self.class_name)
+            except ImportError:
+                pass
+        from adaptive_batch.torchtune.cli import load_recipe_file
+
+        return getattr(load_recipe_file(Path(self.recipe_file)), self.class_name)
