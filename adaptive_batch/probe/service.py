@@ -60,7 +60,8 @@ class ProbeOptions:
             the device (``0.8``, ``"80%"``), or ``None`` for the device.
         memory_safety_margin: fraction of the budget held back; ``None`` for the device's
             default (:func:`default_safety_margin`: 0.05 on CUDA, for the caching allocator's
-            fragmentation; 0.01 on CPU, 0.001 when the trials run in fresh processes).
+            fragmentation; 0.01 on CPU; 0.001 under an address-space limit when the trials run in
+            fresh processes, where a process with no scars judges the answer in the limit's unit).
         batch_size_rounding: ``"none"`` keeps the found size, ``"power_of_two"`` rounds down.
         max_batch_size: the largest batch the probe may choose (and growth's bound when not
             probing), or ``None``.

@@ -56,7 +56,7 @@ class RecipeTrialBuild:
         recipe_cls = type(recipe)
         return cls(
             module=recipe_cls.__module__, class_name=recipe_cls.__qualname__,
-            recipe_file=str(Path(inspect.getfile(recipe_cls)).resolve()),
+            recipe_file=_defining_file(recipe_cls),
             config_yaml=OmegaConf.to_yaml(trial),
         )
 
@@ -83,3 +83,12 @@ class RecipeTrialBuild:
         from adaptive_batch.torchtune.cli import load_recipe_file
 
         return getattr(load_recipe_file(Path(self.recipe_file)), self.class_name)
+
+
+def _defining_file(cls: type) -> str:
+    """The file ``cls`` was defined in, from its own methods' code: ``tune run`` runs a recipe as
+    ``__main__`` without registering it (``runpy.run_module``), so its module names the launcher."""
+    for value in vars(cls).values():
+        if inspect.isfunction(value):
+            return str(Path(value.__code__.co_filename).resolve())
+    return str(Path(inspect.getfile(cls)).resolve())
