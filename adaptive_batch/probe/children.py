@@ -49,7 +49,7 @@ def search_in_children(
 ) -> SearchResult:
     """The search judged in the hard limit's own unit: the address space a child's steps added,
     against this process's headroom less the safety margin. Each trial runs training's first
-    consecutive steps, so no in-process check follows.
+    consecutive steps; the caller then checks the answer in its own process.
 
     Raises:
         BatchSizeTooLargeError: when batch 1 does not run in a fresh process.

@@ -58,10 +58,10 @@ class ProbeReport:
         batch_size_cap: the largest size the search could answer (dataset, ``max_batch_size``).
         batch_size_objective: ``"max_fit"`` or ``"throughput"``.
         world_size: the data-parallel ranks that agreed on the answer.
-        verify_steps: the consecutive steps the check ran (each child's, when the trials ran in
-            fresh processes).
+        verify_steps: the consecutive steps the check ran (and each child, when the trials ran
+            in fresh processes).
         trials_in_fresh_processes: every trial ran in a fresh process (a hard limit in address
-            space, with the training parts built again there): no in-process check followed.
+            space, with the training parts built again there).
         ranks: what each rank measured against its own budget.
         throughput: the timings behind a throughput choice.
         total_seconds: how long the search took.

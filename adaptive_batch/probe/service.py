@@ -349,7 +349,7 @@ def search_and_check(
     the trials' and the check's (both entry points call it: :func:`probe_batch_size` and
     ``find_max_batch_size``). With ``build`` (where
     :func:`~adaptive_batch.probe.children.trials_in_children` holds) every trial runs training's
-    first steps in a fresh process instead, and no in-process check follows.
+    first steps in a fresh process instead; the check still runs the answer here.
 
     Raises:
         BatchSizeTooLargeError: when batch 1 does not fit (naming the rank whose budget is smallest).
@@ -365,7 +365,6 @@ def search_and_check(
     if build is not None:
         result = search_in_children(build, target, budget, capacity, max_batch_size=cap,
                                     time_budget=options.probe_time_budget, snapshot_dir=snapshot_dir, log=log)
-        verified = result.max_batch_size  # each child ran training's first consecutive steps
     else:
         try:
             result = probe_max_batch_size(
@@ -379,7 +378,9 @@ def search_and_check(
             # Every rank stops with the figures of the rank whose budget is the smallest: name it.
             source = MAX_MEMORY_ENV if budget.source == "max_memory" and os.environ.get(MAX_MEMORY_ENV) else budget.source
             raise BatchSizeTooLargeError(e.bytes_needed, common_budget, source, rank=rank_budgets.index(common_budget)) from None
-        verified = check.largest_up_to(result.max_batch_size)
+    # Also after trials in fresh processes: this process has what a fresh one has not (a LoRA
+    # answer ran 3 steps in a child with 2 MiB to spare and ran out of memory here in training).
+    verified = check.largest_up_to(result.max_batch_size)
     batch_size = round_batch_size(verified, options.batch_size_rounding)
     throughput = None
     if options.batch_size_objective == "throughput":
