@@ -147,3 +147,39 @@ def test_a_cache_entry_that_does_not_train_is_not_trusted(tmp_path):
     again = probe_batch_size(opts, target, **common)
     assert again.cache.hit is False and again.batch_size <= 2 * found  # probed again, never the claim
     assert any(f"probe cache's batch_size={claim} did not train here; probing again" in line for line in lines)
+
+
+def test_an_answer_from_fresh_processes_is_checked_in_the_probing_process(monkeypatch, tmp_path):
+    """A LoRA answer ran 3 steps in a child with 2 MiB to spare and ran out of memory in the
+    caller's training: the caller holds what a fresh process has not. The check runs it here too."""
+    from adaptive_batch.distributed import RankGroup
+    from adaptive_batch.memory.budget import memory_budget
+    from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity
+    from adaptive_batch.probe import service
+    from adaptive_batch.probe.search import SearchResult
+
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ran = []
+
+    def step(batch):
+        ran.append(batch.shape[0])
+        if batch.shape[0] >= 20:  # what this process cannot hold, as the allocator says it
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 7802880 bytes. Error code 12 (Cannot allocate memory)")
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    target = ProbeTarget(step, lambda b: torch.randn(b, 4), model, optimizer, torch.device("cpu"))
+    capacity = DeviceCapacity(device="cpu", headroom_bytes=2**30, source=ADDRESS_SPACE_SOURCE, hard_limit=True)
+    budget = memory_budget(max_memory_bytes=None, capacity=capacity, live_bytes=0, fresh_process_trials=True)
+    children = SearchResult(max_batch_size=20, budget_bytes=budget.budget_bytes, estimate=None, predicted_max_batch_size=None)
+    monkeypatch.setattr(service, "search_in_children", lambda *a, **k: children)
+    report = service.search_and_check(
+        ProbeOptions(use_maximum_batch_size=True), target, budget, capacity, service.TrialLimits(None, 0),
+        rank_budgets=[budget.budget_bytes], cap=None, seq_len=None, ranks=RankGroup.alone(), snapshot_dir=str(tmp_path),
+        log=None, build=lambda: target,
+    )
+    assert report.trials_in_fresh_processes and report.max_batch_size == 20
+    assert report.batch_size == report.verified_batch_size == 19 and 20 in ran
