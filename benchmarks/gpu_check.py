@@ -196,7 +196,7 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
     make_batch = make_batch_fn(cfg, model, device)
     options = ab.ProbeOptions(max_memory=max_memory, memory_safety_margin=margin, probe_cache=False)
     target = ProbeTarget(step, make_batch, model, optimizer, device)
-    budget, _ = step_budget(options, target)
+    budget, _, _ = step_budget(options, target)
     hold_card_to(device, budget.limit_bytes)
     t0 = time.perf_counter()
     # The recipes' probe: the search, then the answer's consecutive steps held to the budget.

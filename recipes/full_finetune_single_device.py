@@ -353,14 +353,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # measure_noise_scale's gradient copy exists before the probe, which counts it.
         self._batching.track_gradients(self._model.parameters())
         # Under a hard limit in address space each trial builds this recipe again in a fresh process.
-        probe = partial(
-            ab.probe_batch_size, target=self.probe_target(), seq_len=self._tokenizer.max_seq_len,
-            cache_fields=self._probe_cache_fields(cfg), build=abt.RecipeTrialBuild.of(self, cfg),
-        )
-        self._batching.settle(
-            dataset_size=math.ceil(len(dataset) / self._ranks.world_size), max_steps_per_epoch=self.max_steps_per_epoch,
-            probe=probe, lengths=lengths,
-        )
+        with abt.RecipeTrialBuild.of(self, cfg) as build:
+            probe = partial(
+                ab.probe_batch_size, target=self.probe_target(), seq_len=self._tokenizer.max_seq_len,
+                cache_fields=self._probe_cache_fields(cfg), build=build,
+            )
+            self._batching.settle(
+                dataset_size=math.ceil(len(dataset) / self._ranks.world_size),
+                max_steps_per_epoch=self.max_steps_per_epoch, probe=probe, lengths=lengths,
+            )
 
     def probe_target(self) -> ProbeTarget:
         """What the probe's trials train: this recipe's own step on worst-case batches."""

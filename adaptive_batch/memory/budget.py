@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity, format_bytes
+from adaptive_batch.memory.device import DeviceCapacity, format_bytes
 from adaptive_batch.memory.tracker import live_tensor_bytes
 from adaptive_batch.validation import check_safety_margin
 
@@ -112,8 +112,8 @@ def memory_budget(
         live_bytes: tensor bytes alive when ``capacity`` was read; they count in every peak.
         safety_margin: fraction in ``[0, 1)`` held back; ``None`` for the default of the
             device and the trials (:func:`default_safety_margin`).
-        fresh_process_trials: the trials run in fresh processes when the budget is the hard
-            limit of an ``RLIMIT_AS`` (the caller can build them there).
+        fresh_process_trials: the trials run in fresh processes
+            (:func:`~adaptive_batch.probe.children.trials_in_children` decides), for the default margin.
 
     Raises:
         ValueError: if ``safety_margin`` is outside ``[0, 1)``.
@@ -125,8 +125,7 @@ def memory_budget(
         limit, source, kind = device_limit, capacity.source, HARD
     if safety_margin is None:
         device_type = capacity.device.split(":")[0]
-        in_children = fresh_process_trials and kind == HARD and source == ADDRESS_SPACE_SOURCE
-        safety_margin = default_safety_margin(device_type, fresh_process_trials=in_children)
+        safety_margin = default_safety_margin(device_type, fresh_process_trials=fresh_process_trials)
     check_safety_margin(safety_margin)
     return MemoryBudget(
         budget_bytes=after_margin(limit, safety_margin),

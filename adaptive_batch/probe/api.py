@@ -39,7 +39,6 @@ from torch import nn
 
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.memory.device import glibc_mmap_threshold_set, prepare_allocator
-from adaptive_batch.probe.children import trials_in_children
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
@@ -116,8 +115,7 @@ def find_max_batch_size(
     )
     target = ProbeTarget(train_step, make_batch, model, optimizer, device, lr_scheduler).on_its_device()
     check_make_batch(make_batch)
-    budget, capacity = step_budget(options, target, fresh_process_trials=build is not None)
-    in_children = trials_in_children(build, budget, capacity, device=target.device, distributed=False)
+    budget, capacity, in_children = step_budget(options, target, build=build)
     if target.device.type == "cpu" and not budget.is_soft:
         # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
         # process to process (BERT's answer trained in one fresh process and failed in the next).

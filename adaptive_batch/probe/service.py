@@ -142,12 +142,12 @@ class ProbeOptions:
 
 
 def step_budget(
-    options: ProbeOptions, target: ProbeTarget, *, fresh_process_trials: bool = False
-) -> "tuple[MemoryBudget, DeviceCapacity]":
+    options: ProbeOptions, target: ProbeTarget, *, build: Optional[Callable[[], ProbeTarget]] = None,
+    distributed: bool = False,
+) -> "tuple[MemoryBudget, DeviceCapacity, bool]":
     """The budget for a step's peak on ``target.device`` (``max_memory`` or the device, less the
-    margin), and the capacity it was read from. ``fresh_process_trials``: the caller can run
-    the trials in fresh processes (a ``build`` on one process), which a hard limit in address
-    space then does with no default margin.
+    margin), the capacity it was read from, and whether the trials run in fresh processes
+    (:func:`~adaptive_batch.probe.children.trials_in_children`: then the default margin is theirs).
 
     Raises:
         ConfigError: for a ``max_memory`` the device cannot give.
@@ -156,14 +156,16 @@ def step_budget(
     # says so: the recipes, AdaptiveBatch, the Trainer, find_max_batch_size under a hard budget.
     device = target.device
     capacity = device_capacity(device)
-    budget = memory_budget(
-        max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes),
-        capacity=capacity,
-        live_bytes=training_state_bytes(target.model, target.optimizer),
-        safety_margin=options.memory_safety_margin,
-        fresh_process_trials=fresh_process_trials and device.type == "cpu",
-    )
-    return budget, capacity
+
+    def budget(in_children: bool) -> MemoryBudget:
+        return memory_budget(
+            max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes), capacity=capacity,
+            live_bytes=training_state_bytes(target.model, target.optimizer),
+            safety_margin=options.memory_safety_margin, fresh_process_trials=in_children,
+        )
+
+    in_children = trials_in_children(build, budget(False), capacity, device=device, distributed=distributed)
+    return budget(in_children), capacity, in_children
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,7 @@ def probe_batch_size(
     say = log or (lambda line: None)
     target = target.on_its_device()
     ranks = ranks or RankGroup(target.device)
-    budget, capacity = step_budget(options, target, fresh_process_trials=build is not None and not ranks.distributed)
+    budget, capacity, in_children = step_budget(options, target, build=build, distributed=ranks.distributed)
     # Every rank searches against the smallest budget; each measures against its own.
     rank_budgets = ranks.gather(budget.budget_bytes)
     caps = [c for c in (dataset_size, options.max_batch_size) if c is not None]
@@ -281,7 +283,6 @@ def probe_batch_size(
         return cached
     say(f"use_maximum_batch_size: probing {'' if cap is None else f'up to batch {cap} '}"
         f"{'' if seq_len is None else f'at seq_len={seq_len} '}with {budget.describe()}.")
-    in_children = trials_in_children(build, budget, capacity, device=target.device, distributed=ranks.distributed)
     report = search_and_check(options, target, budget, capacity, limits, rank_budgets=rank_budgets, cap=cap,
                               seq_len=seq_len, ranks=ranks, snapshot_dir=output_dir, log=log,
                               build=build if in_children else None)
