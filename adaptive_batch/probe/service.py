@@ -156,13 +156,12 @@ def step_budget(
     # says so: the recipes, AdaptiveBatch, the Trainer, find_max_batch_size under a hard budget.
     device = target.device
     capacity = device_capacity(device)
+    max_memory = options.max_memory_bytes(capacity.headroom_bytes)
+    live = training_state_bytes(target.model, target.optimizer)
 
     def budget(in_children: bool) -> MemoryBudget:
-        return memory_budget(
-            max_memory_bytes=options.max_memory_bytes(capacity.headroom_bytes), capacity=capacity,
-            live_bytes=training_state_bytes(target.model, target.optimizer),
-            safety_margin=options.memory_safety_margin, fresh_process_trials=in_children,
-        )
+        return memory_budget(max_memory_bytes=max_memory, capacity=capacity, live_bytes=live,
+                             safety_margin=options.memory_safety_margin, fresh_process_trials=in_children)
 
     in_children = trials_in_children(build, budget(False), capacity, device=device, distributed=distributed)
     return budget(in_children), capacity, in_children
