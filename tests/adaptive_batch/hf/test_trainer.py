@@ -229,12 +229,12 @@ from adaptive_batch.memory.device import proc_status_bytes, return_freed_memory_
 
 mode, batch, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
-samples = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32000, (64, 256))]
+samples = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 8192, (64, 256))]
 args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=1 if mode == "probe" else 3,
                          report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
-resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + 640 * 2**20, resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + 256 * 2**20, resource.RLIM_INFINITY))
 if mode == "probe":
     lines = []
     trainer = AdaptiveBatchTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples, log=lines.append)
@@ -258,7 +258,7 @@ else:
 
 @pytest.mark.slow
 def test_under_a_real_limit_it_finds_the_true_maximum(tmp_path):
-    """Under 640 MiB of address space over the process (as ``prlimit --as`` gives), the probed
+    """Under 256 MiB of address space over the process (as ``prlimit --as`` gives), the probed
     micro-batch trains 3 accumulated steps (as the effective batch of 16 is trained) in a fresh
     process and one more does not, found with at most one out-of-memory trial. The truth was a
     step of one micro-batch until the trial became the Trainer's accumulated step."""
