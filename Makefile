@@ -30,10 +30,12 @@ run-distributed: $(STAMP)
 		--config configs/tiny/full_distributed.yaml use_maximum_batch_size=True max_memory=512MiB epochs=3 $(ARGS)
 
 # Everything, as CI runs it (.ci/run): one pytest worker a core (pytest-xdist), a test file to a
-# worker (its module-scoped runs are shared by its tests). TEST_WORKERS=0 runs in this process.
+# worker (its module-scoped runs are shared by its tests), in tests/conftest.py's order (the files
+# of many slow tests first; xdist's own reorder by test count left the two-rank file, 7 tests and
+# 2 minutes, for last). TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 # Without the tests that need processes of their own (real memory limits, torchrun, an install).
 test-fast: $(STAMP)

@@ -13,7 +13,7 @@ from adaptive_batch.torchtune.cli import main
 from tests.recipes.conftest import REPO, run_in_process, tune_env
 
 TINY = "configs/tiny/full_single_device.yaml"
-# The throughput and plot probes test the command, not the search: short sequences and a small
+# The throughput, plot and cache probes test the command, not the search: short sequences and a small
 # budget make the same decisions with a fraction of the trial compute (about 6 MiB a sample over
 # 53 MiB of state). The plan's agreement with the probe is tested at the config's 256 tokens.
 SHORT = "tokenizer.max_seq_len=64"
@@ -125,23 +125,26 @@ def test_unknown_option_is_a_usage_error():
     assert proc.returncode == 2 and "unrecognized arguments: --bogus" in proc.stderr
 
 
-def test_cache_hit_miss_and_invalidation(probed):
-    out, first, report = probed
-    assert report["cache"]["hit"] is False
-    again = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=192MiB")
+def test_cache_hit_miss_and_invalidation(tmp_path):
+    # short sequences: the cache's decisions are the same at any length, its probes cheaper
+    first = cli("probe", "--config", TINY, f"output_dir={tmp_path}", SHORT, "max_memory=96MiB")
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads((tmp_path / "batch_probe.json").read_text())
+    assert report["cache"]["hit"] is False and "probe trial 1" in first.stderr
+    again = cli("probe", "--config", TINY, f"output_dir={tmp_path}", SHORT, "max_memory=96MiB")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "probe cache hit" in again.stderr and "probe trial" not in again.stderr
     assert "from the probe cache" in again.stdout
-    cached = json.loads((out / "batch_probe.json").read_text())
+    cached = json.loads((tmp_path / "batch_probe.json").read_text())
     assert cached["cache"]["hit"] is True and cached["max_batch_size"] == report["max_batch_size"]
     # --no-cache, a different budget: probe again
-    forced = cli("probe", "--config", TINY, f"output_dir={out}", "--no-cache", "max_memory=192MiB")  # any order
+    forced = cli("probe", "--config", TINY, f"output_dir={tmp_path}", "--no-cache", SHORT, "max_memory=96MiB")  # any order
     assert "probe trial 1" in forced.stderr and "probe cache hit" not in forced.stderr
-    other = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=128MiB")
+    other = cli("probe", "--config", TINY, f"output_dir={tmp_path}", SHORT, "max_memory=80MiB")
     assert "probe trial 1" in other.stderr
     # a corrupt entry is never trusted
     Path(report["cache"]["path"]).write_text("{not json")
-    broken = cli("probe", "--config", TINY, f"output_dir={out}", "max_memory=192MiB")
+    broken = cli("probe", "--config", TINY, f"output_dir={tmp_path}", SHORT, "max_memory=96MiB")
     assert broken.returncode == 0 and "ignoring unreadable entry" in broken.stderr and "probe trial 1" in broken.stderr
 
 
