@@ -13,7 +13,7 @@ from adaptive_batch.torchtune.cli import main
 from tests.recipes.conftest import REPO, run_in_process, tune_env
 
 TINY = "configs/tiny/full_single_device.yaml"
-# The throughput, plot and cache probes test the command, not the search: short sequences and a small
+# The throughput, plot, cache and install probes test the command, not the search: short sequences and a small
 # budget make the same decisions with a fraction of the trial compute (about 6 MiB a sample over
 # 53 MiB of state). The plan's agreement with the probe is tested at the config's 256 tokens.
 SHORT = "tokenizer.max_seq_len=64"
@@ -216,8 +216,9 @@ def test_an_ordinary_install_plans_and_probes_from_another_directory(tmp_path):
         import contextlib, io, runpy, sys
         import adaptive_batch, adaptive_batch_recipes
         print("from", adaptive_batch.__file__, adaptive_batch_recipes.__file__)
-        for argv in (["plan", "--config", {config!r}, "--device-memory", "1GiB", "--json"],
-                     ["probe", "--config", {config!r}, "output_dir={work / 'out'}", "max_memory=128MiB", "--no-cache"]):
+        for argv in (["plan", "--config", {config!r}, "--device-memory", "1GiB", "--json", {SHORT!r}],
+                     ["probe", "--config", {config!r}, "output_dir={work / 'out'}", "max_memory=64MiB", "--no-cache",
+                      {SHORT!r}]):
             sys.argv = ["adaptive-batch", *argv]
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
