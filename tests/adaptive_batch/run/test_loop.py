@@ -127,7 +127,7 @@ def test_the_probe_finds_the_largest_batch_that_fits_and_training_takes_it(tmp_p
         return torch.nn.functional.mse_loss(model(inputs), targets)
 
     adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=1, use_maximum_batch_size=True,
-                             max_memory="32MiB", make_batch=lambda b: (torch.randn(b, 256), torch.randn(b, 1)),
+                             max_memory="32MiB", probe_cache=False, make_batch=lambda b: (torch.randn(b, 256), torch.randn(b, 1)),
                              output_dir=str(tmp_path), log=lambda m: None)
     found = adaptive.batch_size
     report = json.loads((tmp_path / "batch_probe.json").read_text())
