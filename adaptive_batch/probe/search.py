@@ -146,7 +146,8 @@ def search_max_batch_size(
     of the step when ``run_trial`` gives the step's memory after each operator, else one line per
     phase when it gives phases, else one line (the step's peak is the largest line's); the
     predicted largest size is tried, then its neighbour; if the prediction was off, the search
-    gallops (steps 1, 2, 4, ...) away from it until the answer is bracketed, then bisects.
+    gallops (steps 1, 2, 4, ...) away from it until the answer is bracketed (up, no further than
+    the line through the two largest fits allows), then bisects.
 
     Every trial past the estimate steps is bounded by the worst case the largest fit so far
     allows: what a step adds to the memory it starts with (``peak - start``, ``start`` being the
@@ -357,6 +358,17 @@ class _Bracket:
         candidate = max(candidate, self.lo + 1)
         return min(candidate, top) if top is not None else candidate
 
+    def extrapolate(self) -> Optional[int]:
+        """Where the line through the two largest fits' peaks meets the budget (``None``: fewer
+        than two, or a line that does not rise)."""
+        fits = sorted({t.batch_size: t.peak_bytes for t in self.trials.done if t.fits and t.peak_bytes}.items())
+        if len(fits) < 2:
+            return None
+        (b1, p1), (b2, p2) = fits[-2:]
+        if p2 <= p1:
+            return None
+        return b2 + int((self.budget_bytes - p2) * (b2 - b1) // (p2 - p1))
+
     def interpolate(self) -> Optional[int]:
         """Where the line through the measured peaks at ``lo`` and ``hi`` meets the budget."""
         lo, hi = self.lo, self.hi
@@ -418,7 +430,13 @@ class _Search:
             return b.clamp((b.lo + b.upper() + 1) // 2)
         stride = max(self.step, b.min_stride())
         self.step = stride * 2
-        return b.clamp(b.lo + stride if fits else b.hi - stride)
+        if not fits:
+            return b.clamp(b.hi - stride)
+        # Galloping up, no further than the line through the two largest fits allows: a
+        # doubled stride from a fit just under the budget took two failed trials (6 fitted with
+        # 5 MiB to spare; 8 failed, then 7) where the next size alone settles it.
+        room = b.extrapolate()
+        return b.clamp(b.lo + stride if room is None else min(b.lo + stride, max(room, b.lo + b.min_stride())))
 
 
 class _Clock:

@@ -428,3 +428,21 @@ def test_estimate_sizes_above_one_that_nothing_fits_say_batch_one_does_not_fit()
     with pytest.raises(BatchSizeTooLargeError):
         search_max_batch_size(LinearStep(fixed=1_000, per_sample=10, oom_above=0), budget_bytes=5_000,
                               release=no_release, estimate_sizes=(8, 12), warmup=False)
+
+
+def test_galloping_up_stops_where_the_two_largest_fits_put_the_budget():
+    """The trial processes' case on a Trainer's Llama (address space in MiB): the line through
+    batch 1 and 2 put the answer at 5, 6 fitted with 5 MiB to spare, and a doubled stride tried 8
+    then 7, two out-of-memory trials where 7 alone settles it."""
+    peaks = {1: 104, 2: 137, 5: 238, 6: 251}
+    calls = []
+
+    def step(b):
+        calls.append(b)
+        if b not in peaks:
+            raise RuntimeError(CPU_OOM)
+        return peaks[b]
+
+    result = search_max_batch_size(step, budget_bytes=255, warmup=False, max_overshoot=float("inf"), release=no_release)
+    assert result.max_batch_size == 6 and calls == [1, 2, 5, 6, 7]
+    assert sum(t.oom for t in result.trials) == 1
