@@ -31,7 +31,7 @@ run-distributed: $(STAMP)
 
 # Everything, as CI runs it (.ci/run): one pytest worker a core (pytest-xdist), a test file to a
 # worker (its module-scoped runs are shared by its tests), in tests/conftest.py's order (the files
-# of many slow tests first; xdist's own reorder by test count left the two-rank file, 7 tests and
+# of many slow tests first; xdist 3.8's own reorder by test count left the two-rank file, 7 tests and
 # 2 minutes, for last). TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= auto
 test: $(STAMP)

@@ -361,7 +361,8 @@ class _Bracket:
     def extrapolate(self) -> Optional[int]:
         """Where the line through the two largest fits' peaks meets the budget (``None``: fewer
         than two, or a line that does not rise)."""
-        fits = sorted({t.batch_size: t.peak_bytes for t in self.trials.done if t.fits and t.peak_bytes}.items())
+        fits = sorted({t.batch_size: t.peak_bytes for t in self.trials.done
+                       if t.fits and t.peak_bytes and t.phase != "warmup"}.items())
         if len(fits) < 2:
             return None
         (b1, p1), (b2, p2) = fits[-2:]
@@ -429,14 +430,17 @@ class _Search:
         if self.bracketed or halve:
             return b.clamp((b.lo + b.upper() + 1) // 2)
         stride = max(self.step, b.min_stride())
-        self.step = stride * 2
         if not fits:
+            self.step = stride * 2
             return b.clamp(b.hi - stride)
         # Galloping up, no further than the line through the two largest fits allows: a
         # doubled stride from a fit just under the budget took two failed trials (6 fitted with
-        # 5 MiB to spare; 8 failed, then 7) where the next size alone settles it.
+        # 5 MiB to spare; 8 failed, then 7) where the next size alone settles it. The next
+        # stride doubles the move made, not the one the line held back.
         room = b.extrapolate()
-        return b.clamp(b.lo + stride if room is None else min(b.lo + stride, max(room, b.lo + b.min_stride())))
+        move = stride if room is None else min(stride, max(room - b.lo, b.min_stride()))
+        self.step = 2 * move
+        return b.clamp(b.lo + move)
 
 
 class _Clock:

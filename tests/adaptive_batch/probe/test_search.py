@@ -446,3 +446,20 @@ def test_galloping_up_stops_where_the_two_largest_fits_put_the_budget():
     result = search_max_batch_size(step, budget_bytes=255, warmup=False, max_overshoot=float("inf"), release=no_release)
     assert result.max_batch_size == 6 and calls == [1, 2, 5, 6, 7]
     assert sum(t.oom for t in result.trials) == 1
+
+
+def test_a_stride_the_line_held_back_does_not_double_behind_it():
+    """Peaks that flatten near the budget (an allocator's step-wise address space): while the
+    line through the two largest fits holds the gallop to one size at a time, its stride must
+    not go on doubling, or the first flat pair (no line) sends it far past the answer."""
+    peaks = {1: 50, 2: 150, 10: 950, 11: 980, 12: 990, 13: 995, 14: 995, 15: 999}
+    calls = []
+
+    def step(b):
+        calls.append(b)
+        if b not in peaks:
+            raise RuntimeError(CPU_OOM)
+        return peaks[b]
+
+    result = search_max_batch_size(step, budget_bytes=1000, warmup=False, max_overshoot=float("inf"), release=no_release)
+    assert result.max_batch_size == 15 and sum(t.oom for t in result.trials) == 1, calls
