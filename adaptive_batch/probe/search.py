@@ -366,9 +366,7 @@ class _Bracket:
         if len(fits) < 2:
             return None
         (b1, p1), (b2, p2) = fits[-2:]
-        if p2 <= p1:
-            return None
-        return b2 + int((self.budget_bytes - p2) * (b2 - b1) // (p2 - p1))
+        return _where_line_meets(self.budget_bytes, b1, p1, b2, p2)
 
     def interpolate(self) -> Optional[int]:
         """Where the line through the measured peaks at ``lo`` and ``hi`` meets the budget."""
@@ -378,9 +376,17 @@ class _Bracket:
         fit = self._fit_trial(lo)
         p_lo = None if fit is None else fit.peak_bytes
         p_hi = next((t.peak_bytes for t in reversed(self.trials.done) if t.batch_size == hi and not t.oom), None)
-        if p_lo is None or p_hi is None or p_hi <= p_lo:
+        if p_lo is None or p_hi is None:
             return None
-        return lo + int((self.budget_bytes - p_lo) * (hi - lo) // (p_hi - p_lo))
+        return _where_line_meets(self.budget_bytes, lo, p_lo, hi, p_hi)
+
+
+def _where_line_meets(budget_bytes: int, b1: int, p1: int, b2: int, p2: int) -> Optional[int]:
+    """The size where the line through peak ``p1`` at ``b1`` and ``p2`` at ``b2`` meets the
+    budget, rounded down from ``b1`` (``None`` when the line does not rise)."""
+    if p2 <= p1:
+        return None
+    return b1 + int((budget_bytes - p1) * (b2 - b1) // (p2 - p1))
 
 
 class _Search:

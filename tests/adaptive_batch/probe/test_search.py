@@ -430,11 +430,10 @@ def test_estimate_sizes_above_one_that_nothing_fits_say_batch_one_does_not_fit()
                               release=no_release, estimate_sizes=(8, 12), warmup=False)
 
 
-def test_galloping_up_stops_where_the_two_largest_fits_put_the_budget():
-    """The trial processes' case on a Trainer's Llama (address space in MiB): the line through
-    batch 1 and 2 put the answer at 5, 6 fitted with 5 MiB to spare, and a doubled stride tried 8
-    then 7, two out-of-memory trials where 7 alone settles it."""
-    peaks = {1: 104, 2: 137, 5: 238, 6: 251}
+def _search_a_table(peaks, budget_bytes):
+    """The search in the trial processes' form (no warmup, no overshoot bound) over a step whose
+    peak at each size is ``peaks[size]`` and which runs out of memory at any other size; the
+    result and the sizes tried."""
     calls = []
 
     def step(b):
@@ -443,7 +442,16 @@ def test_galloping_up_stops_where_the_two_largest_fits_put_the_budget():
             raise RuntimeError(CPU_OOM)
         return peaks[b]
 
-    result = search_max_batch_size(step, budget_bytes=255, warmup=False, max_overshoot=float("inf"), release=no_release)
+    result = search_max_batch_size(step, budget_bytes=budget_bytes, warmup=False, max_overshoot=float("inf"),
+                                   release=no_release)
+    return result, calls
+
+
+def test_galloping_up_stops_where_the_two_largest_fits_put_the_budget():
+    """The trial processes' case on a Trainer's Llama (address space in MiB): the line through
+    batch 1 and 2 put the answer at 5, 6 fitted with 5 MiB to spare, and a doubled stride tried 8
+    then 7, two out-of-memory trials where 7 alone settles it."""
+    result, calls = _search_a_table({1: 104, 2: 137, 5: 238, 6: 251}, budget_bytes=255)
     assert result.max_batch_size == 6 and calls == [1, 2, 5, 6, 7]
     assert sum(t.oom for t in result.trials) == 1
 
@@ -453,13 +461,5 @@ def test_a_stride_the_line_held_back_does_not_double_behind_it():
     line through the two largest fits holds the gallop to one size at a time, its stride must
     not go on doubling, or the first flat pair (no line) sends it far past the answer."""
     peaks = {1: 50, 2: 150, 10: 950, 11: 980, 12: 990, 13: 995, 14: 995, 15: 999}
-    calls = []
-
-    def step(b):
-        calls.append(b)
-        if b not in peaks:
-            raise RuntimeError(CPU_OOM)
-        return peaks[b]
-
-    result = search_max_batch_size(step, budget_bytes=1000, warmup=False, max_overshoot=float("inf"), release=no_release)
+    result, calls = _search_a_table(peaks, budget_bytes=1000)
     assert result.max_batch_size == 15 and sum(t.oom for t in result.trials) == 1, calls
