@@ -124,7 +124,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         self._ranks = self._batching.ranks
         # What a checkpoint holds of the batch side, with a fingerprint of what is trained.
-        self._run_state = ab.RunState(self._batching, settings=abt.trained_settings(cfg))
+        self._run_state = ab.RunState(self._batching.session, settings=abt.trained_settings(cfg))
         self._step_checkpoints = ab.StepCheckpoints(
             f"{cfg.output_dir}/{step_checkpoints.DIRNAME}",
             every_n_steps=cfg.get("save_every_n_steps", None),

@@ -1,7 +1,8 @@
-"""A training run's batch decisions, behind ``controller.AdaptiveBatchController``.
+"""A training run's batch decisions (``session.BatchSession``) and what executes them
+(``controller.AdaptiveBatchController``, the recipes' adapter; ``loop.AdaptiveBatch``).
 
 ``options`` (every setting and the rules for how they combine), ``start`` (the first batch),
-``grower`` (growth and the noise scale), ``lr_coupling`` (the LR set for each step's batch),
-``step`` (a step in micro-batches, rerun smaller after an OOM), ``batching`` (sample-count or
-token-budget batches), ``step_checkpoints`` (checkpoints inside an epoch).
+``grower`` (growth and the noise scale), ``lr_coupling`` (the session's LR factors set in the
+optimizer), ``step`` (a step in micro-batches, rerun smaller after an OOM), ``batching``
+(sample-count or token-budget batches), ``step_checkpoints`` (checkpoints inside an epoch).
 """

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, List, Optional
 from adaptive_batch.data.samplers import BatchState
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.schedule.lr_progress import SampleProgressLR
-from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRScalingOptions
+from adaptive_batch.schedule.lr_scaling import BatchLRScaler, BatchScaling, LRRule
 
 
 class ParamGroupsOf:
@@ -27,18 +27,17 @@ class ParamGroupsOf:
 
 
 class LRCoupling:
-    """Sets each step's LR from its batch.
+    """Sets each step's LR to the factors the session decided for its batch
+    (:meth:`~adaptive_batch.run.session.BatchSession.scaling`).
 
     Args:
-        options: the scaling rule, unit and reference.
+        rule: the scaling rule with its reference
+            (:attr:`~adaptive_batch.run.session.BatchSession.lr_rule`).
         optimizer: whose param groups the rule sets.
         lr_scheduler: the run's scheduler, or ``None``.
         read_lr: reads the LR a step uses, for the log.
         batch: the run's batch state (samples seen, the first step's batch).
         count_in_samples: advance ``lr_scheduler`` by samples seen (fixed-size batches).
-        configured_batch: the per-rank batch the config's LR was set for (the reference when
-            ``lr_scaling_reference`` is unset).
-        world_size: data-parallel ranks; a step's batch is their mean share.
 
     When ``lr_scheduler`` drives another optimizer than ``optimizer`` (optimizer-in-backward:
     the scheduler holds the first parameter's), its LR is copied to every group of
@@ -51,17 +50,15 @@ class LRCoupling:
 
     def __init__(
         self,
-        options: LRScalingOptions,
+        rule: LRRule,
         *,
         optimizer: Any,
         lr_scheduler: Any,
         read_lr: Callable[[], float],
         batch: BatchState,
         count_in_samples: bool,
-        configured_batch: int,
-        world_size: int = 1,
     ) -> None:
-        self._scheduler, self._read_lr, self._batch, self._world = lr_scheduler, read_lr, batch, world_size
+        self._scheduler, self._read_lr, self._batch = lr_scheduler, read_lr, batch
         self._optimizer = optimizer
         self._progress: Optional[SampleProgressLR] = None
         self.scaler: Optional[BatchLRScaler] = None
@@ -71,22 +68,21 @@ class LRCoupling:
             except TypeError as e:
                 raise ConfigError(f"lr_scheduler: {e}") from None
             self._progress.set_progress(batch.samples_seen)
-        if options.scales and optimizer is None:
+        if rule.scales and optimizer is None:
             raise ConfigError(
-                f"lr_scaling={options.lr_scaling!r} needs the optimizer whose LR it scales: pass it to attach_lr, "
+                f"lr_scaling={rule.rule!r} needs the optimizer whose LR it scales: pass it to attach_lr, "
                 "or set lr_scaling=none."
             )
         self._follow_scheduler()
-        if options.scales:
-            reference = options.lr_scaling_reference
+        if rule.scales:
             try:
                 self.scaler = BatchLRScaler(
                     optimizer,
-                    rule=options.lr_scaling,
-                    reference=float(reference if reference is not None else configured_batch),
-                    unit=options.lr_scaling_unit,
+                    rule=rule.rule,
+                    reference=rule.reference,
+                    unit=rule.unit,
                     lr_scheduler=self._progress or lr_scheduler,
-                    weight_decay_scaling=options.weight_decay_scaling,
+                    weight_decay_scaling=rule.weight_decay_scaling,
                 )
             except ValueError as e:
                 raise ConfigError(str(e)) from None
@@ -99,12 +95,11 @@ class LRCoupling:
             if self.scaler is not None:
                 self.scaler.hold()
 
-    def before_optimizer_step(self, global_samples: int, num_tokens: float) -> float:
-        """Scales the LR for the step's batch; returns the LR the step uses."""
+    def before_optimizer_step(self, scaling: BatchScaling) -> float:
+        """Sets the LR the step's factors give; returns the LR the step uses."""
         if self.scaler is None:
             return self._read_lr()
-        # Across ranks the LR scales with a rank's mean share, so it is the same on all.
-        return self.scaler.apply(samples=global_samples / self._world, tokens=int(num_tokens / self._world))
+        return self.scaler.apply_factors(scaling)
 
     def after_optimizer_step(self) -> None:
         """Advances a step-counted scheduler on the unscaled LR, then leaves the LR in force

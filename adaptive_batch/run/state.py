@@ -1,6 +1,6 @@
 """The one object a checkpoint holds for the run's batch: what a resume needs beyond weights.
 
-:class:`RunState` gathers the controller's state (the batch state, the probe result, the noise
+:class:`RunState` gathers the session's state (the batch state, the probe result, the noise
 scale's averages), the run's shape (world size, dataset size, sequence length) and a fingerprint
 of the settings that change what is trained, and captures every rank's random generators for a
 step checkpoint. The fingerprint is recorded with each checkpoint, and a resumed run whose
@@ -17,7 +17,7 @@ from adaptive_batch.distributed import RankGroup, check_same_world_size
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import content_digest
 from adaptive_batch.rng import rng_state, set_rng_state
-from adaptive_batch.run.controller import AdaptiveBatchController
+from adaptive_batch.run.session import BatchSession
 
 RUN_STATE_KEY = "adaptive_batch_run"
 # The memory budget: with a fixed global batch it sets only how each step is split into
@@ -55,13 +55,13 @@ class RunState:
     """What a resumed run needs of the batch side, as one stateful object.
 
     Args:
-        controller: the run's controller (batch state, probe result, noise scale).
+        session: the run's batch decisions (batch state, probe result, noise scale).
         settings: the settings that change what is trained (see
             :func:`adaptive_batch.torchtune.config.trained_settings`), fingerprinted.
     """
 
-    def __init__(self, controller: AdaptiveBatchController, *, settings: Mapping[str, Any]) -> None:
-        self.controller = controller
+    def __init__(self, session: BatchSession, *, settings: Mapping[str, Any]) -> None:
+        self.session = session
         self._settings = dict(settings)
         self._fingerprint: Optional[Dict[str, str]] = None
         self.saved: Optional[Dict[str, Any]] = None  # what the checkpoint resumed from recorded
@@ -75,22 +75,22 @@ class RunState:
         return self._fingerprint
 
     def state_dict(self) -> Dict[str, Any]:
-        """The controller's state under its keys, and the run's shape and fingerprint."""
-        controller = self.controller
+        """The session's state under its keys, and the run's shape and fingerprint."""
+        session = self.session
         return {
-            **controller.state_dict(),
+            **session.state_dict(),
             RUN_STATE_KEY: {
                 "version": VERSION,
-                "world_size": controller.ranks.world_size,
-                "dataset_size": controller.dataset_size,
-                "seq_len": controller.max_seq_len,
+                "world_size": session.ranks.world_size,
+                "dataset_size": session.dataset_size,
+                "seq_len": session.max_seq_len,
                 "fingerprint": dict(self.fingerprint),
             },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Takes the controller's state and keeps the recorded shape and fingerprint."""
-        self.controller.load_state_dict(dict(state))
+        """Takes the session's state and keeps the recorded shape and fingerprint."""
+        self.session.load_state_dict(dict(state))
         self.saved = state.get(RUN_STATE_KEY)
 
     def changed_settings(self) -> List[str]:
@@ -106,24 +106,24 @@ class RunState:
         checkpoint: another number of ranks, or a changed trained setting (the first, by name).
         A checkpoint that recorded no fingerprint (written before it was kept) is not checked.
         A changed memory budget (:data:`BUDGET_KEYS`) with a fixed global batch is taken: the
-        controller probes the micro-batch again, and each step trains the same samples.
+        session probes the micro-batch again, and each step trains the same samples.
 
         Raises:
             ConfigError: naming the setting, its saved and its new value, and the fix.
         """
         if not self.saved:
             return
-        world = self.controller.ranks.world_size
+        world = self.session.ranks.world_size
         check_same_world_size(self.saved.get("world_size", world), world, "the checkpoint")
         changed, before = self.changed_settings(), self.saved.get("fingerprint", {})
-        global_batch = self.controller.options.global_batch.global_batch_size
+        global_batch = self.session.options.global_batch.global_batch_size
         if changed and set(changed) <= BUDGET_KEYS and global_batch is not None:
             moves = ", ".join(f"{k} {before.get(k, 'unset')} -> {self.fingerprint[k]}" for k in changed)
-            self.controller.log(
+            self.session.log(
                 f"Resumed run: {moves}; each step still trains global_batch_size={global_batch} samples: "
                 "probing the micro-batch again."
             )
-            self.controller.probe_again()
+            self.session.probe_again()
             return
         if changed:
             key = changed[0]
@@ -142,7 +142,7 @@ class RunState:
     def rng(self) -> "RanksRNG":
         """Every rank's random generators, as a stateful object of their own (a step
         checkpoint's position; an epoch checkpoint starts its next epoch from the seed)."""
-        return RanksRNG(self.controller.ranks)
+        return RanksRNG(self.session.ranks)
 
 
 class RanksRNG:

@@ -92,6 +92,81 @@ def lr_scale_factor(batch: float, reference: float, rule: str) -> float:
     return ratio if rule == "linear" else math.sqrt(ratio)
 
 
+@dataclass(frozen=True)
+class BatchScaling:
+    """What a step's batch does to the configured LR and weight decay: both are multiplied.
+
+    Attributes:
+        lr_factor: the rule's factor (1 with ``lr_scaling="none"``).
+        weight_decay_factor: ``(B / reference) / lr_factor`` with
+            ``weight_decay_scaling="timescale"``, else 1.
+    """
+
+    lr_factor: float = 1.0
+    weight_decay_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class LRRule:
+    """The scaling rule with its reference: a step's batch in, its factors out.
+
+    Args:
+        rule: ``"none"``, ``"linear"`` or ``"sqrt"``.
+        reference: the batch (in ``unit``) the configured LR was set for.
+        unit: ``"samples"`` or ``"tokens"`` (real, non-padding tokens).
+        weight_decay_scaling: ``"none"`` or ``"timescale"``.
+
+    Raises:
+        ValueError: for an unknown rule, unit or weight-decay scaling, or a reference that is
+            not a positive finite number where anything scales.
+    """
+
+    rule: str
+    reference: float
+    unit: str = "samples"
+    weight_decay_scaling: str = "none"
+
+    def __post_init__(self) -> None:
+        lr_scale_factor(1, 1, self.rule)
+        if self.weight_decay_scaling not in WEIGHT_DECAY_SCALING:
+            raise ValueError(
+                f"weight_decay_scaling={self.weight_decay_scaling!r} is not one of {list(WEIGHT_DECAY_SCALING)}."
+            )
+        if self.unit not in LR_SCALING_UNITS:
+            raise ValueError(f"lr_scaling_unit={self.unit!r} is not one of {list(LR_SCALING_UNITS)}.")
+        reference = self.reference
+        bad = isinstance(reference, bool) or not isinstance(reference, (int, float)) or not math.isfinite(reference)
+        if self.scales and (bad or reference <= 0):
+            raise ValueError(
+                f"lr_scaling_reference={reference!r} must be a positive finite number of {self.unit}: the batch "
+                "the configured LR was tuned for."
+            )
+
+    @classmethod
+    def of(cls, options: LRScalingOptions, configured_batch: float) -> "LRRule":
+        """The rule ``options`` set, its reference ``configured_batch`` samples where they name none."""
+        reference = options.lr_scaling_reference
+        return cls(
+            rule=options.lr_scaling,
+            reference=float(reference if reference is not None else configured_batch),
+            unit=options.lr_scaling_unit,
+            weight_decay_scaling=options.weight_decay_scaling,
+        )
+
+    @property
+    def scales(self) -> bool:
+        return self.rule != "none" or self.weight_decay_scaling != "none"
+
+    def factors(self, *, samples: float, tokens: float) -> BatchScaling:
+        """The factors for a step of ``samples`` samples holding ``tokens`` real tokens."""
+        batch = samples if self.unit == "samples" else tokens
+        factor = lr_scale_factor(batch, self.reference, self.rule)
+        if self.weight_decay_scaling != "timescale":
+            return BatchScaling(factor)
+        # The LR times the weight decay, per sample of the batch, stays the configured one.
+        return BatchScaling(factor, (batch / self.reference) / factor)
+
+
 # Kept in each param group beside its LR (and saved with the optimizer's state): the factor
 # the LR in force holds, so a resumed optimizer's base LR is known.
 LR_FACTOR_KEY = "adaptive_batch_lr_factor"
@@ -125,11 +200,7 @@ class BatchLRScaler:
         lr_scheduler: Optional[Any] = None,
         weight_decay_scaling: str = "none",
     ) -> None:
-        lr_scale_factor(1, 1, rule)
-        if weight_decay_scaling not in WEIGHT_DECAY_SCALING:
-            raise ValueError(
-                f"weight_decay_scaling={weight_decay_scaling!r} is not one of {list(WEIGHT_DECAY_SCALING)}."
-            )
+        self.lr_rule = LRRule(rule=rule, reference=reference, unit=unit, weight_decay_scaling=weight_decay_scaling)
         if weight_decay_scaling != "none" and any("weight_decay" not in g for g in optimizer.param_groups):
             raise ValueError(
                 f"weight_decay_scaling={weight_decay_scaling!r} with {type(optimizer).__name__}, which has no "
@@ -140,18 +211,7 @@ class BatchLRScaler:
                 f"weight_decay_scaling={weight_decay_scaling!r} with {type(optimizer).__name__}'s weight_decay=0: "
                 "scaling zero changes nothing; set optimizer.weight_decay above 0, or weight_decay_scaling=none."
             )
-        if unit not in LR_SCALING_UNITS:
-            raise ValueError(f"lr_scaling_unit={unit!r} is not one of {list(LR_SCALING_UNITS)}.")
-        bad = isinstance(reference, bool) or not isinstance(reference, (int, float)) or not math.isfinite(reference)
-        if (rule != "none" or weight_decay_scaling != "none") and (bad or reference <= 0):
-            raise ValueError(
-                f"lr_scaling_reference={reference!r} must be a positive finite number of {unit}: the batch "
-                "the configured LR was tuned for."
-            )
         self.optimizer = optimizer
-        self.rule = rule
-        self.reference = reference
-        self.unit = unit
         self.lr_scheduler = lr_scheduler
         self.weight_decay_scaling = weight_decay_scaling
         # A resumed optimizer holds the LR in force and its factor; its base is their quotient.
@@ -169,22 +229,23 @@ class BatchLRScaler:
             return lrs if len(lrs) == groups else lrs[:1] * groups
         return list(self._initial)
 
-    def apply(self, *, samples: int, tokens: int) -> float:
+    def apply(self, *, samples: float, tokens: float) -> float:
         """Scales the LR for a step on ``samples`` samples holding ``tokens`` real tokens.
 
         Returns:
             The LR of the first param group, as the step will use it.
         """
-        batch = samples if self.unit == "samples" else tokens
-        factor = lr_scale_factor(batch, self.reference, self.rule)
+        return self.apply_factors(self.lr_rule.factors(samples=samples, tokens=tokens))
+
+    def apply_factors(self, scaling: BatchScaling) -> float:
+        """Sets the LR (and with ``timescale`` the weight decay) of a step whose factors are
+        ``scaling``; returns the first param group's LR, as the step will use it."""
         self._unscaled = self.base_lrs()
-        self._factor = factor
-        self._set_lrs(self._unscaled, factor)
+        self._factor = scaling.lr_factor
+        self._set_lrs(self._unscaled, scaling.lr_factor)
         if self.weight_decay_scaling == "timescale":
-            # The LR times the weight decay, per sample of the batch, stays the configured one.
-            decay_factor = (batch / self.reference) / factor
             for group, base in zip(self.optimizer.param_groups, self._weight_decays):
-                group["weight_decay"] = base * decay_factor
+                group["weight_decay"] = base * scaling.weight_decay_factor
             self.last_weight_decay = self.optimizer.param_groups[0]["weight_decay"]
         return self.optimizer.param_groups[0]["lr"]
 

@@ -95,7 +95,7 @@ def test_probed_batch_is_the_micro_batch(tmp_path):
 
 
 def test_a_global_batch_is_added_to_the_report_written_once(tmp_path, monkeypatch):
-    from adaptive_batch.run import controller as module
+    from adaptive_batch.run import session as module
 
     writes = []
     monkeypatch.setattr(module, "save_probe_report", lambda report, *a, **k: writes.append(copy.deepcopy(report)))

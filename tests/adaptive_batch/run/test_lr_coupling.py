@@ -6,7 +6,7 @@ import torch
 from adaptive_batch.data.samplers import BatchState
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.run.lr_coupling import LRCoupling, ParamGroupsOf
-from adaptive_batch.schedule.lr_scaling import LRScalingOptions
+from adaptive_batch.schedule.lr_scaling import LRRule, LRScalingOptions
 
 
 def _per_parameter_optimizers(lr=1.0):
@@ -16,9 +16,9 @@ def _per_parameter_optimizers(lr=1.0):
 
 def _coupling(optimizer, scheduler, options=LRScalingOptions(), batch_size=4):
     return LRCoupling(
-        options, optimizer=optimizer, lr_scheduler=scheduler, read_lr=lambda: 0.0,
+        LRRule.of(options, batch_size), optimizer=optimizer, lr_scheduler=scheduler, read_lr=lambda: 0.0,
         batch=BatchState(batch_size=batch_size, max_micro_batch_size=batch_size, grow_with_accumulation=False, samples_per_epoch=64),
-        count_in_samples=False, configured_batch=batch_size,
+        count_in_samples=False,
     )
 
 
@@ -30,7 +30,7 @@ def test_a_schedule_of_the_first_parameters_optimizer_sets_every_parameters_lr()
     coupling = _coupling(ParamGroupsOf(optimizers), scheduler)
     assert [o.param_groups[0]["lr"] for o in optimizers] == [0.5, 0.5, 0.5]
     for expected in (0.25, 0.125):
-        coupling.before_optimizer_step(4, 40)
+        coupling.before_optimizer_step(LRRule.of(LRScalingOptions(), 4).factors(samples=4, tokens=40))
         coupling.after_optimizer_step()
         assert [o.param_groups[0]["lr"] for o in optimizers] == [expected] * 3
 
@@ -39,7 +39,7 @@ def test_scaling_sets_every_parameters_lr_from_the_schedule():
     optimizers = _per_parameter_optimizers()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizers[0], lambda step: 0.5)
     coupling = _coupling(ParamGroupsOf(optimizers), scheduler, LRScalingOptions(lr_scaling="linear"))
-    coupling.before_optimizer_step(8, 80)  # twice the configured batch of 4
+    coupling.before_optimizer_step(LRRule.of(LRScalingOptions(lr_scaling="linear"), 4).factors(samples=8, tokens=80))  # twice the configured batch of 4
     assert [o.param_groups[0]["lr"] for o in optimizers] == [1.0, 1.0, 1.0]
     coupling.after_optimizer_step()
     # Between steps the optimizers hold the LR in force (the schedule's 0.5, x 2); the

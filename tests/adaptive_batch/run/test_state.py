@@ -21,7 +21,7 @@ def run_state(tmp_path, **settings):
     controller = AdaptiveBatchController(AdaptiveBatchOptions(), batch_size=4, input_key="tokens", device=CPU, output_dir=str(tmp_path),
                                          max_seq_len=32, log=lambda line: None)
     controller.settle(dataset_size=100)
-    return RunState(controller, settings={"batch_size": 4, "model": {"num_layers": 2}, **settings})
+    return RunState(controller.session, settings={"batch_size": 4, "model": {"num_layers": 2}, **settings})
 
 
 def test_the_state_holds_the_batch_state_the_shape_and_the_fingerprint(tmp_path):
@@ -94,7 +94,7 @@ def _global_batch_run(tmp_path, max_memory, found):
         probes.append(options.max_memory)
         return ProbeReport(max_batch_size=found, batch_size=found, budget_bytes=2**30)
 
-    state = RunState(controller, settings={"global_batch_size": 12, "max_memory": max_memory})
+    state = RunState(controller.session, settings={"global_batch_size": 12, "max_memory": max_memory})
     return controller, state, probe, probes
 
 

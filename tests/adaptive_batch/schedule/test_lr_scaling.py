@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from adaptive_batch.schedule.lr_scaling import BatchLRScaler, lr_scale_factor
+from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRRule, lr_scale_factor
 
 
 def test_rules():
@@ -137,3 +137,19 @@ def test_weight_decay_scaling_option_checks():
         LRScalingOptions(weight_decay_scaling="yes")
     assert LRScalingOptions(weight_decay_scaling="timescale").scales
     assert not LRScalingOptions().scales
+
+
+@pytest.mark.parametrize("rule", ["linear", "sqrt"])
+def test_the_scaler_sets_what_the_rule_decides(rule):
+    # The scaler applies LRRule's factors: a session deciding them gives the same LR and decay.
+    o = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1, weight_decay=0.01)
+    s = BatchLRScaler(o, rule=rule, reference=8, weight_decay_scaling="timescale")
+    factors = LRRule(rule=rule, reference=8, weight_decay_scaling="timescale").factors(samples=32, tokens=0)
+    assert s.apply(samples=32, tokens=0) == pytest.approx(0.1 * factors.lr_factor)
+    assert o.param_groups[0]["weight_decay"] == pytest.approx(0.01 * factors.weight_decay_factor)
+
+
+def test_a_rule_refuses_a_reference_it_cannot_scale_against():
+    with pytest.raises(ValueError, match="lr_scaling_reference=0"):
+        LRRule(rule="sqrt", reference=0)
+    assert LRRule(rule="none", reference=0).factors(samples=5, tokens=0).lr_factor == 1.0
