@@ -23,10 +23,7 @@ from torch.optim import Optimizer
 from torchtune import config, modules, training, utils
 
 import adaptive_batch as ab
-from adaptive_batch.distributed import exit_past_teardown, rank_max_memory
-from adaptive_batch.memory.device import device_capacity
 import adaptive_batch.torchtune as abt
-from adaptive_batch.validation import check_known_keys
 
 # A sibling module: `recipes.` in the repository, `adaptive_batch_recipes.` when installed.
 from .full_finetune_single_device import FullFinetuneRecipeSingleDevice, run_recipe
@@ -66,7 +63,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
     known_keys = abt.recipe_keys({"fsdp_cpu_offload", "fsdp_reshard_after_forward", "custom_sharded_layers"})
 
     def __init__(self, cfg: DictConfig) -> None:
-        check_known_keys(cfg.keys(), self.known_keys)
+        abt.check_known_keys(cfg.keys(), self.known_keys)
         if cfg.get("fsdp_cpu_offload", False):
             raise ab.ConfigError(
                 "fsdp_cpu_offload=True: offloaded parameters live in CPU memory the probe does not "
@@ -86,9 +83,9 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         # every rank with the same line: none is left waiting in a collective.
         ranks = ab.RankGroup(device)
         cfg.max_memory = ranks.check_together(
-            lambda: rank_max_memory(
+            lambda: abt.rank_max_memory(
                 cfg.get("max_memory", None),
-                capacity_bytes=device_capacity(device).headroom_bytes if device.type in ("cpu", "cuda") else None,
+                capacity_bytes=abt.device_capacity(device).headroom_bytes if device.type in ("cpu", "cuda") else None,
             )
         )
         ranks.check_together(lambda: FullFinetuneRecipeSingleDevice.__init__(self, cfg))
@@ -181,4 +178,4 @@ if __name__ == "__main__":
         code = recipe_main()
     except SystemExit as e:
         code = e.code
-    exit_past_teardown(code)
+    abt.exit_past_teardown(code)

@@ -28,21 +28,7 @@ from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 import adaptive_batch as ab
-from adaptive_batch import StepOutcome
-from adaptive_batch.data.lengths import sample_lengths
-from adaptive_batch.faults import fault_point
-from adaptive_batch.files import OutputDirLock, remove_partial_writes
-from adaptive_batch.memory.tracker import peak_rss_bytes, reset_peak_rss
-from adaptive_batch.probe.report import ProbeReport
-from adaptive_batch.probe.target import ProbeTarget
-from adaptive_batch.probe.trials import worst_case_text_batch
-from adaptive_batch.run import step_checkpoints
-from adaptive_batch.run.lr_coupling import ParamGroupsOf
-from adaptive_batch.run.signals import StopAtOnce, StopSignals
-from adaptive_batch.run.state import RNG_KEY
-from adaptive_batch.run.step_checkpoints import LR_SCHEDULER_KEY
 import adaptive_batch.torchtune as abt
-from adaptive_batch.validation import check_known_keys
 
 log = utils.get_logger("DEBUG")
 
@@ -88,7 +74,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     _save_adapter_weights_only = False  # the LoRA recipe's option
 
     def __init__(self, cfg: DictConfig) -> None:
-        check_known_keys(cfg.keys(), self.known_keys)
+        abt.check_known_keys(cfg.keys(), self.known_keys)
         # Numbers finite, paths writable, no file where a checkpoint goes: before any work.
         abt.check_run_settings(cfg)
         self._device = utils.get_device(device=cfg.device)
@@ -126,7 +112,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # What a checkpoint holds of the batch side, with a fingerprint of what is trained.
         self._run_state = ab.RunState(self._batching.session, settings=abt.trained_settings(cfg))
         self._step_checkpoints = ab.StepCheckpoints(
-            f"{cfg.output_dir}/{step_checkpoints.DIRNAME}",
+            f"{cfg.output_dir}/{abt.STEP_CHECKPOINTS_DIRNAME}",
             every_n_steps=cfg.get("save_every_n_steps", None),
             keep_last=cfg.get("keep_last_n_checkpoints", 2),
             ranks=self._ranks,
@@ -163,7 +149,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
         # Last: one run at a time writes output_dir (the lock dies with the process).
-        self._lock = OutputDirLock(cfg.output_dir).acquire() if self._ranks.is_main else None
+        self._lock = abt.OutputDirLock(cfg.output_dir).acquire() if self._ranks.is_main else None
         self._metric_logger = None
         # A finished run resumed (a requeued job) trains and writes nothing: set, it is the line said.
         self.finished: Optional[str] = None
@@ -251,7 +237,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             # This run holds output_dir: what an interrupted one left half-written goes, and it
             # is no longer a finished run's until this one finishes.
             abt.forget_finished_run(cfg.checkpointer.output_dir)
-            remove_partial_writes(cfg.output_dir, log=log.info)
+            abt.remove_partial_writes(cfg.output_dir, log=log.info)
             self._step_checkpoints.remove_partial_writes()
             abt.recover_epoch_checkpoint(cfg.checkpointer.output_dir, log=log.info)
 
@@ -312,12 +298,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         optimizer = self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper
         # In backward there is an optimizer per parameter: the LR rule and schedule set them all.
-        groups = self._optimizer if not self._optimizer_in_bwd else ParamGroupsOf(self._optim_ckpt_wrapper.optim_map.values())
+        groups = self._optimizer if not self._optimizer_in_bwd else abt.ParamGroupsOf(self._optim_ckpt_wrapper.optim_map.values())
         self._batching.attach_lr(groups, self._lr_scheduler, read_lr=partial(get_lr, optimizer))
         # A step checkpoint holds the trainable weights and recipe state, and the position.
         self._step_checkpoints.attach(
             lambda: {**self._recipe_state(), **self._trainable_state_dict()},
-            {training.DATALOADER_KEY: self._dataloader, LR_SCHEDULER_KEY: self._lr_scheduler, RNG_KEY: self._run_state.rng},
+            {training.DATALOADER_KEY: self._dataloader, abt.LR_SCHEDULER_KEY: self._lr_scheduler, abt.RNG_KEY: self._run_state.rng},
         )
         if self._resume_step_state is not None:
             self._step_checkpoints.restore_position(self._resume_step_state)
@@ -345,7 +331,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         pads it to equal shares)."""
         lengths = None
         if self._batching.mode.uses_token_budget:
-            lengths = sample_lengths(
+            lengths = abt.sample_lengths(
                 dataset, input_key="tokens", cache_dir=f"{self._output_dir}/seqlen_cache",
                 key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
                 log=log.info, warn=log.warning,
@@ -363,13 +349,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 max_steps_per_epoch=self.max_steps_per_epoch, probe=probe, lengths=lengths,
             )
 
-    def probe_target(self) -> ProbeTarget:
+    def probe_target(self) -> abt.ProbeTarget:
         """What the probe's trials train: this recipe's own step on worst-case batches."""
         make_batch = partial(
-            worst_case_text_batch, seq_len=self._tokenizer.max_seq_len,
+            abt.worst_case_text_batch, seq_len=self._tokenizer.max_seq_len,
             vocab_size=self._model.tok_embeddings.num_embeddings, device=self._device,
         )
-        return ProbeTarget(self._probe_step, make_batch, self._model, self._optimizer, self._device)
+        return abt.ProbeTarget(self._probe_step, make_batch, self._model, self._optimizer, self._device)
 
     def _probe_cache_fields(self, cfg: DictConfig) -> Dict[str, Any]:
         """What changes a step's memory, for the probe cache's key."""
@@ -386,7 +372,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         }
 
     @property
-    def probe_report(self) -> Optional[ProbeReport]:
+    def probe_report(self) -> Optional[abt.ProbeReport]:
         """What ``batch_probe.json`` holds, or ``None`` when the run did not probe."""
         return self._batching.probe_report
 
@@ -640,7 +626,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def _memory_metrics(self) -> Dict[str, float]:
         if self._device.type != "cpu":
             return training.get_memory_stats(device=self._device)
-        peak = peak_rss_bytes()
+        peak = abt.peak_rss_bytes()
         return {} if peak is None else {"peak_memory_rss": peak / 2**30}
 
     def _zero_grad(self) -> None:
@@ -659,13 +645,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if not self._optimizer_in_bwd:
             self._optimizer.zero_grad()
 
-        reset_peak_rss()
+        abt.reset_peak_rss()
         self._profiler.start()
-        with StopSignals(self._ranks, log=log.warning) as signals:
+        with abt.StopSignals(self._ranks, log=log.warning) as signals:
             self._train_epochs(signals)
         self._profiler.stop()
 
-    def _train_epochs(self, signals: StopSignals) -> None:
+    def _train_epochs(self, signals: abt.StopSignals) -> None:
         """The epochs left, each ending with its checkpoint; a SIGTERM or SIGINT stops the run
         after the step it arrives in."""
         for curr_epoch in range(self.epochs_run, self.total_epochs):
@@ -691,7 +677,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     if self.global_step % self._log_every_n_steps == 0 and self._ranks.is_main:
                         self._log_step(step, seconds=time.perf_counter() - t0)
                     self._record_memory_history(curr_epoch, idx, before_step=False)
-                    fault_point("after_step")
+                    abt.fault_point("after_step")
                     saved = self._step_checkpoints.after_step(self.global_step)
                     signum = signals.stop_requested()
                     if signum is not None:
@@ -700,7 +686,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     self._profiler.step()
             self.epochs_run += 1
             self.save_checkpoint(epoch=curr_epoch)
-            fault_point("after_epoch")
+            abt.fault_point("after_epoch")
 
     def _stop(self, signum: int, saved: Optional[str]) -> None:
         """Saves a step checkpoint (when they are on and this step has none) and stops the run.
@@ -720,14 +706,14 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
         raise ab.RunStopped(f"{name} after step {self.global_step}: {kept}.", signum)
 
-    def _log_step(self, step: StepOutcome, seconds: float) -> None:
+    def _log_step(self, step: ab.StepOutcome, seconds: float) -> None:
         log_dict = {"loss": step.loss, "lr": step.lr, **self._batching.step_metrics(step, seconds=seconds)}
         if self._log_peak_memory_stats:
             log_dict.update(self._memory_metrics())
         if step.grad_norm is not None:
             log_dict.update({"grad_norm": step.grad_norm})
         self._metric_logger.log_dict(log_dict, step=self.global_step)
-        reset_peak_rss()
+        abt.reset_peak_rss()
 
     def _record_memory_history(self, epoch: int, idx: int, *, before_step: bool) -> None:
         """torchtune's CUDA memory snapshot of the profiler's active steps, first epoch only:
@@ -760,7 +746,7 @@ def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:
         raise SystemExit(f"error: {e}") from None
     try:
         if recipe.finished is None:
-            with StopAtOnce("setup (the batch-size probe included)", "nothing was trained or saved; run the same command again"):
+            with abt.StopAtOnce("setup (the batch-size probe included)", "nothing was trained or saved; run the same command again"):
                 recipe.setup(cfg=cfg)
             recipe.train()
         else:

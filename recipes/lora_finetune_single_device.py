@@ -22,7 +22,6 @@ from torchtune.modules.peft import (
 
 import adaptive_batch as ab
 import adaptive_batch.torchtune as abt
-from adaptive_batch.validation import check_bool
 
 # A sibling module: `recipes.` in the repository, `adaptive_batch_recipes.` when installed.
 from .full_finetune_single_device import FullFinetuneRecipeSingleDevice, run_recipe
@@ -56,7 +55,7 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
                 "torchtune's does; set optimizer_in_bwd=False."
             )
         super().__init__(cfg)
-        self._save_adapter_weights_only = check_bool(
+        self._save_adapter_weights_only = abt.check_bool(
             "save_adapter_weights_only", cfg.get("save_adapter_weights_only", False)
         )
         self._adapter_state_dict = None

@@ -89,3 +89,21 @@ def test_the_public_face_is_small_and_every_name_resolves():
 def test_no_two_modules_share_a_name():
     names = [p.stem for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_recipes_import_the_library_through_its_two_faces_only():
+    # adaptive_batch and adaptive_batch.torchtune: the rest may move without touching a recipe.
+    # Every import statement counts, those inside functions too.
+    recipes = [p for p in (PACKAGE.parent / "recipes").glob("*.py") if p.name != "__init__.py"]
+    reached = {}
+    for path in recipes:
+        nodes = list(ast.walk(ast.parse(path.read_text())))
+        reached[path.name] = {n.module for n in nodes if isinstance(n, ast.ImportFrom) and n.module} | {
+            a.name for n in nodes if isinstance(n, ast.Import) for a in n.names
+        }
+    assert len(reached) == 3 and all("adaptive_batch" in m for m in reached.values()), reached
+    beyond = {
+        name: sorted(m for m in modules if m.startswith("adaptive_batch") and m not in ("adaptive_batch", "adaptive_batch.torchtune"))
+        for name, modules in reached.items()
+    }
+    assert not any(beyond.values()), beyond
