@@ -21,7 +21,6 @@ from adaptive_batch.data.samplers import BatchState
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.faults import fault_point
 from adaptive_batch.memory.device import prepare_allocator
-from adaptive_batch.probe.report import ProbeReport
 from adaptive_batch.run.lr_coupling import LRCoupling
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.session import BatchSession, Probe, StepRecord

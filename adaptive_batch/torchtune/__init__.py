@@ -37,17 +37,17 @@ from adaptive_batch.torchtune.checkpoint import (
 )
 from adaptive_batch.torchtune.checks import (
     RESUME_AUTO,
-    build,
+    check_command_line,
+    check_profiler,
     check_run_settings,
+    check_stock_recipe_options,
     check_writable_dir,
     check_writable_file,
 )
 from adaptive_batch.torchtune.config import (
     TORCHTUNE_KEYS,
     adaptive_options,
-    check_command_line,
-    check_profiler,
-    check_stock_recipe_options,
+    build,
     load_config,
     recipe_keys,
     trained_settings,

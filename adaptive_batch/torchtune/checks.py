@@ -1,23 +1,23 @@
-"""Checks of a whole run's settings, before anything expensive: numbers, paths, components.
+"""Every check of a run's config, before anything expensive: the one module that refuses one.
 
-A recipe calls :func:`check_run_settings` first thing in ``__init__``: every number in the
-config is finite, the run's scalar keys have the right type and range, and every directory
-the run will write (output, checkpoints, logs, the probe cache) can be written, with no file
-in the way of a checkpoint. :func:`build` instantiates a ``_component_`` node (tokenizer,
-dataset) and turns its construction error into one line naming the key.
+A recipe calls :func:`check_command_line` before torchtune parses its arguments (a config that
+does not load is one line), then :func:`check_run_settings` first thing in ``__init__``: every
+number in the config is finite, the run's scalar keys have the right type and range, and every
+directory the run will write (output, checkpoints, logs, the probe cache) can be written, with no
+file in the way of a checkpoint; :func:`check_stock_recipe_options` and :func:`check_profiler`
+refuse the combinations torchtune's recipe refuses, and the probe's own. The adaptive keys check
+themselves as :class:`~adaptive_batch.run.options.AdaptiveBatchOptions` is built.
 """
 
 import math
 import os
 import tempfile
-from typing import Any, Iterator, Optional, Tuple, Union
+from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-import torch
 
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.memory.device import format_bytes
-from adaptive_batch.memory.oom import is_oom_error
+from adaptive_batch.torchtune.config import load_config
 from adaptive_batch.validation import check_positive_int
 
 
@@ -286,36 +286,95 @@ def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None
         check_writable_dir("probe_cache_dir", probe_cache_dir)
 
 
-def _memory_left() -> str:
-    """What this process may still map, for a message."""
-    from adaptive_batch.memory.device import device_capacity
-
-    try:
-        capacity = device_capacity(torch.device("cpu"))
-    except Exception:  # noqa: BLE001 - the message goes out without it
-        return "little memory left"
-    return f"{format_bytes(capacity.headroom_bytes)} left under its {capacity.source}"
-
-
-def build(key: str, node: DictConfig, *args: Any) -> Any:
-    """``config.instantiate(node, *args)``, with a construction error as one line naming ``key``.
+def check_stock_recipe_options(
+    *,
+    dtype: str,
+    device_type: str,
+    optimizer_in_bwd: bool,
+    gradient_accumulation_steps: Any,
+    clip_grad_norm: Any,
+    enable_activation_checkpointing: bool,
+    enable_activation_offloading: bool,
+    collate_fn: str,
+    compile_model: bool,
+    use_maximum_batch_size: bool,
+) -> None:
+    """The combinations torchtune's full-finetune recipe rejects, plus the probe's own.
 
     Raises:
-        ConfigError: when the component cannot be built (a missing file, a bad argument).
+        ConfigError: for the first bad combination.
     """
-    from torchtune import config
+    if dtype == "fp16":
+        raise ConfigError("dtype='fp16': full fp16 training is not supported by this recipe; set dtype=bf16 or dtype=fp32.")
+    check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+    if optimizer_in_bwd and clip_grad_norm is not None:
+        raise ConfigError(
+            f"clip_grad_norm={clip_grad_norm!r} with optimizer_in_bwd=True: gradient clipping needs "
+            "the whole gradient; set clip_grad_norm=null or optimizer_in_bwd=False."
+        )
+    if optimizer_in_bwd and gradient_accumulation_steps > 1:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gradient_accumulation_steps} with optimizer_in_bwd=True: "
+            "set gradient_accumulation_steps=1 or optimizer_in_bwd=False."
+        )
+    if enable_activation_offloading and device_type != "cuda":
+        raise ConfigError(
+            f"enable_activation_offloading=True on device={device_type!r}: offloading moves "
+            "activations from CUDA to the CPU; set enable_activation_offloading=False."
+        )
+    if enable_activation_offloading and not enable_activation_checkpointing:
+        raise ConfigError(
+            "enable_activation_offloading=True needs enable_activation_checkpointing=True: "
+            "set both, or enable_activation_offloading=False."
+        )
+    if "left_pad_sequence" in collate_fn:
+        raise ConfigError(
+            f"collate_fn={collate_fn!r} is for inference only: use torchtune.data.padded_collate_sft."
+        )
+    if compile_model and device_type == "npu":
+        raise ConfigError("compile=True on device='npu': NPU cannot compile the model; set compile=False.")
+    if use_maximum_batch_size and optimizer_in_bwd:
+        raise ConfigError(
+            "use_maximum_batch_size=True with optimizer_in_bwd=True: the probe cannot yet save and "
+            "restore per-parameter optimizers; set optimizer_in_bwd=False."
+        )
 
-    try:
-        return config.instantiate(node, *args)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any construction failure is the config's to fix
-        component = node.get("_component_", None) if isinstance(node, DictConfig) else None
-        if is_oom_error(e):  # the machine's limit, not the config's values
+
+def check_profiler(cfg_profiler: Any, device_type: str) -> None:
+    """torchtune records a CUDA memory-history window for ``profile_memory``; there is none to
+    record off CUDA.
+
+    Raises:
+        ConfigError: for ``profiler.profile_memory=True`` on another device.
+    """
+    if cfg_profiler is not None and cfg_profiler.get("enabled", False) and cfg_profiler.get("profile_memory", False):
+        if device_type != "cuda":
             raise ConfigError(
-                f"{key}: building {component!r} ran out of memory ({type(e).__name__}): the process "
-                f"has {_memory_left()}; raise the memory limit (ulimit -v, the job's memory request), "
-                f"or build a smaller {key}."
-            ) from None
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{key}: building {component!r} failed: {type(e).__name__}: {reason}") from None
+                f"profiler.profile_memory=True on device={device_type!r}: the memory snapshot records "
+                "CUDA allocations only; set profiler.profile_memory=False."
+            )
+
+
+def check_command_line(argv: Sequence[str]) -> None:
+    """What ``tune run`` hands a recipe (``--config PATH key=value ...``) loads as a config.
+
+    torchtune's ``config.parse`` would end a YAML syntax error or an unparsable override in a
+    traceback; a recipe calls this first, so each is one line.
+
+    Raises:
+        SystemExit: with an ``error:`` line, when the config does not load.
+    """
+    args = list(argv)
+    path = None
+    for i, item in enumerate(args):
+        if item == "--config" and i + 1 < len(args):
+            path = args[i + 1]
+        elif item.startswith("--config="):
+            path = item.split("=", 1)[1]
+    if path is None:
+        return  # argparse says what is missing
+    overrides = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--config")]
+    try:
+        load_config(path, overrides)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None

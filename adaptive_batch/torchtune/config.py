@@ -1,9 +1,11 @@
 """torchtune configs onto the library's options: the one place a ``DictConfig`` is read.
 
 :func:`adaptive_options` maps a recipe config's adaptive keys onto
-:class:`~adaptive_batch.run.controller.AdaptiveBatchOptions` (whose sections check themselves);
+:class:`~adaptive_batch.run.options.AdaptiveBatchOptions` (whose sections check themselves);
 :func:`recipe_keys` is every top-level key a recipe reads, derived from those options and the
-keys of torchtune's own recipe, so a typo (``batch_sise=8``) is caught.
+keys of torchtune's own recipe, so a typo (``batch_sise=8``) is caught; :func:`load_config`
+merges a file and overrides as ``tune run`` does; :func:`build` instantiates a component. Every
+check of a config's values is in :mod:`~adaptive_batch.torchtune.checks`.
 """
 
 import argparse
@@ -12,11 +14,13 @@ from typing import Any, Dict, Iterable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+import torch
 import yaml
 
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.memory.device import format_bytes
+from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.run.options import AdaptiveBatchOptions
-from adaptive_batch.validation import check_positive_int
 
 # The keys torchtune 0.6.1's full_finetune_single_device recipe reads.
 TORCHTUNE_KEYS = frozenset(
@@ -106,75 +110,6 @@ def adaptive_options(cfg: DictConfig) -> AdaptiveBatchOptions:
     return AdaptiveBatchOptions.from_flat(values)
 
 
-def check_stock_recipe_options(
-    *,
-    dtype: str,
-    device_type: str,
-    optimizer_in_bwd: bool,
-    gradient_accumulation_steps: Any,
-    clip_grad_norm: Any,
-    enable_activation_checkpointing: bool,
-    enable_activation_offloading: bool,
-    collate_fn: str,
-    compile_model: bool,
-    use_maximum_batch_size: bool,
-) -> None:
-    """The combinations torchtune's full-finetune recipe rejects, plus the probe's own.
-
-    Raises:
-        ConfigError: for the first bad combination.
-    """
-    if dtype == "fp16":
-        raise ConfigError("dtype='fp16': full fp16 training is not supported by this recipe; set dtype=bf16 or dtype=fp32.")
-    check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
-    if optimizer_in_bwd and clip_grad_norm is not None:
-        raise ConfigError(
-            f"clip_grad_norm={clip_grad_norm!r} with optimizer_in_bwd=True: gradient clipping needs "
-            "the whole gradient; set clip_grad_norm=null or optimizer_in_bwd=False."
-        )
-    if optimizer_in_bwd and gradient_accumulation_steps > 1:
-        raise ConfigError(
-            f"gradient_accumulation_steps={gradient_accumulation_steps} with optimizer_in_bwd=True: "
-            "set gradient_accumulation_steps=1 or optimizer_in_bwd=False."
-        )
-    if enable_activation_offloading and device_type != "cuda":
-        raise ConfigError(
-            f"enable_activation_offloading=True on device={device_type!r}: offloading moves "
-            "activations from CUDA to the CPU; set enable_activation_offloading=False."
-        )
-    if enable_activation_offloading and not enable_activation_checkpointing:
-        raise ConfigError(
-            "enable_activation_offloading=True needs enable_activation_checkpointing=True: "
-            "set both, or enable_activation_offloading=False."
-        )
-    if "left_pad_sequence" in collate_fn:
-        raise ConfigError(
-            f"collate_fn={collate_fn!r} is for inference only: use torchtune.data.padded_collate_sft."
-        )
-    if compile_model and device_type == "npu":
-        raise ConfigError("compile=True on device='npu': NPU cannot compile the model; set compile=False.")
-    if use_maximum_batch_size and optimizer_in_bwd:
-        raise ConfigError(
-            "use_maximum_batch_size=True with optimizer_in_bwd=True: the probe cannot yet save and "
-            "restore per-parameter optimizers; set optimizer_in_bwd=False."
-        )
-
-
-def check_profiler(cfg_profiler: Any, device_type: str) -> None:
-    """torchtune records a CUDA memory-history window for ``profile_memory``; there is none to
-    record off CUDA.
-
-    Raises:
-        ConfigError: for ``profiler.profile_memory=True`` on another device.
-    """
-    if cfg_profiler is not None and cfg_profiler.get("enabled", False) and cfg_profiler.get("profile_memory", False):
-        if device_type != "cuda":
-            raise ConfigError(
-                f"profiler.profile_memory=True on device={device_type!r}: the memory snapshot records "
-                "CUDA allocations only; set profiler.profile_memory=False."
-            )
-
-
 def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
     """The config with ``key=value`` overrides merged the way ``tune run`` merges them.
 
@@ -230,26 +165,36 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
-def check_command_line(argv: Sequence[str]) -> None:
-    """What ``tune run`` hands a recipe (``--config PATH key=value ...``) loads as a config.
+def _memory_left() -> str:
+    """What this process may still map, for a message."""
+    from adaptive_batch.memory.device import device_capacity
 
-    torchtune's ``config.parse`` would end a YAML syntax error or an unparsable override in a
-    traceback; a recipe calls this first, so each is one line.
+    try:
+        capacity = device_capacity(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - the message goes out without it
+        return "little memory left"
+    return f"{format_bytes(capacity.headroom_bytes)} left under its {capacity.source}"
+
+
+def build(key: str, node: DictConfig, *args: Any) -> Any:
+    """``config.instantiate(node, *args)``, with a construction error as one line naming ``key``.
 
     Raises:
-        SystemExit: with an ``error:`` line, when the config does not load.
+        ConfigError: when the component cannot be built (a missing file, a bad argument).
     """
-    args = list(argv)
-    path = None
-    for i, item in enumerate(args):
-        if item == "--config" and i + 1 < len(args):
-            path = args[i + 1]
-        elif item.startswith("--config="):
-            path = item.split("=", 1)[1]
-    if path is None:
-        return  # argparse says what is missing
-    overrides = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--config")]
+    from torchtune import config
+
     try:
-        load_config(path, overrides)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        return config.instantiate(node, *args)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any construction failure is the config's to fix
+        component = node.get("_component_", None) if isinstance(node, DictConfig) else None
+        if is_oom_error(e):  # the machine's limit, not the config's values
+            raise ConfigError(
+                f"{key}: building {component!r} ran out of memory ({type(e).__name__}): the process "
+                f"has {_memory_left()}; raise the memory limit (ulimit -v, the job's memory request), "
+                f"or build a smaller {key}."
+            ) from None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{key}: building {component!r} failed: {type(e).__name__}: {reason}") from None
