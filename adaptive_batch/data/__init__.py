@@ -1,6 +1,6 @@
 """The data side: batch samplers that follow a changing batch, by samples or by tokens.
 
 ``layout`` (``BatchLayout``: a batch of any structure, its size and its micro-batches),
-``samplers`` (``BatchState``, the resizable batch sampler), ``token_budget`` (token-budget
+``samplers`` (the resizable batch sampler), ``token_budget`` (token-budget
 batches), ``lengths`` (per-sample token counts, cached).
 """

@@ -16,7 +16,8 @@ from typing import Any, Callable, List, Optional, Sequence
 from torch.utils.data import Sampler
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from adaptive_batch.data.samplers import BatchState, ResizableBatchSampler
+from adaptive_batch.data.samplers import ResizableBatchSampler
+from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.data.token_budget import (
     TokenBatchOptions,
     TokenBudgetBatchSampler,
@@ -51,7 +52,7 @@ class SampleBatches:
             return dataset_size
         return min(dataset_size, max_steps_per_epoch * step_samples)
 
-    def batch_sampler(self, dataset: Sequence[Any], batch: BatchState, ranks: RankGroup, shuffle: bool) -> Sampler:
+    def batch_sampler(self, dataset: Sequence[Any], batch: BatchProgress, ranks: RankGroup, shuffle: bool) -> Sampler:
         sampler = StatefulDistributedSampler(
             dataset, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=shuffle, seed=0
         )
@@ -60,7 +61,7 @@ class SampleBatches:
     def collate(self, collate_fn: Callable) -> Callable:
         return collate_fn
 
-    def lr_schedule_steps(self, epochs: int, batch: BatchState, steps_per_epoch: int) -> float:
+    def lr_schedule_steps(self, epochs: int, batch: BatchProgress, steps_per_epoch: int) -> float:
         """In steps at the starting batch, so the schedule ends with the last sample."""
         return epochs * batch.samples_per_epoch / batch.initial_batch_size
 
@@ -68,7 +69,7 @@ class SampleBatches:
         """The progress is set from samples seen, so the scheduler starts afresh."""
         return -1
 
-    def start_epoch(self, sampler: Any, batch: BatchState, epoch: int, log: Callable[[str], None]) -> None:
+    def start_epoch(self, sampler: Any, batch: BatchProgress, epoch: int, log: Callable[[str], None]) -> None:
         sampler.batch_size = batch.batch_size
         sampler.set_epoch(epoch)
         if batch.grad_accum_steps > 1:
@@ -81,11 +82,11 @@ class SampleBatches:
         """``samples_per_epoch`` already stops the epoch."""
         return num_batches
 
-    def steps_left(self, sampler: Any, batch: BatchState, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
+    def steps_left(self, sampler: Any, batch: BatchProgress, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
         """The epoch's steps after those already run (a resumed epoch), at the current batch."""
         return math.ceil((sampler.samples_per_epoch - batch.epoch_samples) / batch.batch_size)
 
-    def resize(self, sampler: Any, batch: BatchState) -> None:
+    def resize(self, sampler: Any, batch: BatchProgress) -> None:
         """The next batch takes the batch size growth decided."""
         sampler.batch_size = batch.batch_size
 
@@ -152,7 +153,7 @@ class TokenBatches:
     def samples_per_epoch(self, dataset_size: int, step_samples: int, max_steps_per_epoch: Optional[int]) -> int:
         return dataset_size
 
-    def batch_sampler(self, dataset: Sequence[Any], batch: BatchState, ranks: RankGroup, shuffle: bool) -> Sampler:
+    def batch_sampler(self, dataset: Sequence[Any], batch: BatchProgress, ranks: RankGroup, shuffle: bool) -> Sampler:
         return TokenBudgetBatchSampler(
             self.lengths,
             max_tokens=self.max_tokens,
@@ -167,22 +168,22 @@ class TokenBatches:
     def collate(self, collate_fn: Callable) -> Callable:
         return truncating_collate(collate_fn, self.max_tokens, self.input_key)
 
-    def lr_schedule_steps(self, epochs: int, batch: BatchState, steps_per_epoch: int) -> float:
+    def lr_schedule_steps(self, epochs: int, batch: BatchProgress, steps_per_epoch: int) -> float:
         return epochs * steps_per_epoch
 
     def lr_last_epoch(self, global_step: int) -> int:
         return global_step - 1
 
-    def start_epoch(self, sampler: Any, batch: BatchState, epoch: int, log: Callable[[str], None]) -> None:
+    def start_epoch(self, sampler: Any, batch: BatchProgress, epoch: int, log: Callable[[str], None]) -> None:
         sampler.set_epoch(epoch)
 
     def steps_per_epoch(self, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
         return num_batches if max_steps_per_epoch is None else min(num_batches, max_steps_per_epoch)
 
-    def steps_left(self, sampler: Any, batch: BatchState, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
+    def steps_left(self, sampler: Any, batch: BatchProgress, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
         """The epoch's steps after those already run (a resumed epoch); ``num_batches`` is the
         whole epoch's, however far the sampler has got."""
         return self.steps_per_epoch(num_batches, max_steps_per_epoch) - batch.epoch_steps
 
-    def resize(self, sampler: Any, batch: BatchState) -> None:
+    def resize(self, sampler: Any, batch: BatchProgress) -> None:
         """Token batches do not grow."""

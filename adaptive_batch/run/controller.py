@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from adaptive_batch.data.layout import BatchLayout
-from adaptive_batch.data.samplers import BatchState
+from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.faults import fault_point
 from adaptive_batch.memory.device import prepare_allocator
@@ -31,7 +31,7 @@ class AdaptiveBatchController:
     """Runs a recipe's steps as its :class:`~adaptive_batch.run.session.BatchSession` decides:
     the batch sampler follows the batch, the LR the session's factors
     (:class:`~adaptive_batch.run.lr_coupling.LRCoupling`), and each step runs in the micro-batches
-    it plans (:func:`~adaptive_batch.run.step.accumulate_gradients`), retried smaller after an
+    it splits (:func:`~adaptive_batch.run.step.accumulate_gradients`), retried smaller after an
     out-of-memory error.
 
     Args:
@@ -93,7 +93,7 @@ class AdaptiveBatchController:
     grower = property(lambda self: self.session.grower)
     batch = property(lambda self: self.session.batch)
     probe_report = property(lambda self: self.session.probe_report)
-    micro_batch_plan = property(lambda self: self.session.micro_batch_plan)
+    global_batch_split = property(lambda self: self.session.global_batch_split)
     global_step = property(lambda self: self.session.global_step)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -111,7 +111,7 @@ class AdaptiveBatchController:
         max_steps_per_epoch: Optional[int] = None,
         probe: Optional[Probe] = None,
         lengths: Optional[List[int]] = None,
-    ) -> BatchState:
+    ) -> BatchProgress:
         """The first batch, as :meth:`BatchSession.settle` decides it."""
         return self.session.settle(
             dataset_size=dataset_size, max_steps_per_epoch=max_steps_per_epoch, probe=probe, lengths=lengths
@@ -159,11 +159,11 @@ class AdaptiveBatchController:
         Raises:
             BatchIncreaseFunctionError: on every rank, when the function fails.
         """
-        plan = self.session.begin_epoch(epoch)
+        start = self.session.begin_epoch(epoch)
         self.mode.start_epoch(dataloader.batch_sampler, self.batch, epoch, self.log)
-        if plan.resumed_after_step is not None:
+        if start.resumed_after_step is not None:
             self.log(
-                f"Epoch {epoch}: resuming after its step {plan.resumed_after_step} "
+                f"Epoch {epoch}: resuming after its step {start.resumed_after_step} "
                 f"(global step {self.batch.global_step})."
             )
         return self.session.steps_left(len(dataloader))
@@ -177,7 +177,7 @@ class AdaptiveBatchController:
         zero_grad: Callable[[], None],
     ) -> StepOutcome:
         """One optimizer step of ``batch``: forward and backward in the micro-batches the session
-        plans, rerun in halves after an out-of-memory error (``retry_on_oom``); the LR set to the
+        splits, rerun in halves after an out-of-memory error (``retry_on_oom``); the LR set to the
         session's factors around ``optimizer_step(tokens of all ranks)``, which returns the
         gradient norm or ``None``; then the step recorded, and the sampler resized when growth
         moved the batch.
@@ -197,12 +197,12 @@ class AdaptiveBatchController:
         padded = inputs.numel() if isinstance(inputs, torch.Tensor) else 0
         if self.lr is not None:
             self.lr.start_step()
-        plan = self.session.plan_step(samples)
+        split = self.session.split_step(samples)
         accumulated = accumulate_gradients(
-            forward_backward, batch, rows=samples, micro_batch_limit=plan.micro_batch_limit,
+            forward_backward, batch, rows=samples, micro_batch_limit=split.micro_batch_limit,
             zero_grad=zero_grad, retry_on_oom=self._retry_on_oom, device=self.device, log=self.warn,
             agree_on_oom=self.ranks.any if self.ranks.distributed else None, observer=self.grower.gradients,
-            min_micro_batches=plan.min_micro_batches, layout=self.layout,
+            min_micro_batches=split.min_micro_batches, layout=self.layout,
         )
         global_samples, tokens, padded, loss_sum = self.ranks.sums(samples, accumulated.num_tokens, padded, accumulated.loss_sum)
         outcome = StepOutcome(

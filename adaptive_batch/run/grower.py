@@ -7,7 +7,7 @@ and folds each step's micro-batch gradients into the gradient noise scale when a
 
 from typing import Any, Callable, Dict, Optional
 
-from adaptive_batch.data.samplers import BatchState
+from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import BatchIncreaseFunctionError
 from adaptive_batch.schedule.growth import (
@@ -67,7 +67,7 @@ class Grower:
 
     # ---------------------------------------------------------------- growth
 
-    def start_epoch(self, batch: BatchState, epoch: int) -> None:
+    def start_epoch(self, batch: BatchProgress, epoch: int) -> None:
         """Growth at the epoch's boundary, or at the boundaries an interval has reached."""
         if not self.active:
             return
@@ -76,7 +76,7 @@ class Grower:
         elif epoch >= batch.intervals_done:
             self._grow(batch, epoch)
 
-    def grow_at_boundaries(self, batch: BatchState) -> bool:
+    def grow_at_boundaries(self, batch: BatchProgress) -> bool:
         """Every steps, samples or tokens boundary reached and not yet applied, in order;
         whether any was (the sampler then takes the new batch)."""
         if not self.active or self.interval.per_epoch:
@@ -86,7 +86,7 @@ class Grower:
             self._grow(batch, k)
         return bool(pending)
 
-    def _grow(self, batch: BatchState, k: int) -> None:
+    def _grow(self, batch: BatchProgress, k: int) -> None:
         """Boundary ``k``'s call, decided on rank 0 and taken by every rank."""
         label = "epoch" if self.interval.per_epoch else "interval"
         function, stats = self._function, self.statistics(batch)
@@ -102,7 +102,7 @@ class Grower:
         if decision.batch_size != decision.previous or asked:
             self._log_growth(batch, k, decision)
 
-    def statistics(self, batch: BatchState) -> GrowthStatistics:
+    def statistics(self, batch: BatchProgress) -> GrowthStatistics:
         """What a growth function taking ``stats`` sees, in global sizes."""
         return GrowthStatistics(
             global_step=batch.global_step,
@@ -123,7 +123,7 @@ class Grower:
         )
         self.warn(f"{self.interval.describe(k).capitalize()}: no gradient noise scale yet, so the batch stays; {why}.")
 
-    def _log_growth(self, batch: BatchState, k: int, decision: Any) -> None:
+    def _log_growth(self, batch: BatchProgress, k: int, decision: Any) -> None:
         note = ""
         if decision.clamped:
             why = "an epoch's samples" if decision.bound == batch.samples_per_epoch else "the largest micro-batch"

@@ -8,7 +8,7 @@ optimizer step.
 
 from typing import Any, Callable, Iterable, List, Optional
 
-from adaptive_batch.data.samplers import BatchState
+from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.schedule.lr_progress import SampleProgressLR
 from adaptive_batch.schedule.lr_scaling import BatchLRScaler, BatchScaling, LRRule
@@ -55,7 +55,7 @@ class LRCoupling:
         optimizer: Any,
         lr_scheduler: Any,
         read_lr: Callable[[], float],
-        batch: BatchState,
+        batch: BatchProgress,
         count_in_samples: bool,
     ) -> None:
         self._scheduler, self._read_lr, self._batch = lr_scheduler, read_lr, batch

@@ -7,9 +7,9 @@ of each event and applies the answer::
 
     session.settle(dataset_size=n)                   # the first batch, probing through a callable
     for epoch in range(epochs):
-        plan = session.begin_epoch(epoch)            # growth at the boundary: plan.batch_size
+        start = session.begin_epoch(epoch)           # growth at the boundary: start.batch_size
         for _ in range(session.steps_left(len(dataloader))):
-            sizes = session.plan_step(rows).micro_batch_sizes
+            sizes = session.split_step(rows).micro_batch_sizes
             ...                                      # forward and backward in those micro-batches
             scaling = session.scaling(global_samples=s, tokens=t)   # the LR and weight-decay factors
             ...                                      # the optimizer step
@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from adaptive_batch.data.samplers import BATCH_STATE_KEY, BatchState
+from adaptive_batch.run.progress import BATCH_STATE_KEY, BatchProgress
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.report import PROBE_STATE_KEY, ProbeReport
@@ -34,7 +34,7 @@ from adaptive_batch.run.grower import Grower
 from adaptive_batch.run.options import AdaptiveBatchOptions, RunContext
 from adaptive_batch.run.start import first_batch
 from adaptive_batch.run.step import micro_batch_sizes
-from adaptive_batch.schedule.global_batch import MicroBatchPlan, micro_batches_per_trial
+from adaptive_batch.schedule.global_batch import GlobalBatchSplit, micro_batches_per_trial
 from adaptive_batch.schedule.lr_scaling import BatchScaling, LRRule
 from adaptive_batch.schedule.noise_scale import NOISE_SCALE_STATE_KEY
 from adaptive_batch.validation import check_positive_int
@@ -43,7 +43,7 @@ Probe = Callable[..., ProbeReport]
 
 
 @dataclass(frozen=True)
-class EpochPlan:
+class EpochStart:
     """What an epoch begins with, growth at its boundary applied.
 
     Attributes:
@@ -63,7 +63,7 @@ class EpochPlan:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepSplit:
     """How a step's rows run: micro-batches of at most ``micro_batch_limit``, as equal as can be,
     and at least ``min_micro_batches`` of them where there are rows enough."""
 
@@ -153,10 +153,10 @@ class BatchSession:
             else SampleBatches()
         )
         self.grower = Grower(options.growth, options.noise, ranks=self.ranks, log=self.log, warn=self.warn)
-        self.micro_batch_plan: Optional[MicroBatchPlan] = None
+        self.global_batch_split: Optional[GlobalBatchSplit] = None
         self.probe_report: Optional[ProbeReport] = None
         self._probe_again = False
-        self.batch: Optional[BatchState] = None
+        self.batch: Optional[BatchProgress] = None
         self._batch_state: Optional[Dict[str, Any]] = None
         self._max_steps_per_epoch: Optional[int] = None
         self.dataset_size: Optional[int] = None  # one rank's samples, once settled
@@ -202,7 +202,7 @@ class BatchSession:
         max_steps_per_epoch: Optional[int] = None,
         probe: Optional[Probe] = None,
         lengths: Optional[List[int]] = None,
-    ) -> BatchState:
+    ) -> BatchProgress:
         """Decides the first batch and the largest micro-batch (:mod:`~adaptive_batch.run.start`),
         probing if needed, and writes the probe report once.
 
@@ -223,19 +223,19 @@ class BatchSession:
         report, options = self.probe_report, self.options
         changed = report is not None and self.mode.adopt_probe(report, self.max_seq_len, self.log)
         self.mode.prepare(lengths, self.log)
-        start, micro, self.micro_batch_plan = first_batch(
+        start, micro, self.global_batch_split = first_batch(
             options, batch_size=self._batch_size, gradient_accumulation_steps=self._accumulation,
             world_size=self.ranks.world_size, dataset_size=dataset_size, report=report, log=self.log, warn=self.warn,
         )
-        if report is not None and self.micro_batch_plan is not None:
-            report.global_batch, changed = self.micro_batch_plan.to_dict(), True
+        if report is not None and self.global_batch_split is not None:
+            report.global_batch, changed = self.global_batch_split.to_dict(), True
         if probed or changed:
             save_probe_report(report, self.output_dir, self.ranks, plot=options.probe.plot, log=self.log)
-        self.batch = BatchState(
+        self.batch = BatchProgress(
             batch_size=start,
             max_micro_batch_size=self.mode.max_micro_batch_size(micro, dataset_size),
             # A global batch runs in accumulated micro-batches, and grows the same way.
-            grow_with_accumulation=options.growth.grow_with_accumulation or self.micro_batch_plan is not None,
+            grow_with_accumulation=options.growth.grow_with_accumulation or self.global_batch_split is not None,
             samples_per_epoch=self.mode.samples_per_epoch(dataset_size, start, max_steps_per_epoch),
         )
         if self._batch_state is not None:
@@ -280,8 +280,8 @@ class BatchSession:
     def lr_rule(self) -> LRRule:
         """The LR rule with its reference: ``lr_scaling_reference``, or the per-rank batch the
         config's LR was set for (the global batch's share, or the configured step)."""
-        plan = self.micro_batch_plan
-        configured = plan.per_rank if plan is not None else self._batch_size * self._accumulation
+        split = self.global_batch_split
+        configured = split.per_rank if split is not None else self._batch_size * self._accumulation
         return LRRule.of(self.options.lr_scaling, configured)
 
     def lr_schedule_steps(self, epochs: int, num_batches: int) -> float:
@@ -294,7 +294,7 @@ class BatchSession:
         return self.mode.lr_last_epoch(self.global_step)
 
     # ---------------------------------------------------------------- events
-    def begin_epoch(self, epoch: int) -> EpochPlan:
+    def begin_epoch(self, epoch: int) -> EpochStart:
         """Starts or continues ``epoch``, with growth at its boundary (or at the boundaries an
         interval reached).
 
@@ -304,7 +304,7 @@ class BatchSession:
         batch = self.batch
         continuing = not batch.enter_epoch(epoch)
         self.grower.start_epoch(batch, epoch)
-        return EpochPlan(
+        return EpochStart(
             epoch, batch.batch_size, batch.micro_batch_size, batch.grad_accum_steps,
             resumed_after_step=batch.epoch_steps if continuing else None,
         )
@@ -318,12 +318,12 @@ class BatchSession:
             return -(-(samples - batch.epoch_samples) // batch.batch_size)
         return self.mode.steps_per_epoch(num_batches, self._max_steps_per_epoch) - batch.epoch_steps
 
-    def plan_step(self, rows: int) -> StepPlan:
+    def split_step(self, rows: int) -> StepSplit:
         """The micro-batches of a step of ``rows`` samples: the fewest that fit (two or more with
         ``noise_scale_split_step``)."""
         limit = self.batch.max_micro_batch_size
         least = 2 if self.options.noise.noise_scale_split_step else 1
-        return StepPlan(tuple(micro_batch_sizes(rows, limit, least)), limit, least)
+        return StepSplit(tuple(micro_batch_sizes(rows, limit, least)), limit, least)
 
     def scaling(self, *, global_samples: float, tokens: float) -> BatchScaling:
         """The LR and weight-decay factors of a step of ``global_samples`` samples and

@@ -12,7 +12,7 @@ from adaptive_batch.probe.search import round_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.schedule.global_batch import KEY as GLOBAL_KEY
-from adaptive_batch.schedule.global_batch import MicroBatchPlan, fastest_split, split_global_batch
+from adaptive_batch.schedule.global_batch import GlobalBatchSplit, fastest_split, split_global_batch
 from adaptive_batch.schedule.growth import GrowthOptions
 
 
@@ -26,7 +26,7 @@ def first_batch(
     report: Optional[ProbeReport],
     log: Callable[[str], None],
     warn: Callable[[str], None],
-) -> Tuple[int, int, Optional[MicroBatchPlan]]:
+) -> Tuple[int, int, Optional[GlobalBatchSplit]]:
     """The first step's samples per rank, the largest micro-batch, and the plan of a fixed
     ``global_batch_size`` (``None`` without one).
 
@@ -102,7 +102,7 @@ def global_batch_plan(
     batch_size: int,
     report: Optional[ProbeReport],
     throughput_tolerance: float,
-) -> MicroBatchPlan:
+) -> GlobalBatchSplit:
     """How a rank runs its share of ``global_batch``: micro-batches of the probed batch (or
     the fastest split of it), else of ``batch_size``.
 

@@ -60,7 +60,7 @@ class GlobalBatchOptions:
 
 
 @dataclass(frozen=True)
-class MicroBatchPlan:
+class GlobalBatchSplit:
     """How one step's global batch runs.
 
     Attributes:
@@ -114,7 +114,7 @@ def check_global_batch(global_batch_size: int, *, world_size: int, gradient_accu
 
 def split_global_batch(
     global_batch_size: int, *, world_size: int, largest_micro_batch: int, chosen_by: str = "max_fit"
-) -> MicroBatchPlan:
+) -> GlobalBatchSplit:
     """The fewest micro-batches of at most ``largest_micro_batch`` that hold a rank's share.
 
     Raises:
@@ -125,7 +125,7 @@ def split_global_batch(
     share = global_batch_size // world_size
     limit = min(largest_micro_batch, share)
     steps = math.ceil(share / limit)
-    return MicroBatchPlan(
+    return GlobalBatchSplit(
         global_batch_size=global_batch_size,
         per_rank=share,
         micro_batch_limit=limit,
@@ -138,7 +138,7 @@ def split_global_batch(
 
 def fastest_split(
     global_batch_size: int, *, world_size: int, trials: Sequence[Tuple[int, float]], tolerance: float
-) -> MicroBatchPlan:
+) -> GlobalBatchSplit:
     """The split with the shortest estimated step, from timed steps at several batch sizes.
 
     A step of a rank's share in micro-batches of up to ``b`` is estimated at

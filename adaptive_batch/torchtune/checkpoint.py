@@ -243,7 +243,7 @@ def epoch_checkpoint_step(output_dir: str, recipe_checkpoint: Optional[str] = No
     """
     from torchtune.training.checkpointing._utils import get_recipe_checkpoint_path
 
-    from adaptive_batch.data.samplers import BATCH_STATE_KEY
+    from adaptive_batch.run.progress import BATCH_STATE_KEY
 
     try:
         path = get_recipe_checkpoint_path(output_dir, recipe_checkpoint, should_load_recipe_state=True)

@@ -17,7 +17,7 @@ from adaptive_batch import (
     ConfigError,
     ProbeOptions,
 )
-from adaptive_batch.data.samplers import BATCH_STATE_KEY
+from adaptive_batch.run.progress import BATCH_STATE_KEY
 from adaptive_batch.data.token_budget import TokenBatchOptions
 from adaptive_batch.memory.device import DeviceCapacity
 from adaptive_batch.probe.report import PROBE_STATE_KEY, ProbeReport

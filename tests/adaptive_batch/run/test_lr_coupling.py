@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from adaptive_batch.data.samplers import BatchState
+from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.run.lr_coupling import LRCoupling, ParamGroupsOf
 from adaptive_batch.schedule.lr_scaling import LRRule, LRScalingOptions
@@ -17,7 +17,7 @@ def _per_parameter_optimizers(lr=1.0):
 def _coupling(optimizer, scheduler, options=LRScalingOptions(), batch_size=4):
     return LRCoupling(
         LRRule.of(options, batch_size), optimizer=optimizer, lr_scheduler=scheduler, read_lr=lambda: 0.0,
-        batch=BatchState(batch_size=batch_size, max_micro_batch_size=batch_size, grow_with_accumulation=False, samples_per_epoch=64),
+        batch=BatchProgress(batch_size=batch_size, max_micro_batch_size=batch_size, grow_with_accumulation=False, samples_per_epoch=64),
         count_in_samples=False,
     )
 

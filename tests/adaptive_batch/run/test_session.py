@@ -7,7 +7,7 @@ from typing import List, Tuple
 import pytest
 import torch
 
-from adaptive_batch.data.samplers import BATCH_STATE_KEY
+from adaptive_batch.run.progress import BATCH_STATE_KEY
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.session import BatchSession, BatchScaling, Resize, StepRecord
@@ -28,25 +28,25 @@ def session(tmp_path, *, batch_size=4, accumulation=1, **sections) -> BatchSessi
 
 
 def run_epoch(s: BatchSession, epoch: int, tokens_per_sample: int = 10) -> Tuple[List[int], List[Resize]]:
-    """What an adapter does with an epoch: the batch the plan says, steps until the epoch's
+    """What an adapter does with an epoch: the batch the epoch starts with, steps until the epoch's
     samples are spent (the last may be short), each recorded."""
-    plan = s.begin_epoch(epoch)
+    start = s.begin_epoch(epoch)
     left = min(s.batch.samples_per_epoch, s.dataset_size) - s.batch.epoch_samples
     at_most = s.steps_left(0)  # at the epoch's batch: growth inside the epoch only shortens it
     steps, resizes = [], []
     while left:
         rows = min(s.batch.batch_size, left)
-        micro = s.plan_step(rows)
+        micro = s.split_step(rows)
         assert sum(micro.micro_batch_sizes) == rows and max(micro.micro_batch_sizes) <= micro.micro_batch_limit
         resize = s.record_step(StepRecord(rows, rows, rows * tokens_per_sample, micro.micro_batch_limit))
         steps.append(rows)
         left -= rows
         resizes += [resize] if resize is not None else []
-    assert plan.epoch == epoch and plan.batch_size == steps[0] and len(steps) <= at_most
+    assert start.epoch == epoch and start.batch_size == steps[0] and len(steps) <= at_most
     return steps, resizes
 
 
-def test_growth_at_each_epoch_is_the_plans_batch_and_every_sample_is_trained_once(tmp_path):
+def test_growth_at_each_epoch_is_the_epochs_batch_and_every_sample_is_trained_once(tmp_path):
     s = session(tmp_path, growth=GrowthOptions(batch_increase_function=DOUBLE), probe=ProbeOptions(max_batch_size=16))
     s.settle(dataset_size=40)
     epochs = [run_epoch(s, epoch)[0] for epoch in range(4)]
@@ -69,22 +69,22 @@ def test_an_interval_in_steps_answers_a_resize_at_the_step_that_reaches_it(tmp_p
     assert resizes == [Resize(4, 8), Resize(8, 16), Resize(16, 32), Resize(32, 64)]
 
 
-def test_a_step_plans_the_fewest_micro_batches_that_fit_and_keeps_a_limit_lowered_by_a_retry(tmp_path):
+def test_a_step_splits_into_the_fewest_micro_batches_that_fit_and_keeps_a_limit_lowered_by_a_retry(tmp_path):
     s = session(tmp_path, batch_size=5, accumulation=2)  # torchtune: 5 a micro-batch, 2 a step
     s.settle(dataset_size=100)
     assert s.begin_epoch(0).micro_batches == 2
-    assert s.plan_step(10).micro_batch_sizes == (5, 5)
-    assert s.plan_step(7).micro_batch_sizes == (4, 3)  # an epoch's short last step
+    assert s.split_step(10).micro_batch_sizes == (5, 5)
+    assert s.split_step(7).micro_batch_sizes == (4, 3)  # an epoch's short last step
     s.record_step(StepRecord(10, 10, 100, micro_batch_limit=3, oom_retries=1, micro_batch_sizes=(3, 3, 2, 2)))
-    assert s.plan_step(10).micro_batch_sizes == (3, 3, 2, 2)
+    assert s.split_step(10).micro_batch_sizes == (3, 3, 2, 2)
     assert s.batch.oom_retries == 1
 
 
 def test_a_split_step_for_the_noise_scale_has_two_micro_batches_where_rows_allow(tmp_path):
     s = session(tmp_path, noise=NoiseScaleOptions(measure_noise_scale=True, noise_scale_split_step=True))
     s.settle(dataset_size=100)
-    assert s.plan_step(4).micro_batch_sizes == (2, 2)
-    assert s.plan_step(1).micro_batch_sizes == (1,)
+    assert s.split_step(4).micro_batch_sizes == (2, 2)
+    assert s.split_step(1).micro_batch_sizes == (1,)
 
 
 @pytest.mark.parametrize(
@@ -136,9 +136,9 @@ def test_a_session_resumed_inside_an_epoch_continues_its_steps_and_batch(tmp_pat
     resumed = session(tmp_path, growth=growth, probe=ProbeOptions(max_batch_size=16))
     resumed.load_state_dict(state)
     resumed.settle(dataset_size=40)
-    plan = resumed.begin_epoch(1)
+    start = resumed.begin_epoch(1)
     # growth at epoch 1's start was applied before the checkpoint: not again
-    assert plan.resumed_after_step == 2 and plan.batch_size == 8
+    assert start.resumed_after_step == 2 and start.batch_size == 8
     assert resumed.steps_left(0) == math.ceil((40 - 16) / 8)
     assert resumed.state_dict()[BATCH_STATE_KEY] == state[BATCH_STATE_KEY]
     assert first.begin_epoch(1).resumed_after_step == 2  # the same answer as the run that wrote it

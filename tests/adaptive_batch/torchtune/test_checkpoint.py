@@ -36,7 +36,7 @@ def test_seeds_differ_and_bad_seed(tmp_path):
 
 
 def test_epoch_checkpoint_step_reads_the_recipe_state_and_survives_a_cut_file(tmp_path):
-    from adaptive_batch.data.samplers import BATCH_STATE_KEY
+    from adaptive_batch.run.progress import BATCH_STATE_KEY
     from adaptive_batch.torchtune import epoch_checkpoint_step
 
     assert epoch_checkpoint_step(str(tmp_path)) == -1  # no epoch checkpoint yet
