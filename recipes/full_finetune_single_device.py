@@ -78,53 +78,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Numbers finite, paths writable, no file where a checkpoint goes: before any work.
         abt.check_run_settings(cfg)
         self._device = utils.get_device(device=cfg.device)
-        abt.check_stock_recipe_options(
-            dtype=cfg.dtype,
-            device_type=self._device.type,
-            optimizer_in_bwd=cfg.optimizer_in_bwd,
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            clip_grad_norm=cfg.get("clip_grad_norm", None),
-            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
-            enable_activation_offloading=cfg.get("enable_activation_offloading", False),
-            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
-            compile_model=cfg.compile,
-            use_maximum_batch_size=cfg.get("use_maximum_batch_size", False) is True,
-        )
-        abt.check_profiler(cfg.get(PROFILER_KEY, None), self._device.type)
-        dataset_cfg = cfg.dataset if not isinstance(cfg.dataset, ListConfig) else cfg.dataset[0]
-        # Every adaptive decision (probe, growth, micro-batches, token budgets, LR coupling)
-        # is the controller's; the distributed recipe's ranks agree on each of them.
-        self._batching = ab.AdaptiveBatchController(
-            abt.adaptive_options(cfg),
-            batch_size=cfg.batch_size,
-            input_key="tokens",
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            device=self._device,
-            output_dir=cfg.output_dir,
-            max_seq_len=cfg.tokenizer.get("max_seq_len", None),
-            packed=bool(dataset_cfg.get("packed", False)),
-            optimizer_in_bwd=cfg.optimizer_in_bwd,
-            ranks=ab.RankGroup(self._device),
-            log=log.info,
-            warn=log.warning,
-        )
-        self._ranks = self._batching.ranks
-        # What a checkpoint holds of the batch side, with a fingerprint of what is trained.
-        self._run_state = ab.RunState(self._batching.session, settings=abt.trained_settings(cfg))
-        self._step_checkpoints = ab.StepCheckpoints(
-            f"{cfg.output_dir}/{abt.STEP_CHECKPOINTS_DIRNAME}",
-            every_n_steps=cfg.get("save_every_n_steps", None),
-            keep_last=cfg.get("keep_last_n_checkpoints", 2),
-            ranks=self._ranks,
-            log=log.info,
-        )
-        self._resume_step_state: Optional[Dict[str, Any]] = None
-        if self._batching.options.probe_cache_dir is not None:
-            abt.check_writable_dir("probe_cache_dir", self._batching.options.probe_cache_dir)
-        if cfg.get("plot", False):
-            abt.check_writable_file(
-                "plot=True draws to", f"{cfg.output_dir}/batch_probe.png", fix="move it away, or set plot=False"
-            )
+        self._check_combinations(cfg)
+        self._adaptive_parts(cfg)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
 
         # logging attributes
@@ -156,6 +111,59 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._resume_setting is not False:
             self.finished = self._ranks.decide_on_main(
                 lambda: abt.finished_run(cfg.checkpointer.output_dir, cfg.epochs), errors=(ab.ConfigError,)
+            )
+
+
+    def _check_combinations(self, cfg: DictConfig) -> None:
+        """The combinations torchtune's recipe refuses, and the probe's own, before any work."""
+        abt.check_stock_recipe_options(
+            dtype=cfg.dtype,
+            device_type=self._device.type,
+            optimizer_in_bwd=cfg.optimizer_in_bwd,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            clip_grad_norm=cfg.get("clip_grad_norm", None),
+            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            enable_activation_offloading=cfg.get("enable_activation_offloading", False),
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+            compile_model=cfg.compile,
+            use_maximum_batch_size=cfg.get("use_maximum_batch_size", False) is True,
+        )
+        abt.check_profiler(cfg.get(PROFILER_KEY, None), self._device.type)
+
+    def _adaptive_parts(self, cfg: DictConfig) -> None:
+        """The controller (every adaptive decision: probe, growth, micro-batches, token budgets,
+        LR coupling; the distributed recipe's ranks agree on each), the run state a checkpoint
+        holds (with a fingerprint of what is trained) and the step checkpoints."""
+        dataset_cfg = cfg.dataset if not isinstance(cfg.dataset, ListConfig) else cfg.dataset[0]
+        self._batching = ab.AdaptiveBatchController(
+            abt.adaptive_options(cfg),
+            batch_size=cfg.batch_size,
+            input_key="tokens",
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            device=self._device,
+            output_dir=cfg.output_dir,
+            max_seq_len=cfg.tokenizer.get("max_seq_len", None),
+            packed=bool(dataset_cfg.get("packed", False)),
+            optimizer_in_bwd=cfg.optimizer_in_bwd,
+            ranks=ab.RankGroup(self._device),
+            log=log.info,
+            warn=log.warning,
+        )
+        self._ranks = self._batching.ranks
+        self._run_state = ab.RunState(self._batching.session, settings=abt.trained_settings(cfg))
+        self._step_checkpoints = ab.StepCheckpoints(
+            f"{cfg.output_dir}/{abt.STEP_CHECKPOINTS_DIRNAME}",
+            every_n_steps=cfg.get("save_every_n_steps", None),
+            keep_last=cfg.get("keep_last_n_checkpoints", 2),
+            ranks=self._ranks,
+            log=log.info,
+        )
+        self._resume_step_state: Optional[Dict[str, Any]] = None
+        if self._batching.options.probe_cache_dir is not None:
+            abt.check_writable_dir("probe_cache_dir", self._batching.options.probe_cache_dir)
+        if cfg.get("plot", False):
+            abt.check_writable_file(
+                "plot=True draws to", f"{cfg.output_dir}/batch_probe.png", fix="move it away, or set plot=False"
             )
 
     def load_checkpoint(self, cfg_checkpointer: DictConfig) -> Dict[str, Any]:
@@ -233,14 +241,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         Sets up the recipe state correctly. This includes setting recipe attributes based
         on the ``resume_from_checkpoint`` flag.
         """
-        if self._ranks.is_main:
-            # This run holds output_dir: what an interrupted one left half-written goes, and it
-            # is no longer a finished run's until this one finishes.
-            abt.forget_finished_run(cfg.checkpointer.output_dir)
-            abt.remove_partial_writes(cfg.output_dir, log=log.info)
-            self._step_checkpoints.remove_partial_writes()
-            abt.recover_epoch_checkpoint(cfg.checkpointer.output_dir, log=log.info)
-
+        self._claim_output_dir(cfg)
         # Tokenizer and data first: a bad path or argument stops the run before the model loads.
         self._tokenizer = abt.build("tokenizer", cfg.tokenizer)
         log.info("Tokenizer is initialized from file.")
@@ -273,12 +274,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # probe below measures the memory training will have.
         del ckpt_dict
 
-        self._loss_fn = config.instantiate(cfg.loss)
-        if self._compile:
-            training.compile_loss(self._loss_fn)
-        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
-            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
-        log.info("Loss is initialized.")
+        self._setup_loss(cfg)
 
         # The batch (probed, resumed or configured) is settled before the dataloader is built with it.
         self._settle_batch(cfg, dataset)
@@ -296,11 +292,33 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             num_training_steps=self._batching.lr_schedule_steps(self.total_epochs, len(self._dataloader)),
             last_epoch=self._batching.lr_last_epoch(),
         )
+        self._attach_lr_and_step_checkpoints()
+        self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
+
+    def _claim_output_dir(self, cfg: DictConfig) -> None:
+        """This run holds output_dir: what an interrupted one left half-written goes, and it is
+        no longer a finished run's until this one finishes."""
+        if self._ranks.is_main:
+            abt.forget_finished_run(cfg.checkpointer.output_dir)
+            abt.remove_partial_writes(cfg.output_dir, log=log.info)
+            self._step_checkpoints.remove_partial_writes()
+            abt.recover_epoch_checkpoint(cfg.checkpointer.output_dir, log=log.info)
+
+    def _setup_loss(self, cfg: DictConfig) -> None:
+        self._loss_fn = config.instantiate(cfg.loss)
+        if self._compile:
+            training.compile_loss(self._loss_fn)
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        log.info("Loss is initialized.")
+
+    def _attach_lr_and_step_checkpoints(self) -> None:
+        """The LR follows the batch; a step checkpoint holds the trainable weights, the recipe
+        state and the position (restored here on a resume from one)."""
         optimizer = self._optimizer if not self._optimizer_in_bwd else self._optim_ckpt_wrapper
         # In backward there is an optimizer per parameter: the LR rule and schedule set them all.
         groups = self._optimizer if not self._optimizer_in_bwd else abt.ParamGroupsOf(self._optim_ckpt_wrapper.optim_map.values())
         self._batching.attach_lr(groups, self._lr_scheduler, read_lr=partial(get_lr, optimizer))
-        # A step checkpoint holds the trainable weights and recipe state, and the position.
         self._step_checkpoints.attach(
             lambda: {**self._recipe_state(), **self._trainable_state_dict()},
             {training.DATALOADER_KEY: self._dataloader, abt.LR_SCHEDULER_KEY: self._lr_scheduler, abt.RNG_KEY: self._run_state.rng},
@@ -308,7 +326,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._resume_step_state is not None:
             self._step_checkpoints.restore_position(self._resume_step_state)
             self._resume_step_state = None
-        self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
 
     def _ensure_weights(self, cfg: DictConfig) -> None:
         """With no ``checkpoint_files``, a seeded random initialisation written for the real

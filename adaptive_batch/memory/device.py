@@ -13,7 +13,7 @@ import math
 import os
 import re
 import resource
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -84,40 +84,10 @@ def parse_memory(
     fix = f"set {key} to a positive byte count, a size such as '6GiB', a fraction such as 0.8, or null"
     if isinstance(value, bool):
         raise ValueError(f"{key}={value!r} is a boolean, not a memory size: {fix}.")
-    fraction: Optional[float] = None
-    num_bytes: Optional[float] = None
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{key}={value!r} is not a finite number: {fix}.")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
-        if isinstance(value, float) and value <= 1:
-            fraction = value
-        elif isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"{key}={value!r} is neither a fraction in (0, 1] nor whole bytes: {fix}.")
-        else:
-            num_bytes = value
+        fraction, num_bytes = _number_amount(value, key, fix)
     elif isinstance(value, str):
-        percent = _PERCENT_RE.match(value)
-        size = _SIZE_RE.match(value)
-        if percent:
-            fraction = float(percent.group(1)) / 100
-            if not 0 < fraction <= 1:
-                raise ValueError(f"{key}={value!r} must be a percentage in (0, 100]: {fix}.")
-        elif size and size.group(2).lower() in _UNITS:
-            number = float(size.group(1))
-            if not math.isfinite(number * _UNITS[size.group(2).lower()]):
-                raise ValueError(f"{key}={value!r} is not a finite size: {fix}.")
-            if size.group(2) == "" and 0 < number <= 1 and "." in size.group(1):
-                fraction = number
-            elif size.group(2) == "" and not number.is_integer():
-                raise ValueError(f"{key}={value!r} is neither a fraction in (0, 1] nor whole bytes: {fix}.")
-            else:
-                num_bytes = number * _UNITS[size.group(2).lower()]
-        else:
-            raise ValueError(f"{key}={value!r} cannot be parsed as a memory size: {fix}.")
-        if num_bytes is not None and num_bytes < 1:
-            raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
+        fraction, num_bytes = _string_amount(value, key, fix)
     else:
         raise ValueError(f"{key}={value!r} has type {type(value).__name__}: {fix}.")
     if num_bytes is not None and num_bytes < MIN_MEMORY_BYTES:
@@ -141,6 +111,44 @@ def parse_memory(
             f"({format_bytes(capacity_bytes)}): lower {key}, or set it to null to use the whole device."
         )
     return result
+
+
+# A memory spec's amount: a fraction of the device, or a number of bytes (the other None).
+_Amount = Tuple[Optional[float], Optional[float]]
+
+
+def _number_amount(value: Union[int, float], key: str, fix: str) -> _Amount:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key}={value!r} is not a finite number: {fix}.")
+    if value <= 0:
+        raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
+    if isinstance(value, float) and value <= 1:
+        return value, None
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{key}={value!r} is neither a fraction in (0, 1] nor whole bytes: {fix}.")
+    return None, value
+
+
+def _string_amount(value: str, key: str, fix: str) -> _Amount:
+    percent, size = _PERCENT_RE.match(value), _SIZE_RE.match(value)
+    if percent:
+        fraction = float(percent.group(1)) / 100
+        if not 0 < fraction <= 1:
+            raise ValueError(f"{key}={value!r} must be a percentage in (0, 100]: {fix}.")
+        return fraction, None
+    if not size or size.group(2).lower() not in _UNITS:
+        raise ValueError(f"{key}={value!r} cannot be parsed as a memory size: {fix}.")
+    number, unit = float(size.group(1)), size.group(2)
+    if not math.isfinite(number * _UNITS[unit.lower()]):
+        raise ValueError(f"{key}={value!r} is not a finite size: {fix}.")
+    if unit == "" and 0 < number <= 1 and "." in size.group(1):
+        return number, None
+    if unit == "" and not number.is_integer():
+        raise ValueError(f"{key}={value!r} is neither a fraction in (0, 1] nor whole bytes: {fix}.")
+    num_bytes = number * _UNITS[unit.lower()]
+    if num_bytes < 1:
+        raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
+    return None, num_bytes
 
 
 # The capacity source of this process's own address-space limit, the one limit no other process shares.

@@ -197,24 +197,47 @@ def search_max_batch_size(
         ValueError: for a budget or cap below 1, or ``max_overshoot`` below 1.
         RuntimeError: when ``max_trials`` trials did not settle the answer.
     """
+    _check_bounds(budget_bytes, max_batch_size, max_overshoot)
+    start = time.perf_counter()
+    trials = _Trials(run_trial, budget_bytes, release=release, log=log, max_trials=max_trials)
+    bracket = _Bracket(trials, budget_bytes, max_batch_size, max_overshoot, tolerance)
+    clock = _Clock(trials, time_budget_s, start, agree=agree, log=log)
+    estimate = _measure_line(bracket, clock, estimate_sizes, warmup=warmup, settle_slope=settle_slope, log=log)
+    predicted = None if estimate is None else estimate.max_batch_size(budget_bytes)
+    if predicted is not None and max_batch_size is not None:
+        predicted = min(predicted, max_batch_size)
+    if estimate is not None:
+        clock.say_eta(predicted)
+        # A line per operator through two steps that ran the same operators is the step's own
+        # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.
+        _Search(bracket, predicted, clock, trust_prediction=isinstance(estimate, OperatorMemoryEstimate)).run()
+    return SearchResult(
+        bracket.lo, budget_bytes, estimate, predicted, trials.done, time.perf_counter() - start, clock.stopped
+    )
+
+
+def _check_bounds(budget_bytes: int, max_batch_size: Optional[int], max_overshoot: float) -> None:
     if budget_bytes < 1:
         raise ValueError(f"budget_bytes={budget_bytes} must be positive.")
     if max_batch_size is not None and max_batch_size < 1:
         raise ValueError(f"max_batch_size={max_batch_size} must be at least 1.")
     if not max_overshoot >= 1:
         raise ValueError(f"max_overshoot={max_overshoot} must be at least 1.")
-    start = time.perf_counter()
-    trials = _Trials(run_trial, budget_bytes, release=release, log=log, max_trials=max_trials)
-    bracket = _Bracket(trials, budget_bytes, max_batch_size, max_overshoot, tolerance)
 
-    clock = _Clock(trials, time_budget_s, start, agree=agree, log=log)
 
-    def result(estimate: Optional[Estimate], predicted: Optional[int]) -> SearchResult:
-        return SearchResult(
-            bracket.lo, budget_bytes, estimate, predicted, trials.done, time.perf_counter() - start, clock.stopped
-        )
+def _measure_line(
+    bracket: "_Bracket", clock: "_Clock", sizes: Tuple[int, int], *, warmup: bool, settle_slope: bool,
+    log: Optional[Callable[[str], None]],
+) -> Optional[Estimate]:
+    """The warmup and estimate steps, and the line through them; ``None`` where those steps
+    settled the answer themselves (the first size did not fit, or the cap was reached), any
+    search from below them run.
 
-    first, second = estimate_sizes
+    Raises:
+        BatchSizeTooLargeError: when batch size 1 does not fit.
+    """
+    trials, budget_bytes, cap = bracket.trials, bracket.budget_bytes, bracket.cap
+    first, second = sizes
     if warmup and not bracket.run(1, "warmup"):
         raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
     if not bracket.run(first, "estimate"):
@@ -222,31 +245,23 @@ def search_max_batch_size(
             _Search(bracket, None, clock, trust_prediction=False).run()
         if bracket.lo == 0:  # not even batch 1 (the search from below reached it)
             raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
-        return result(None, None)
-    if max_batch_size == first or not bracket.run(second, "estimate"):
+        return None
+    if cap == first or not bracket.run(second, "estimate"):
         if first > 1 and not bracket.settled():
             _Search(bracket, None, clock, trust_prediction=False).run()
-        return result(None, None)
+        return None
     steps = trials.estimate_steps
-    if (first, second) == (1, 2) and len(steps) == 2 and not _same_operators(steps[1], steps[2]) and max_batch_size != 2:
+    if (first, second) == (1, 2) and len(steps) == 2 and not _same_operators(steps[1], steps[2]) and cap != 2:
         # Batch 1 often runs other operators (a view where larger batches copy): measure at 3.
         if log is not None:
             log("probe: batch 1 and 2 ran different operators; one more estimate step at batch 3")
         if not bracket.run(3, "estimate"):
-            return result(None, None)
+            return None
         del steps[1]
     measured = [t for t in trials.done if t.phase == "estimate"]
     if settle_slope and not steps:
-        measured = _settled_points(bracket, measured, budget_bytes, max_batch_size)
-    estimate = _fit_estimate(measured, steps)
-    predicted = estimate.max_batch_size(budget_bytes)
-    if predicted is not None and max_batch_size is not None:
-        predicted = min(predicted, max_batch_size)
-    clock.say_eta(predicted)
-    # A line per operator through two steps that ran the same operators is the step's own
-    # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.
-    _Search(bracket, predicted, clock, trust_prediction=isinstance(estimate, OperatorMemoryEstimate)).run()
-    return result(estimate, predicted)
+        measured = _settled_points(bracket, measured, budget_bytes, cap)
+    return _fit_estimate(measured, steps)
 
 
 class _Trials:

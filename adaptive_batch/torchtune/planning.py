@@ -1,5 +1,6 @@
 """Plans a torchtune config's memory with fake tensors: nothing allocated, no weights needed."""
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -125,6 +126,41 @@ def plan_from_config(
             ``world_size`` below 1, several ranks with ``optimizer_in_bwd``, or a bad
             ``tokenizer.max_seq_len`` (:func:`check_seq_len`).
     """
+    _check_ranks(cfg, world_size)
+    assumptions: List[str] = []
+    seq_len = _planned_seq_len(cfg, assumptions)
+    if cfg.get("enable_activation_offloading", False):
+        assumptions.append(
+            "enable_activation_offloading=True is not modelled: the checkpointed activations torchtune moves to the "
+            "CPU are counted on the device, so the plan overstates the peak"
+        )
+    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))
+    make_optimizer = _optimizer_factory(cfg.optimizer, assumptions)
+    cfg_model, adjust_bytes = _nf4_base_weights(cfg.model, dtype, assumptions)
+    step = _RecipeStep(cfg, cfg_model, dtype, config.instantiate(cfg.loss), make_optimizer)
+    return plan_memory(
+        build_model=step.build_model,
+        build_optimizer=step.build_optimizer,
+        forward_backward=step.forward_backward,
+        seq_len=seq_len,
+        device_memory_bytes=device_memory_bytes,
+        safety_margin=safety_margin,
+        max_batch_size=max_batch_size,
+        optimizer_in_backward=step.optimizer_in_bwd,
+        extrapolate_layers=extrapolate_layers,
+        assumptions=assumptions,
+        adjust_bytes=adjust_bytes,
+        world_size=world_size,
+        shard=step.shard,
+        micro_batches=partial(
+            micro_batches_per_trial, gradient_accumulation_steps=int(cfg.get("gradient_accumulation_steps", 1) or 1),
+            global_batch_size=cfg.get("global_batch_size", None), world_size=world_size,
+            grow_with_accumulation=bool(cfg.get("grow_with_accumulation", False)),
+        ),
+    )
+
+
+def _check_ranks(cfg: DictConfig, world_size: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"--world-size={world_size!r} must be a positive integer: the number of data-parallel ranks.")
     if world_size > 1 and cfg.get("optimizer_in_bwd", False):
@@ -132,7 +168,10 @@ def plan_from_config(
             f"--world-size={world_size} with optimizer_in_bwd=True: the sharded plan tracks one optimizer; "
             "set optimizer_in_bwd=False (torchtune's distributed configs leave it off)."
         )
-    assumptions: List[str] = []
+
+
+def _planned_seq_len(cfg: DictConfig, assumptions: List[str]) -> int:
+    """The config's sequence length, or :data:`DEFAULT_SEQ_LEN` (said in ``assumptions``)."""
     seq_len = check_seq_len(cfg)
     if seq_len is None:
         model_max = model_max_seq_len(cfg)
@@ -141,65 +180,48 @@ def plan_from_config(
             f"tokenizer.max_seq_len is null: planned at {seq_len} tokens a sample "
             "(set tokenizer.max_seq_len=N to plan another length)"
         )
-    optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd", False))
-    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))
-    loss_fn = config.instantiate(cfg.loss)
-    activation_checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
-    if cfg.get("enable_activation_offloading", False):
-        assumptions.append(
-            "enable_activation_offloading=True is not modelled: the checkpointed activations torchtune moves to the "
-            "CPU are counted on the device, so the plan overstates the peak"
-        )
-    make_optimizer = _optimizer_factory(cfg.optimizer, assumptions)
-    cfg_model, adjust_bytes = _nf4_base_weights(cfg.model, dtype, assumptions)
+    return int(seq_len)
 
-    def build_model() -> torch.nn.Module:
-        with training.set_default_dtype(dtype):
-            model = config.instantiate(cfg_model)
+
+@dataclass
+class _RecipeStep:
+    """The model, optimizer, step and sharding a torchtune recipe builds from ``cfg``."""
+
+    cfg: DictConfig
+    cfg_model: DictConfig
+    dtype: torch.dtype
+    loss_fn: Any
+    make_optimizer: Callable[[list], torch.optim.Optimizer]
+
+    @property
+    def optimizer_in_bwd(self) -> bool:
+        return bool(self.cfg.get("optimizer_in_bwd", False))
+
+    def build_model(self) -> torch.nn.Module:
+        with training.set_default_dtype(self.dtype):
+            model = config.instantiate(self.cfg_model)
         adapters = get_adapter_params(model)
         if adapters:  # LoRA: only the adapters train
             set_trainable_params(model, adapters)
-        if activation_checkpointing:
+        if self.cfg.get("enable_activation_checkpointing", False):
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-        if hasattr(loss_fn, "num_output_chunks"):
-            model.set_num_output_chunks(loss_fn.num_output_chunks)
+        if hasattr(self.loss_fn, "num_output_chunks"):
+            model.set_num_output_chunks(self.loss_fn.num_output_chunks)
         return model
 
-    def build_optimizer(params: list) -> Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]:
-        if optimizer_in_bwd:  # torchtune: one optimizer per parameter, stepped in backward
-            return [make_optimizer([p]) for p in params]
-        return make_optimizer(params)
+    def build_optimizer(self, params: list) -> Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]:
+        if self.optimizer_in_bwd:  # torchtune: one optimizer per parameter, stepped in backward
+            return [self.make_optimizer([p]) for p in params]
+        return self.make_optimizer(params)
 
-    def forward_backward(model: torch.nn.Module, batch: dict) -> None:
-        next_token_loss(model, loss_fn, dict(batch)).backward()
+    def forward_backward(self, model: torch.nn.Module, batch: dict) -> None:
+        next_token_loss(model, self.loss_fn, dict(batch)).backward()
 
-    def shard(model: torch.nn.Module, mesh: Any) -> None:
-        names = cfg.get("custom_sharded_layers", None)
+    def shard(self, model: torch.nn.Module, mesh: Any) -> None:
         training.shard_model(
             model=model,
-            shard_conditions=[partial(training.get_shard_conditions, names_to_match=names)],
+            shard_conditions=[partial(training.get_shard_conditions, names_to_match=self.cfg.get("custom_sharded_layers", None))],
             cpu_offload=False,
-            reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
+            reshard_after_forward=bool(self.cfg.get("fsdp_reshard_after_forward", True)),
             dp_mesh=mesh,
         )
-
-    return plan_memory(
-        build_model=build_model,
-        build_optimizer=build_optimizer,
-        forward_backward=forward_backward,
-        seq_len=int(seq_len),
-        device_memory_bytes=device_memory_bytes,
-        safety_margin=safety_margin,
-        max_batch_size=max_batch_size,
-        optimizer_in_backward=optimizer_in_bwd,
-        extrapolate_layers=extrapolate_layers,
-        assumptions=assumptions,
-        adjust_bytes=adjust_bytes,
-        world_size=world_size,
-        shard=shard,
-        micro_batches=partial(
-            micro_batches_per_trial, gradient_accumulation_steps=int(cfg.get("gradient_accumulation_steps", 1) or 1),
-            global_batch_size=cfg.get("global_batch_size", None), world_size=world_size,
-            grow_with_accumulation=bool(cfg.get("grow_with_accumulation", False)),
-        ),
-    )
