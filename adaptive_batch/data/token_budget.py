@@ -81,22 +81,7 @@ def check_token_budget(
     Raises:
         ValueError: naming the key, the value and the fix, for the first bad setting.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens!r} must be a positive integer, e.g. max_tokens=4096.")
-    for key, value in (("min_batch_size", min_batch_size), ("max_batch_size", max_batch_size)):
-        if value is None and key == "max_batch_size":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key}={value!r} must be a positive integer{' or null' if key == 'max_batch_size' else ''}.")
-    if max_batch_size is not None and min_batch_size > max_batch_size:
-        raise ValueError(
-            f"min_batch_size={min_batch_size} is larger than max_batch_size={max_batch_size}: "
-            "lower min_batch_size or raise max_batch_size."
-        )
-    if long_sample_policy not in LONG_SAMPLE_POLICIES:
-        raise ValueError(
-            f"long_sample_policy={long_sample_policy!r} is not one of {list(LONG_SAMPLE_POLICIES)}."
-        )
+    _check_settings(max_tokens, min_batch_size, max_batch_size, long_sample_policy)
     if not lengths:
         raise ValueError("the dataset is empty: there is nothing to batch by tokens.")
     shortest, longest = min(lengths), max(lengths)
@@ -119,6 +104,25 @@ def check_token_budget(
             "lower min_batch_size."
         )
     return too_long
+
+
+def _check_settings(max_tokens: Any, min_batch_size: Any, max_batch_size: Any, long_sample_policy: str) -> None:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r} must be a positive integer, e.g. max_tokens=4096.")
+    for key, value in (("min_batch_size", min_batch_size), ("max_batch_size", max_batch_size)):
+        if value is None and key == "max_batch_size":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} must be a positive integer{' or null' if key == 'max_batch_size' else ''}.")
+    if max_batch_size is not None and min_batch_size > max_batch_size:
+        raise ValueError(
+            f"min_batch_size={min_batch_size} is larger than max_batch_size={max_batch_size}: "
+            "lower min_batch_size or raise max_batch_size."
+        )
+    if long_sample_policy not in LONG_SAMPLE_POLICIES:
+        raise ValueError(
+            f"long_sample_policy={long_sample_policy!r} is not one of {list(LONG_SAMPLE_POLICIES)}."
+        )
 
 
 def pack_by_tokens(

@@ -140,24 +140,32 @@ def child_trial(
                 process.kill()
             process.join()
             parent.close()
-        if timed_out:
-            raise RuntimeError(
-                f"the trial process at batch {batch_size} gave no answer in {timeout_s:g} s and was stopped: a step "
-                "that hangs (a deadlock, a collective with no peer) in build's target; run it once at that batch by hand."
-            )
-        if not started:  # it ended while importing the main module, as an unguarded script does
-            raise RuntimeError(
-                f"the trial process at batch {batch_size} exited with code {process.exitcode} before its trial ran "
-                "(its traceback is above). Trial processes import the main module, as multiprocessing does: in a "
-                "script, call find_max_batch_size(build=...) under `if __name__ == \"__main__\":`."
-            )
-        if outcome is None:  # a segfault, an abort, exit(1) from a thread that could not start, the OOM killer
-            raise ChildOutOfMemoryError(f"the trial process at batch {batch_size} died (exit code {process.exitcode})")
-        kind, value = outcome
-        if kind == "ok":
-            return int(value)
-        if kind == "oom":
-            raise ChildOutOfMemoryError(value)
-        raise RuntimeError(f"the trial process at batch {batch_size} failed:\n{value}")
+        return _answer(batch_size, started, outcome, timed_out, timeout_s, process.exitcode)
 
     return run
+
+
+def _answer(
+    batch_size: int, started: bool, outcome: Optional[tuple], timed_out: bool, timeout_s: Optional[float],
+    exitcode: Optional[int],
+) -> int:
+    """What a trial process said, as :func:`child_trial`'s ``run`` returns or raises it."""
+    if timed_out:
+        raise RuntimeError(
+            f"the trial process at batch {batch_size} gave no answer in {timeout_s:g} s and was stopped: a step "
+            "that hangs (a deadlock, a collective with no peer) in build's target; run it once at that batch by hand."
+        )
+    if not started:  # it ended while importing the main module, as an unguarded script does
+        raise RuntimeError(
+            f"the trial process at batch {batch_size} exited with code {exitcode} before its trial ran "
+            "(its traceback is above). Trial processes import the main module, as multiprocessing does: in a "
+            "script, call find_max_batch_size(build=...) under `if __name__ == \"__main__\":`."
+        )
+    if outcome is None:  # a segfault, an abort, exit(1) from a thread that could not start, the OOM killer
+        raise ChildOutOfMemoryError(f"the trial process at batch {batch_size} died (exit code {exitcode})")
+    kind, value = outcome
+    if kind == "ok":
+        return int(value)
+    if kind == "oom":
+        raise ChildOutOfMemoryError(value)
+    raise RuntimeError(f"the trial process at batch {batch_size} failed:\n{value}")

@@ -192,38 +192,13 @@ def _plan(
 ) -> MemoryPlan:
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    layers = num_layers(build_model) if extrapolate_layers else None
-    counts = MEASURED_LAYERS if layers is not None and layers > MEASURED_LAYERS[-1] else (None,)
-    steppers = {}
-    for keep in counts:
-        model = build_fake_model(build_model, fake_mode, keep_layers=keep, shard=shard)
-        with fake_mode:
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            optimizers = _as_list(build_optimizer(trainable))
-        if optimizer_in_backward:
-            step_in_backward(trainable, optimizers)
-        steppers[keep] = (model, optimizers)
-
-    def step(b: int) -> PlanRow:
-        tokens = torch.zeros(b, seq_len, dtype=torch.long)
-        batch = {"tokens": tokens, "labels": torch.zeros(b, seq_len, dtype=torch.long)}
-        phases = {
-            keep: fake_step_phases(model, optimizers, forward_backward, batch, optimizer_in_backward=optimizer_in_backward,
-                                   micro_batches=micro_batches(b))
-            for keep, (model, optimizers) in steppers.items()
-        }
-        if counts == (None,):
-            return _adjusted(phases[None].peak(b), adjust_bytes)
-        (k1, low), (k2, high) = sorted(phases.items())
-        whole = StepPhases(
-            *[extrapolate_row(x, y, k1, k2, layers) if x is not None else None for x, y in zip(
-                (low.backward, low.optimizer), (high.backward, high.optimizer))]
-        )
-        return _adjusted(whole.peak(b), adjust_bytes)
-
+    step = _FakeSteps(
+        build_model, build_optimizer, fake_mode, extrapolate_layers=extrapolate_layers, shard=shard,
+        optimizer_in_backward=optimizer_in_backward, forward_backward=forward_backward, seq_len=seq_len,
+        micro_batches=micro_batches, adjust_bytes=adjust_bytes,
+    )
     with fake_mode:
-        for model, optimizers in steppers.values():
-            create_optimizer_state(model, optimizers)
+        step.create_optimizer_state()
         measured = {b: step(b) for b in (1, 2)}
     estimate = LinearMemoryEstimate.fit([(r.batch_size, r.peak_bytes) for r in measured.values()])
 
@@ -238,8 +213,8 @@ def _plan(
         for b in sorted(set(table_batch_sizes) | ({best} if best else set()))
     ]
     notes = list(assumptions)
-    if counts != (None,):
-        notes.append(f"{layers} decoder layers extrapolated from fake steps with {counts[0]} and {counts[1]}")
+    if step.counts != (None,):
+        notes.append(f"{step.layers} decoder layers extrapolated from fake steps with {step.counts[0]} and {step.counts[1]}")
     if optimizer_in_backward:
         notes.append("optimizer in backward: each gradient freed after its parameter's step")
     return MemoryPlan(
@@ -254,6 +229,60 @@ def _plan(
         assumptions=notes,
         world_size=world_size,
     )
+
+
+class _FakeSteps:
+    """The planned step at any batch size: the model (or, with ``extrapolate_layers``, two
+    copies with :data:`MEASURED_LAYERS` layers, extrapolated to the whole depth) and its
+    optimizers on fake tensors."""
+
+    def __init__(
+        self,
+        build_model: Callable[[], nn.Module],
+        build_optimizer: BuildOptimizer,
+        fake_mode: FakeTensorMode,
+        *,
+        extrapolate_layers: bool,
+        shard: Optional[Callable[[nn.Module], None]],
+        optimizer_in_backward: bool,
+        forward_backward: ForwardBackward,
+        seq_len: int,
+        micro_batches: Callable[[int], int],
+        adjust_bytes: Optional[Dict[str, int]],
+    ) -> None:
+        self.layers = num_layers(build_model) if extrapolate_layers else None
+        self.counts = MEASURED_LAYERS if self.layers is not None and self.layers > MEASURED_LAYERS[-1] else (None,)
+        self._forward_backward, self._seq_len, self._in_backward = forward_backward, seq_len, optimizer_in_backward
+        self._micro_batches, self._adjust_bytes = micro_batches, adjust_bytes
+        self._steppers = {}
+        for keep in self.counts:
+            model = build_fake_model(build_model, fake_mode, keep_layers=keep, shard=shard)
+            with fake_mode:
+                trainable = [p for p in model.parameters() if p.requires_grad]
+                optimizers = _as_list(build_optimizer(trainable))
+            if optimizer_in_backward:
+                step_in_backward(trainable, optimizers)
+            self._steppers[keep] = (model, optimizers)
+
+    def create_optimizer_state(self) -> None:
+        for model, optimizers in self._steppers.values():
+            create_optimizer_state(model, optimizers)
+
+    def __call__(self, b: int) -> PlanRow:
+        batch = {name: torch.zeros(b, self._seq_len, dtype=torch.long) for name in ("tokens", "labels")}
+        phases = {
+            keep: fake_step_phases(model, optimizers, self._forward_backward, batch,
+                                   optimizer_in_backward=self._in_backward, micro_batches=self._micro_batches(b))
+            for keep, (model, optimizers) in self._steppers.items()
+        }
+        if self.counts == (None,):
+            return _adjusted(phases[None].peak(b), self._adjust_bytes)
+        (k1, low), (k2, high) = sorted(phases.items())
+        whole = StepPhases(
+            *[extrapolate_row(x, y, k1, k2, self.layers) if x is not None else None for x, y in zip(
+                (low.backward, low.optimizer), (high.backward, high.optimizer))]
+        )
+        return _adjusted(whole.peak(b), self._adjust_bytes)
 
 
 def _adjusted(row: PlanRow, adjust_bytes: Optional[Dict[str, int]]) -> PlanRow:

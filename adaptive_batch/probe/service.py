@@ -366,18 +366,12 @@ def search_and_check(
         result = search_in_children(build, target, budget, capacity, max_batch_size=cap,
                                     time_budget=options.probe_time_budget, snapshot_dir=snapshot_dir, log=log)
     else:
-        try:
+        with _smallest_rank_named(budget, rank_budgets, ranks):
             result = probe_max_batch_size(
                 target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir, log=log,
                 wrap_trial=agree_on_outcomes, trial_limit=lambda: trial_memory_limit(limits.address_space, log=log),
                 budget_source=budget.source, time_budget_s=options.probe_time_budget, agree=ranks.any,
             )
-        except BatchSizeTooLargeError as e:
-            if not ranks.distributed:
-                raise
-            # Every rank stops with the figures of the rank whose budget is the smallest: name it.
-            source = MAX_MEMORY_ENV if budget.source == "max_memory" and os.environ.get(MAX_MEMORY_ENV) else budget.source
-            raise BatchSizeTooLargeError(e.bytes_needed, common_budget, source, rank=rank_budgets.index(common_budget)) from None
     # Also after trials in fresh processes: this process has what a fresh one has not (a LoRA
     # answer ran 3 steps in a child with 2 MiB to spare and ran out of memory here in training).
     verified = check.largest_up_to(result.max_batch_size)
@@ -394,6 +388,19 @@ def search_and_check(
         # What every rank measured against its own budget; the batch is what fits on all.
         ranks=ranks.gather(lockstep[0].report()) if lockstep else [], throughput=throughput,
     )
+
+
+@contextmanager
+def _smallest_rank_named(budget: MemoryBudget, rank_budgets: List[int], ranks: RankGroup) -> Iterator[None]:
+    """Every rank stops with the figures of the rank whose budget is the smallest: it is named."""
+    try:
+        yield
+    except BatchSizeTooLargeError as e:
+        if not ranks.distributed:
+            raise
+        common_budget = min(rank_budgets)
+        source = MAX_MEMORY_ENV if budget.source == "max_memory" and os.environ.get(MAX_MEMORY_ENV) else budget.source
+        raise BatchSizeTooLargeError(e.bytes_needed, common_budget, source, rank=rank_budgets.index(common_budget)) from None
 
 
 def _fastest(

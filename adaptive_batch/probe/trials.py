@@ -63,11 +63,9 @@ def probe_max_batch_size(
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
-    Each trial builds a batch with ``target.make_batch(b)`` and runs ``target.train_step(batch)``
-    (forward, loss, backward, optimizer step, zero grad) while measuring the peak of each phase of
-    the step and, on CPU, its memory after each operator; the estimate is a line per operator (per
-    phase where operators are not measured). The target's model, optimizer, LR scheduler and the
-    RNG are saved before the first trial and restored after the last, also when a trial raises.
+    Each trial runs ``target.train_step(target.make_batch(b))``, measuring each phase's peak and,
+    on CPU, the memory after each operator (:func:`measure_training_step`). The target's model,
+    optimizer, LR scheduler and RNG are put back after the last trial, also when one raises.
 
     Args:
         target: what the trials train, on its resolved device.
@@ -75,12 +73,9 @@ def probe_max_batch_size(
         max_batch_size: the largest size worth trying (e.g. the dataset size).
         snapshot_dir: where the temporary snapshot file goes.
         log: called with one line per trial.
-        wrap_trial: wraps the measured trial before the search calls it, e.g.
-            :class:`~adaptive_batch.probe.lockstep.LockstepTrial` so data-parallel ranks agree on every outcome.
-        trial_limit: a context the trials (not the snapshot's save and restore) run in, e.g.
-            :func:`adaptive_batch.probe.service.trial_memory_limit`.
-        budget_source: what set ``budget_bytes`` (:attr:`MemoryBudget.source`), for the advice
-            when batch 1 does not fit.
+        wrap_trial: wraps the measured trial, e.g. ``LockstepTrial`` (ranks agree on every outcome).
+        trial_limit: a context the trials (not the snapshot) run in (``trial_memory_limit``).
+        budget_source: what set ``budget_bytes``, for the advice when batch 1 does not fit.
         time_budget_s: seconds the search may take (see :func:`search_max_batch_size`).
         agree: makes a rank's wish to stop for time every rank's (``RankGroup.any``).
 

@@ -9,6 +9,7 @@ twice, and the lowered limit is returned for the steps after.
 """
 
 from dataclasses import dataclass, field
+from functools import partial
 import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -86,14 +87,11 @@ def accumulate_gradients(
             when ``False`` the error propagates.
         device: the device, to give its cached memory back between attempts.
         log: where retries are reported.
-        agree_on_oom: for data-parallel ranks, ``agree(failed) -> failed on any rank``, called
-            after every micro-batch: a rank that ran out of memory tells the others, and all
-            of them restart the step with the same smaller micro-batches, so their collectives
-            stay matched. It can only help when the error is raised outside a collective (or
-            on every rank at once); a rank left waiting in one cannot be reached.
-        observer: told ``start()`` at every attempt of the step and
-            ``after_micro_batch(tokens)`` after each micro-batch's backward (the gradient
-            noise measurement, :class:`~adaptive_batch.schedule.noise_scale.MicroBatchGradients`).
+        agree_on_oom: for data-parallel ranks, ``agree(failed) -> failed on any rank`` after
+            every micro-batch, so all ranks restart with the same smaller micro-batches (an error
+            raised inside a collective leaves a rank waiting there, out of reach).
+        observer: told ``start()`` at every attempt and ``after_micro_batch(tokens)`` after each
+            backward (:class:`~adaptive_batch.schedule.noise_scale.MicroBatchGradients`).
         min_micro_batches: split the step into at least this many (2: two gradients to
             compare, ``noise_scale_split_step``); the limit is unchanged by it.
         layout: where the batch's samples lie (any structure; the first dimension by default).
@@ -112,10 +110,7 @@ def accumulate_gradients(
         sizes = micro_batch_sizes(rows, limit, min_micro_batches)
         if observer is not None:
             observer.start()
-
-        def run() -> Tuple[torch.Tensor, torch.Tensor]:
-            return _run_micro_batches(forward_backward, layout.split(batch, sizes), agree_on_oom, observer)
-
+        run = partial(_run_micro_batches, forward_backward, batch, sizes, layout, agree_on_oom, observer)
         sums, message = catch_oom(run) if retry_on_oom else (run(), None)
         if message is None:
             return AccumulatedStep(*sums, sizes, limit, len(messages), messages)
@@ -123,26 +118,38 @@ def accumulate_gradients(
         zero_grad()
         release_memory(device)
         messages.append(message)
-        if max(sizes) == 1:
-            raise MicroBatchOutOfMemoryError(
-                f"out of memory with micro-batches of 1 sample ({message}); the model and "
-                "optimizer alone nearly fill the memory: lower max_seq_len or free memory."
-            )
-        limit = max(1, max(sizes) // 2)
-        log(
-            f"out of memory in a step of {rows} samples in micro-batches of up to {max(sizes)} "
-            f"({message}); retrying it in micro-batches of up to {limit}."
+        limit = _halved_limit(max(sizes), rows, message, log)
+
+
+def _halved_limit(largest: int, rows: int, message: str, log: Callable[[str], None]) -> int:
+    """The limit a step that ran out of memory in micro-batches of up to ``largest`` retries at.
+
+    Raises:
+        MicroBatchOutOfMemoryError: when ``largest`` was already one sample.
+    """
+    if largest == 1:
+        raise MicroBatchOutOfMemoryError(
+            f"out of memory with micro-batches of 1 sample ({message}); the model and "
+            "optimizer alone nearly fill the memory: lower max_seq_len or free memory."
         )
+    limit = max(1, largest // 2)
+    log(
+        f"out of memory in a step of {rows} samples in micro-batches of up to {largest} "
+        f"({message}); retrying it in micro-batches of up to {limit}."
+    )
+    return limit
 
 
 def _run_micro_batches(
     forward_backward: ForwardBackward,
-    pieces: List[Batch],
+    batch: Batch,
+    sizes: List[int],
+    layout: BatchLayout,
     agree_on_oom: Optional[Callable[[bool], bool]],
     observer: Optional[Any] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     loss_sum = num_tokens = None
-    for piece in pieces:
+    for piece in layout.split(batch, sizes):
         if agree_on_oom is None:
             loss, tokens = forward_backward(piece)
         else:
