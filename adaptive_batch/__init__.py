@@ -5,6 +5,7 @@ The core imports torch alone; :mod:`adaptive_batch.torchtune` holds the torchtun
 repository's ``recipes/`` folder (installed as ``adaptive_batch_recipes``) the recipes. The
 subpackages, in the order they import each other (each imports only those before it):
 
+- :mod:`~adaptive_batch.logs`: the ``adaptive_batch`` logger (standard ``logging``, rank 0's lines).
 - :mod:`~adaptive_batch.errors`, :mod:`~adaptive_batch.faults`, :mod:`~adaptive_batch.files`,
   :mod:`~adaptive_batch.validation`, :mod:`~adaptive_batch.rng`: every error, the named points
   where tests kill a run, files written whole and the output directory's lock, value checks,
@@ -15,8 +16,9 @@ subpackages, in the order they import each other (each imports only those before
 - :mod:`~adaptive_batch.probe`: real trial steps, the search, the plan, the probe's two
   entry points (:func:`find_max_batch_size` and :func:`probe_batch_size`).
 - :mod:`~adaptive_batch.data`: batch samplers, fixed-sample and token-budget.
-- :mod:`~adaptive_batch.run`: a training run's decisions behind
-  :class:`AdaptiveBatchController`, and :class:`AdaptiveBatch` for a plain loop; steps in
+- :mod:`~adaptive_batch.run`: a training run's decisions (``run.session.BatchSession``, told of
+  each epoch and step, executing nothing), the recipes' adapter over them
+  (:class:`AdaptiveBatchController`), :class:`AdaptiveBatch` for a plain loop; steps in
   micro-batches; step checkpoints.
 - :mod:`~adaptive_batch.torchtune`: config adapter, tokenizer, data, planner for configs, CLI.
 

@@ -20,6 +20,7 @@ from typing import IO, Any, Callable, Iterator, Optional
 
 from adaptive_batch.errors import CheckpointWriteError, ConfigError, is_disk_full
 from adaptive_batch.faults import fault_point
+from adaptive_batch.logs import info_to
 
 LOCK_FILENAME = ".adaptive_batch.lock"
 _WRITING = ".writing_"  # in every temporary's name: .<final name>.writing_<random>
@@ -138,9 +139,10 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def remove_partial_writes(directory: str, log: Callable[[str], None] = print) -> None:
+def remove_partial_writes(directory: str, log: Optional[Callable[[str], None]] = None) -> None:
     """Deletes the temporaries of :func:`atomic_write` a crash left anywhere under ``directory``
     (never a finished file); only for a directory this run holds (:class:`OutputDirLock`)."""
+    log = info_to(log)
     if not os.path.isdir(directory):
         return
     for relative in list(walk_files(directory)):

@@ -29,6 +29,7 @@ from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import atomic_write
+from adaptive_batch.logs import info_to
 from adaptive_batch.memory.device import prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
@@ -47,7 +48,7 @@ class AdaptiveBatchTrainer(Trainer):
         make_batch: ``f(b) -> `` a worst-case batch of ``b`` samples; by default the longest
             training sample, ``b`` times, through the data collator.
         probe_eval: also probe ``per_device_eval_batch_size`` with forward passes alone.
-        log: where the batches are reported.
+        log: where the batches are reported (``None``: the ``adaptive_batch`` logger).
         **kwargs: ``Trainer``'s.
 
     Raises:
@@ -60,12 +61,12 @@ class AdaptiveBatchTrainer(Trainer):
         max_memory: Any = None,
         make_batch: Optional[Callable[[int], Any]] = None,
         probe_eval: bool = True,
-        log: Callable[[str], None] = print,
+        log: Optional[Callable[[str], None]] = None,
         **kwargs: Any,
     ) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         super().__init__(*args, **kwargs)
-        self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, log
+        self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, info_to(log)
         self.adaptive_batch: Optional[Dict[str, int]] = None
         self._ranks = RankGroup(self.args.device)
         self.add_callback(_SaveTheBatch(self))

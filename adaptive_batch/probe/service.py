@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
 from adaptive_batch.distributed import MAX_MEMORY_ENV, RankGroup
 from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
+from adaptive_batch.logs import info_to
 from adaptive_batch.memory.budget import (
     MemoryBudget,
     check_reserve_bytes as _check_reserve_bytes,
@@ -221,7 +222,7 @@ def probe_batch_size(
     output_dir: Optional[str] = None,
     ranks: Optional[RankGroup] = None,
     cache_fields: Optional[Dict[str, Any]] = None,
-    log: Optional[Callable[[str], None]] = print,
+    log: Optional[Callable[[str], None]] = None,
     save_report: bool = True,
     build: Optional[Callable[[], ProbeTarget]] = None,
 ) -> ProbeReport:
@@ -239,7 +240,7 @@ def probe_batch_size(
             outside one, when ``None``).
         cache_fields: what changes a step's memory (model, optimizer, dtype, ...), for the
             cache key; the budget, device, caps and versions are added here.
-        log: where progress lines go (``None``: nowhere).
+        log: where progress lines go (``None``: the ``adaptive_batch`` logger).
         save_report: write ``batch_probe.json`` (and the plot); ``False`` when the caller
             writes it once after adding to it (the controller).
         build: a picklable function that builds ``target`` afresh (the recipes build it from
@@ -254,7 +255,7 @@ def probe_batch_size(
         BatchSizeTooLargeError: when batch 1 does not fit.
         ConfigError: for a ``max_memory`` the device cannot give, or a device this torch lacks.
     """
-    say = log or (lambda line: None)
+    say = log = info_to(log)
     target = target.on_its_device()
     ranks = ranks or RankGroup(target.device)
     budget, capacity, in_children = step_budget(options, target, build=build, distributed=ranks.distributed)
@@ -444,11 +445,12 @@ def save_probe_report(
     ranks: RankGroup,
     *,
     plot: bool = False,
-    log: Callable[[str], None] = print,
+    log: Optional[Callable[[str], None]] = None,
 ) -> str:
     """Rank 0 writes ``batch_probe.json`` (and the plot when asked); returns its path."""
     if not ranks.is_main:
         return _report_path(output_dir)
+    log = info_to(log)
     path = write_probe_report(report, output_dir)
     if plot:
         from adaptive_batch.probe.plot import plot_probe_report

@@ -17,12 +17,12 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from adaptive_batch.data.layout import BatchLayout
-from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.faults import fault_point
 from adaptive_batch.memory.device import prepare_allocator
 from adaptive_batch.run.lr_coupling import LRCoupling
 from adaptive_batch.run.options import AdaptiveBatchOptions
+from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.run.session import BatchSession, Probe, StepRecord
 from adaptive_batch.run.step import StepOutcome, accumulate_gradients
 
@@ -48,8 +48,8 @@ class AdaptiveBatchController:
         packed: whether the dataset is packed.
         optimizer_in_bwd: whether the optimizer steps inside backward.
         ranks: the data-parallel ranks (this process alone when ``None``).
-        log: where decisions are reported.
-        warn: where recoveries are reported (``log`` when ``None``).
+        log: where decisions are reported (``None``: the ``adaptive_batch`` logger).
+        warn: where recoveries are reported (``log`` when ``None``, else the logger's warnings).
         layout: where a batch's samples lie (any structure; the first dimension by default).
 
     Raises:
@@ -69,7 +69,7 @@ class AdaptiveBatchController:
         packed: bool = False,
         optimizer_in_bwd: bool = False,
         ranks: Optional[RankGroup] = None,
-        log: Callable[[str], None] = print,
+        log: Optional[Callable[[str], None]] = None,
         warn: Optional[Callable[[str], None]] = None,
         layout: Optional[BatchLayout] = None,
     ) -> None:

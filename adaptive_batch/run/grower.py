@@ -7,9 +7,9 @@ and folds each step's micro-batch gradients into the gradient noise scale when a
 
 from typing import Any, Callable, Dict, Optional
 
-from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import BatchIncreaseFunctionError
+from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.schedule.growth import (
     BatchIncreaseFunction,
     GrowthOptions,

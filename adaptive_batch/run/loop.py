@@ -22,6 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.loader import LOADER_KEYS, loader_settings
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.logs import info_to
 from adaptive_batch.probe.service import probe_batch_size
 from adaptive_batch.probe.target import ProbeTarget, check_make_batch, step_device
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
@@ -54,7 +55,7 @@ class AdaptiveBatch:
         layout: where a batch's samples lie (the first dimension of its tensors by default).
         output_dir: where the probe's report goes (a new temporary directory when ``None``;
             nothing is written without probing).
-        log: where decisions are reported.
+        log: where decisions are reported (``None``: the ``adaptive_batch`` logger).
         **settings: the adaptive keys of ``docs/configuration.md`` (``batch_increase_function``,
             ``max_batch_size``, ``global_batch_size``, ``lr_scaling``, ``use_maximum_batch_size``,
             ``max_memory``, ``retry_on_oom``, ...), with their defaults; and torch's
@@ -81,7 +82,7 @@ class AdaptiveBatch:
         count_of: Optional[Callable[[Any], Any]] = None,
         layout: Optional[BatchLayout] = None,
         output_dir: Optional[str] = None,
-        log: Callable[[str], None] = print,
+        log: Optional[Callable[[str], None]] = None,
         **settings: Any,
     ) -> None:
         data = loader_settings(
@@ -101,7 +102,7 @@ class AdaptiveBatch:
             )
         if make_batch is not None and options.needs_probe:
             check_make_batch(make_batch)
-        self.model, self.optimizer, self.dataset, self.log = model, optimizer, data.dataset, log
+        self.model, self.optimizer, self.dataset, self.log = model, optimizer, data.dataset, info_to(log)
         self._lr_scheduler, self._clip, self._make_batch = lr_scheduler, clip_grad_norm, make_batch
         self._loss_fn, self._collate, self._shuffle = loss_fn, data.collate_fn, data.shuffle
         self._loader_options = data.options

@@ -8,8 +8,8 @@ optimizer step.
 
 from typing import Any, Callable, Iterable, List, Optional
 
-from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.schedule.lr_progress import SampleProgressLR
 from adaptive_batch.schedule.lr_scaling import BatchLRScaler, BatchScaling, LRRule
 

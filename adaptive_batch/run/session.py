@@ -24,14 +24,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from adaptive_batch.run.progress import BATCH_STATE_KEY, BatchProgress
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.logs import info_to, warning_to
 from adaptive_batch.probe.report import PROBE_STATE_KEY, ProbeReport
 from adaptive_batch.probe.service import save_probe_report
 from adaptive_batch.run.batching import SampleBatches, TokenBatches
 from adaptive_batch.run.grower import Grower
 from adaptive_batch.run.options import AdaptiveBatchOptions, RunContext
+from adaptive_batch.run.progress import BATCH_STATE_KEY, BatchProgress
 from adaptive_batch.run.start import first_batch
 from adaptive_batch.run.step import micro_batch_sizes
 from adaptive_batch.schedule.global_batch import GlobalBatchSplit, micro_batches_per_trial
@@ -116,8 +117,8 @@ class BatchSession:
         packed: whether the dataset is packed.
         optimizer_in_bwd: whether the optimizer steps inside backward.
         ranks: the data-parallel ranks (this process alone when ``None``).
-        log: where decisions are reported.
-        warn: where recoveries are reported (``log`` when ``None``).
+        log: where decisions are reported (``None``: the ``adaptive_batch`` logger).
+        warn: where recoveries are reported (``log`` when ``None``, else the logger's warnings).
 
     Raises:
         ConfigError: for the first setting, or combination of settings, the run cannot use.
@@ -136,14 +137,14 @@ class BatchSession:
         packed: bool = False,
         optimizer_in_bwd: bool = False,
         ranks: Optional[RankGroup] = None,
-        log: Callable[[str], None] = print,
+        log: Optional[Callable[[str], None]] = None,
         warn: Optional[Callable[[str], None]] = None,
     ) -> None:
         check_positive_int("batch_size", batch_size)
         check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
         self.options, self.ranks = options, ranks or RankGroup(device)
         self.output_dir, self.max_seq_len = output_dir, max_seq_len
-        self.log, self.warn = log, warn or log
+        self.log, self.warn = info_to(log), warning_to(warn, log)
         self._batch_size, self._accumulation = batch_size, gradient_accumulation_steps
         options.validate(RunContext(device, gradient_accumulation_steps, packed, optimizer_in_bwd,
                                     self.ranks.world_size, max_seq_len))

@@ -17,6 +17,7 @@ import torch
 
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import RunStopped
+from adaptive_batch.logs import info_to
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -48,12 +49,12 @@ class StopSignals(_HandledSignals):
 
     Args:
         ranks: the data-parallel ranks, which agree on stopping.
-        log: where a received signal is reported.
+        log: where a received signal is reported (``None``: the ``adaptive_batch`` logger).
     """
 
-    def __init__(self, ranks: Optional[RankGroup] = None, log: Callable[[str], None] = print) -> None:
+    def __init__(self, ranks: Optional[RankGroup] = None, log: Optional[Callable[[str], None]] = None) -> None:
         self.ranks = ranks or RankGroup(torch.device("cpu"))
-        self.log = log
+        self.log = info_to(log)
         self.received: Optional[int] = None
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:

@@ -26,6 +26,7 @@ import torch
 from adaptive_batch.distributed import RankGroup, check_same_world_size
 from adaptive_batch.errors import CheckpointWriteError, ConfigError
 from adaptive_batch.files import atomic_write, remove_partial_writes
+from adaptive_batch.logs import info_to
 from adaptive_batch.validation import check_positive_int
 
 DIRNAME = "step_checkpoints"
@@ -49,7 +50,7 @@ class StepCheckpoints:
             resume still finds what an earlier run saved).
         keep_last: how many to keep; older ones are removed after a new one is written.
         ranks: the data-parallel ranks: every one gathers the state, rank 0 writes.
-        log: where each save is reported.
+        log: where each save is reported (``None``: the ``adaptive_batch`` logger).
 
     Raises:
         ConfigError: for ``every_n_steps`` or ``keep_last`` that is not a positive int.
@@ -62,7 +63,7 @@ class StepCheckpoints:
         every_n_steps: Optional[int] = None,
         keep_last: int = 2,
         ranks: Optional[RankGroup] = None,
-        log: Callable[[str], None] = print,
+        log: Optional[Callable[[str], None]] = None,
     ) -> None:
         check_positive_int("save_every_n_steps", every_n_steps, allow_none=True)
         check_positive_int("keep_last_n_checkpoints", keep_last)
@@ -70,7 +71,7 @@ class StepCheckpoints:
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.ranks = ranks or RankGroup(torch.device("cpu"))
-        self.log = log
+        self.log = info_to(log)
         self._state: Callable[[], Dict[str, Any]] = dict
         self._position: Dict[str, Stateful] = {}
 

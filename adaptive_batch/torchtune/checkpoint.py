@@ -24,8 +24,9 @@ from torch import nn
 
 from adaptive_batch.errors import CheckpointWriteError, ConfigError
 from adaptive_batch.faults import fault_point
-from adaptive_batch.memory.oom import first_line
 from adaptive_batch.files import atomic_write, fsync_directory, fsync_tree, walk_files, write_failure_cause
+from adaptive_batch.logs import info_to
+from adaptive_batch.memory.oom import first_line
 from adaptive_batch.run.step_checkpoints import DIRNAME, StepCheckpoints
 
 STAGING_DIRNAME = ".epoch_checkpoint_writing"
@@ -133,9 +134,10 @@ def save_epoch_checkpoint(
     return _move_into_place(str(staging), str(output_dir))
 
 
-def recover_epoch_checkpoint(output_dir: str, log: Callable[[str], None] = print) -> None:
+def recover_epoch_checkpoint(output_dir: str, log: Optional[Callable[[str], None]] = None) -> None:
     """Finishes moving an epoch checkpoint an interrupted run had completed, or removes one it
     had not (the checkpoints before it are then the newest)."""
+    log = info_to(log)
     staging = os.path.join(output_dir, STAGING_DIRNAME)
     if not os.path.isdir(staging):
         return

@@ -17,11 +17,11 @@ from adaptive_batch import (
     ConfigError,
     ProbeOptions,
 )
-from adaptive_batch.run.progress import BATCH_STATE_KEY
 from adaptive_batch.data.token_budget import TokenBatchOptions
 from adaptive_batch.memory.device import DeviceCapacity
 from adaptive_batch.probe.report import PROBE_STATE_KEY, ProbeReport
 from adaptive_batch.run.batching import SampleBatches, TokenBatches
+from adaptive_batch.run.progress import BATCH_STATE_KEY
 from adaptive_batch.schedule.global_batch import GlobalBatchOptions
 from adaptive_batch.schedule.growth import GrowthOptions
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions

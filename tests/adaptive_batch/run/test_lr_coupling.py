@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.run.lr_coupling import LRCoupling, ParamGroupsOf
+from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.schedule.lr_scaling import LRRule, LRScalingOptions
 
 

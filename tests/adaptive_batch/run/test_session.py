@@ -7,9 +7,9 @@ from typing import List, Tuple
 import pytest
 import torch
 
-from adaptive_batch.run.progress import BATCH_STATE_KEY
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.run.options import AdaptiveBatchOptions
+from adaptive_batch.run.progress import BATCH_STATE_KEY
 from adaptive_batch.run.session import BatchSession, BatchScaling, Resize, StepRecord
 from adaptive_batch.schedule.global_batch import GlobalBatchOptions
 from adaptive_batch.schedule.growth import GrowthOptions
