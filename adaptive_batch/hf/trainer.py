@@ -52,7 +52,9 @@ class AdaptiveBatchTrainer(Trainer):
         **kwargs: ``Trainer``'s.
 
     Raises:
-        ConfigError: for a ``max_memory`` that cannot be parsed, before the model is touched.
+        ConfigError: for a ``max_memory`` that cannot be parsed, before the model is touched;
+            for ``auto_find_batch_size=True`` or DeepSpeed or FSDP, which change or shard the
+            batch the probe measures, before any step.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class AdaptiveBatchTrainer(Trainer):
     ) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         super().__init__(*args, **kwargs)
+        refuse_what_changes_the_batch(self)
         self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, info_to(log)
         self.adaptive_batch: Optional[Dict[str, int]] = None
         self._ranks = RankGroup(self.args.device)
@@ -151,6 +154,27 @@ class AdaptiveBatchTrainer(Trainer):
         evaluation loop sets it; the training trials left it in train mode), ``prediction_step``."""
         self.model.eval()
         self.prediction_step(self.model, batch, prediction_loss_only=bool(self.args.prediction_loss_only))
+
+
+def refuse_what_changes_the_batch(trainer: Trainer) -> None:
+    """What would make the probe's answer not the batch training runs, refused in one line.
+
+    Raises:
+        ConfigError: for ``auto_find_batch_size=True``, DeepSpeed or FSDP.
+    """
+    if trainer.args.auto_find_batch_size:
+        raise ConfigError(
+            "auto_find_batch_size=True with AdaptiveBatchTrainer: Trainer's own search would shrink the probed "
+            "batch by 0.9 after each out-of-memory error and change the effective batch; set "
+            "auto_find_batch_size=False (the probe finds the batch before the first step)."
+        )
+    for name, enabled in (("deepspeed", trainer.is_deepspeed_enabled), ("fsdp", trainer.is_fsdp_enabled)):
+        if enabled:
+            raise ConfigError(
+                f"{name} with AdaptiveBatchTrainer: the probe's trials run one process's step on the whole "
+                f"model, not {name}'s sharded one, so its answer would not be training's; remove {name} from "
+                "TrainingArguments (plain data parallelism under torchrun takes the smallest rank's answer)."
+            )
 
 
 class _SaveTheBatch(TrainerCallback):

@@ -10,7 +10,7 @@ from transformers import DataCollatorForLanguageModeling, LlamaConfig, LlamaForC
 
 from adaptive_batch import ConfigError
 from adaptive_batch.hf import AdaptiveBatchTrainer
-from adaptive_batch.hf.trainer import STATE_FILE
+from adaptive_batch.hf.trainer import STATE_FILE, refuse_what_changes_the_batch
 from adaptive_batch.memory import device
 
 
@@ -37,14 +37,14 @@ def _samples(count, seed=0):
             for n in torch.randint(8, 64, (count,), generator=generator)]
 
 
-def _trainer(tmp_path, per_device=16, accumulation=1, seed=0, **kwargs):
+def _trainer(tmp_path, per_device=16, accumulation=1, seed=0, training=None, **kwargs):
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     args = TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         max_steps=2, save_steps=1, learning_rate=1e-3, report_to=[], use_cpu=True, seed=seed, data_seed=seed,
-        logging_steps=1, disable_tqdm=True,
+        logging_steps=1, disable_tqdm=True, **(training or {}),
     )
     lines = []
     trainer = AdaptiveBatchTrainer(
@@ -289,3 +289,25 @@ def test_a_budget_under_batch_one_names_the_trainers_own_fix(tmp_path):
     with pytest.raises(BatchSizeTooLargeError, match=r"batch size 1 does not fit: .* Raise max_memory, shorten the "
                        r"longest sample \(.*the tokenizer's max_length with Hugging Face\)"):
         trainer.train()
+
+
+def test_what_would_change_or_shard_the_probed_batch_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="auto_find_batch_size=True with AdaptiveBatchTrainer: .* set auto_find_batch_size=False"):
+        _trainer(tmp_path, training={"auto_find_batch_size": True})
+    trainer = _trainer(tmp_path)
+    for name in ("deepspeed", "fsdp"):
+        flag = f"is_{name}_enabled"
+        setattr(trainer, flag, True)
+        with pytest.raises(ConfigError, match=f"{name} with AdaptiveBatchTrainer: .* remove {name} from TrainingArguments"):
+            refuse_what_changes_the_batch(trainer)
+        setattr(trainer, flag, False)
+
+
+def test_group_by_length_groups_the_effective_batch_it_trains(tmp_path):
+    trainer = _trainer(tmp_path, per_device=16, max_memory="20MiB", probe_eval=False,
+                       training={"train_sampling_strategy": "group_by_length"})
+    trainer.train()
+    state = trainer.adaptive_batch
+    assert state["gradient_accumulation_steps"] > 1 and trainer.state.global_step == 2
+    sampler = trainer._get_train_sampler()
+    assert type(sampler).__name__ == "LengthGroupedSampler" and sampler.batch_size == 16  # the user's batch
