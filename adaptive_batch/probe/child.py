@@ -14,7 +14,12 @@ and heap are never touched.
 
 from dataclasses import dataclass
 import multiprocessing
+from multiprocessing import process as mp_process
+from multiprocessing import util as mp_util
+import os
 import resource
+import shutil
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Optional, Tuple
@@ -126,6 +131,7 @@ def child_trial(
     context.set_forkserver_preload(["torch", __name__, *getattr(build, "preload", ())])
 
     def run(batch_size: int) -> int:
+        keep_socket_paths_short()
         parent, child = context.Pipe(duplex=False)
         process = context.Process(
             target=_child_main, args=(build, batch_size, steps, headroom_bytes, _ParentProcess.here(), child), daemon=True
@@ -143,6 +149,25 @@ def child_trial(
         return _answer(batch_size, started, outcome, timed_out, timeout_s, process.exitcode)
 
     return run
+
+
+# The longest path an AF_UNIX socket takes (sun_path, 108 bytes with its terminating zero).
+AF_UNIX_PATH_MAX = 107
+_LISTENER = "/listener-xxxxxxxx"  # the fork server's socket in multiprocessing's folder
+
+
+def keep_socket_paths_short(base: str = "/tmp") -> None:
+    """Puts multiprocessing's folder, where the fork server's socket goes, under ``base`` when
+    the one under ``TMPDIR`` would make the socket's path too long to bind ("AF_UNIX path too
+    long": a cluster job's scratch TMPDIR, a test's deep temporary folder). Python 3.11's
+    multiprocessing does not; a folder made here is removed at exit, as its own is."""
+    config = mp_process.current_process()._config  # where multiprocessing keeps its folder
+    current = config.get("tempdir") or os.path.join(tempfile.gettempdir(), "pymp-xxxxxxxx")
+    if len(current) + len(_LISTENER) <= AF_UNIX_PATH_MAX or not os.access(base, os.W_OK):
+        return
+    short = tempfile.mkdtemp(prefix="pymp-", dir=base)
+    mp_util.Finalize(None, shutil.rmtree, args=[short, True], exitpriority=-100)
+    config["tempdir"] = short
 
 
 def _answer(

@@ -142,3 +142,32 @@ def test_an_unguarded_script_is_told_to_guard_itself_not_that_batch_1_does_not_f
     assert run.returncode == 1
     assert "does not fit" not in run.stderr
     assert run.stderr.rstrip().splitlines()[-1].endswith('under `if __name__ == "__main__":`.')
+
+
+DEEP_TMPDIR_SCRIPT = """
+import os, sys
+from adaptive_batch.probe.child import child_trial
+from tests.adaptive_batch.probe import crashing_step
+
+if __name__ == "__main__":
+    assert len(os.environ["TMPDIR"]) > 107  # AF_UNIX's longest path
+    print("RESULT", child_trial(crashing_step.build, headroom_bytes=2**31, steps=1)(1) >= 0)
+"""
+
+
+@pytest.mark.slow
+def test_a_trial_process_starts_under_a_tmpdir_too_deep_for_a_socket(tmp_path):
+    """The fork server's socket goes under TMPDIR; past 107 bytes it cannot bind ("AF_UNIX path
+    too long"), which failed a recipe's whole probe under a deep pytest TMPDIR."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    script = tmp_path / "script.py"
+    script.write_text(DEEP_TMPDIR_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), TMPDIR=str(deep))
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "RESULT True" in run.stdout, run.stderr[-2000:]
