@@ -12,18 +12,17 @@ retries.
 """
 
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from adaptive_batch.data.layout import BatchLayout
-from adaptive_batch.distributed import RankGroup
 from adaptive_batch.faults import fault_point
 from adaptive_batch.memory.device import prepare_allocator
 from adaptive_batch.run.lr_coupling import LRCoupling
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.progress import BatchProgress
-from adaptive_batch.run.session import BatchSession, Probe, StepRecord
+from adaptive_batch.run.session import BatchSession, StepRecord
 from adaptive_batch.run.step import StepOutcome, accumulate_gradients
 
 
@@ -36,56 +35,26 @@ class AdaptiveBatchController:
 
     Args:
         options: the settings.
-        batch_size: the configured batch (per rank): the starting batch with growth, the
-            batch without growth and probing.
-        input_key: the collated batch's ``[samples, sequence]`` tensor the model reads
-            (torchtune: ``"tokens"``; Hugging Face: ``"input_ids"``): its elements are the
-            padded tokens (none are counted where the batch holds no such key).
-        gradient_accumulation_steps: micro-batches a configured step has.
-        device: where training runs.
-        output_dir: where the probe report goes.
-        max_seq_len: the tokenizer's longest sequence (what the probe's rows hold).
-        packed: whether the dataset is packed.
-        optimizer_in_bwd: whether the optimizer steps inside backward.
-        ranks: the data-parallel ranks (this process alone when ``None``).
-        log: where decisions are reported (``None``: the ``adaptive_batch`` logger).
-        warn: where recoveries are reported (``log`` when ``None``, else the logger's warnings).
         layout: where a batch's samples lie (any structure; the first dimension by default).
+        **session: :class:`~adaptive_batch.run.session.BatchSession`'s keyword arguments
+            (``batch_size``, ``device``, ``output_dir``, ``input_key``, ``max_seq_len``, ``ranks``,
+            ``log``, ...): every decision is the session's.
 
     Raises:
         ConfigError: for the first setting, or combination of settings, the run cannot use.
     """
 
-    def __init__(
-        self,
-        options: AdaptiveBatchOptions,
-        *,
-        batch_size: int,
-        input_key: Optional[str],
-        gradient_accumulation_steps: int = 1,
-        device: torch.device,
-        output_dir: str,
-        max_seq_len: Optional[int] = None,
-        packed: bool = False,
-        optimizer_in_bwd: bool = False,
-        ranks: Optional[RankGroup] = None,
-        log: Optional[Callable[[str], None]] = None,
-        warn: Optional[Callable[[str], None]] = None,
-        layout: Optional[BatchLayout] = None,
-    ) -> None:
-        self.session = BatchSession(
-            options, batch_size=batch_size, device=device, output_dir=output_dir,
-            gradient_accumulation_steps=gradient_accumulation_steps, input_key=input_key, max_seq_len=max_seq_len,
-            packed=packed, optimizer_in_bwd=optimizer_in_bwd, ranks=ranks, log=log, warn=warn,
-        )
-        self.device, self.input_key, self.layout = device, input_key, layout or BatchLayout()
-        self._retry_on_oom = options.growth.retries_oom(optimizer_in_bwd)
+    def __init__(self, options: AdaptiveBatchOptions, *, layout: Optional[BatchLayout] = None, **session: Any) -> None:
+        self.session = BatchSession(options, **session)
+        self.layout = layout or BatchLayout()
         self.lr: Optional[LRCoupling] = None
         self._sampler: Any = None
-        prepare_allocator(device, probing=options.needs_probe, log=self.log, warn=self.warn)
+        prepare_allocator(self.device, probing=options.needs_probe, log=self.log, warn=self.warn)
 
     # What the recipes read of the session's decisions.
     options = property(lambda self: self.session.options)
+    device = property(lambda self: self.session.device)
+    input_key = property(lambda self: self.session.input_key)
     ranks = property(lambda self: self.session.ranks)
     log = property(lambda self: self.session.log)
     warn = property(lambda self: self.session.warn)
@@ -104,18 +73,10 @@ class AdaptiveBatchController:
         """The session's resumed state (:meth:`BatchSession.load_state_dict`)."""
         self.session.load_state_dict(state)
 
-    def settle(
-        self,
-        *,
-        dataset_size: int,
-        max_steps_per_epoch: Optional[int] = None,
-        probe: Optional[Probe] = None,
-        lengths: Optional[List[int]] = None,
-    ) -> BatchProgress:
-        """The first batch, as :meth:`BatchSession.settle` decides it."""
-        return self.session.settle(
-            dataset_size=dataset_size, max_steps_per_epoch=max_steps_per_epoch, probe=probe, lengths=lengths
-        )
+    def settle(self, **settle: Any) -> BatchProgress:
+        """The first batch, as :meth:`BatchSession.settle` decides it (its keyword arguments:
+        ``dataset_size``, ``max_steps_per_epoch``, ``probe``, ``lengths``)."""
+        return self.session.settle(**settle)
 
     def probe_micro_batches(self, micro_batch_size: int) -> int:
         """The micro-batches a probe trial runs (:meth:`BatchSession.probe_micro_batches`)."""
@@ -200,7 +161,7 @@ class AdaptiveBatchController:
         split = self.session.split_step(samples)
         accumulated = accumulate_gradients(
             forward_backward, batch, rows=samples, micro_batch_limit=split.micro_batch_limit,
-            zero_grad=zero_grad, retry_on_oom=self._retry_on_oom, device=self.device, log=self.warn,
+            zero_grad=zero_grad, retry_on_oom=self.session.retries_oom, device=self.device, log=self.warn,
             agree_on_oom=self.ranks.any if self.ranks.distributed else None, observer=self.grower.gradients,
             min_micro_batches=split.min_micro_batches, layout=self.layout,
         )

@@ -112,7 +112,9 @@ class BatchSession:
         device: where training runs (some settings are for CUDA or CPU only).
         output_dir: where the probe report goes.
         gradient_accumulation_steps: micro-batches a configured step has.
-        input_key: the collated batch's ``[samples, sequence]`` tensor (a token budget's).
+        input_key: the collated batch's ``[samples, sequence]`` tensor the model reads
+            (torchtune: ``"tokens"``; Hugging Face: ``"input_ids"``): its padded tokens are
+            counted, and a token budget truncates it.
         max_seq_len: the tokenizer's longest sequence (what the probe's rows hold).
         packed: whether the dataset is packed.
         optimizer_in_bwd: whether the optimizer steps inside backward.
@@ -142,8 +144,10 @@ class BatchSession:
     ) -> None:
         check_positive_int("batch_size", batch_size)
         check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
-        self.options, self.ranks = options, ranks or RankGroup(device)
-        self.output_dir, self.max_seq_len = output_dir, max_seq_len
+        self.options, self.device, self.ranks = options, device, ranks or RankGroup(device)
+        self.output_dir, self.max_seq_len, self.input_key = output_dir, max_seq_len, input_key
+        # A step split after an out-of-memory error, unless the optimizer steps inside backward.
+        self.retries_oom = options.growth.retries_oom(optimizer_in_bwd)
         self.log, self.warn = info_to(log), warning_to(warn, log)
         self._batch_size, self._accumulation = batch_size, gradient_accumulation_steps
         options.validate(RunContext(device, gradient_accumulation_steps, packed, optimizer_in_bwd,
