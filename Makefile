@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test test-fast test-unit bench bench-hf bench-zoo bench-plan bench-plan-torchtune bench-estimate gpu-check gpu-check-cpu gpu-wheels venv clean
+.PHONY: run run-distributed test test-fast test-unit bench bench-hf bench-zoo bench-plan bench-plan-torchtune bench-estimate bench-overhead gpu-check gpu-check-cpu gpu-wheels venv clean
 
 venv: $(STAMP)
 
@@ -61,6 +61,10 @@ bench-zoo: $(STAMP)
 
 bench-estimate: $(STAMP)
 	$(BIN)/python benchmarks/bench_estimate.py $(ARGS)
+
+# Every adaptive key off against torchtune 0.6.1's own recipe, in alternating pairs: docs/benchmarks.md.
+bench-overhead: $(STAMP)
+	$(BIN)/python benchmarks/bench_overhead.py $(ARGS)
 
 bench-plan: $(STAMP)
 	$(BIN)/python benchmarks/bench_plan.py $(ARGS)
