@@ -2,11 +2,12 @@
 
 A decision (the probe's answer, growth, a resume) is an INFO record and a recovery (an
 out-of-memory retry, a setting taken over) a WARNING, on ``logging.getLogger("adaptive_batch")``.
-As any library, it adds no handler but ``NullHandler``: the application decides what is shown
-(``logging.basicConfig(level=logging.INFO)`` shows the decisions). :class:`RankZeroFilter` keeps
-data-parallel ranks from repeating rank 0's INFO lines; every rank's warnings pass, each named by
-its rank. Where a caller passes ``log=`` (any callable taking a line, ``print`` or a recipe's
-logger), that callable takes the lines instead.
+It adds no handler: the application decides what is shown (``logging.basicConfig(level=
+logging.INFO)`` shows the decisions); where it configured nothing, Python's last-resort handler
+still prints the warnings to stderr (a ``NullHandler`` here would hide them). Every line goes
+through this one logger, so :class:`RankZeroFilter` keeps data-parallel ranks from repeating rank
+0's INFO lines; every rank's warnings pass, each named by its rank. Where a caller passes ``log=``
+(any callable taking a line, ``print`` or a recipe's logger), that callable takes the lines instead.
 """
 
 import logging
@@ -40,12 +41,12 @@ class RankZeroFilter(logging.Filter):
             return True
         if record.levelno < logging.WARNING:
             return False
-        if not str(record.msg).startswith("[rank "):
-            record.msg = f"[rank {rank}] {record.msg}"
+        if getattr(record, "rank", None) is None:  # every handler sees the record named once
+            record.rank = rank
+            record.msg, record.args = f"[rank {rank}] {record.getMessage()}", ()
         return True
 
 
-LOGGER.addHandler(logging.NullHandler())
 LOGGER.addFilter(RankZeroFilter())
 
 

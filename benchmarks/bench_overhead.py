@@ -1,4 +1,4 @@
-"""Features off cost nothing: our recipe with every adaptive key off beside torchtune 0.6.1's own.
+"""What features off cost: our recipe with every adaptive key off beside torchtune 0.6.1's own.
 
 Each pair runs `tune run` of the tiny config twice, alternating which goes first: our
 `recipes/full_finetune_single_device.py` (no probe, no growth, no LR scaling, no token budget)
@@ -7,7 +7,7 @@ weights and seed. Reported: each run's median step in tokens/s (the first step, 
 one-time costs, left out), their ratio per pair with the mean and spread, and the largest
 difference of a step's loss.
 
-    python benchmarks/bench_overhead.py [--pairs 6] [--steps 12] [--batch-size 4]
+    python benchmarks/bench_overhead.py [--pairs 6] [--steps 16] [--batch-size 8]
 """
 
 import argparse

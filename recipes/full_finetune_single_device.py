@@ -113,7 +113,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 lambda: abt.finished_run(cfg.checkpointer.output_dir, cfg.epochs), errors=(ab.ConfigError,)
             )
 
-
     def _check_combinations(self, cfg: DictConfig) -> None:
         """The combinations torchtune's recipe refuses, and the probe's own, before any work."""
         abt.check_stock_recipe_options(

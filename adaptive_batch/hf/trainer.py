@@ -168,7 +168,8 @@ def refuse_what_changes_the_batch(trainer: Trainer) -> None:
             "batch by 0.9 after each out-of-memory error and change the effective batch; set "
             "auto_find_batch_size=False (the probe finds the batch before the first step)."
         )
-    for name, enabled in (("deepspeed", trainer.is_deepspeed_enabled), ("fsdp", trainer.is_fsdp_enabled)):
+    fsdp = trainer.is_fsdp_enabled or getattr(trainer, "is_fsdp_xla_enabled", False)
+    for name, enabled in (("deepspeed", trainer.is_deepspeed_enabled), ("fsdp", fsdp)):
         if enabled:
             raise ConfigError(
                 f"{name} with AdaptiveBatchTrainer: the probe's trials run one process's step on the whole "

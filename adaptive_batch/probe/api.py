@@ -31,22 +31,19 @@ fresh processes (docs/probe.md). It is the recipes' probe
 the cache, the ranks and the report, unless ``build=`` takes the trials to fresh processes.
 """
 
-import logging
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from adaptive_batch.distributed import RankGroup
+from adaptive_batch.logs import info_to
 from adaptive_batch.memory.device import glibc_mmap_threshold_set, prepare_allocator
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
 from adaptive_batch.probe.target import ProbeTarget, check_make_batch
 from adaptive_batch.validation import check_safety_margin
-
-_LOG = logging.getLogger(__name__)
-
 
 def find_max_batch_size(
     train_step: Callable[[Any], None],
@@ -83,7 +80,7 @@ def find_max_batch_size(
         time_budget: seconds the search may take; past it the largest size that fitted so
             far is checked and returned, with a line saying so. ``None``: no limit.
         log: called with a line per trial, for the answer's check, and for what a hard budget
-            means here.
+            means here (``None``: the ``adaptive_batch`` logger).
         build: a picklable top-level function returning a :class:`ProbeTarget` (the same
             step, batch maker, model and optimizer, built afresh). Under an outside ``RLIMIT_AS``
             on CPU with ``max_memory`` not below it (a hard budget), each trial then runs in a
@@ -109,6 +106,7 @@ def find_max_batch_size(
     """
     if safety_margin is not None:
         check_safety_margin(safety_margin, key="safety_margin")
+    log = info_to(log)
     options = ProbeOptions(
         max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size,
         probe_time_budget=time_budget, probe_cache=False,
@@ -120,9 +118,8 @@ def find_max_batch_size(
         # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
         # process to process (BERT's answer trained in one fresh process and failed in the next).
         if glibc_mmap_threshold_set() is None:  # the Trainer and AdaptiveBatch have set and said it
-            say = log if log is not None else _LOG.info
-            prepare_allocator(target.device, probing=True, log=say, warn=say)
-        if not in_children and log is not None:
+            prepare_allocator(target.device, probing=True, log=log, warn=log)
+        if not in_children:
             log(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
                 "leaves worse than a fresh one's: under an address-space limit (RLIMIT_AS), pass build=f() -> "
                 "ProbeTarget to run them in fresh processes.")

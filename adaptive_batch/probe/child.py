@@ -161,9 +161,11 @@ def keep_socket_paths_short(base: str = "/tmp") -> None:
     the one under ``TMPDIR`` would make the socket's path too long to bind ("AF_UNIX path too
     long": a cluster job's scratch TMPDIR, a test's deep temporary folder). Python 3.11's
     multiprocessing does not; a folder made here is removed at exit, as its own is."""
-    config = mp_process.current_process()._config  # where multiprocessing keeps its folder
+    config = getattr(mp_process.current_process(), "_config", None)  # where multiprocessing keeps its folder
+    if not isinstance(config, dict):  # another Python's multiprocessing: left as it is
+        return
     current = config.get("tempdir") or os.path.join(tempfile.gettempdir(), "pymp-xxxxxxxx")
-    if len(current) + len(_LISTENER) <= AF_UNIX_PATH_MAX or not os.access(base, os.W_OK):
+    if len(os.fsencode(current + _LISTENER)) <= AF_UNIX_PATH_MAX or not os.access(base, os.W_OK):
         return
     short = tempfile.mkdtemp(prefix="pymp-", dir=base)
     mp_util.Finalize(None, shutil.rmtree, args=[short, True], exitpriority=-100)

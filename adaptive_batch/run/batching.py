@@ -10,7 +10,6 @@ LR schedule is and whether it counts samples, and what a probe result means for 
   (DeepSpeed's variable batch size); the LR schedule keeps torchtune's count of steps.
 """
 
-import math
 from typing import Any, Callable, List, Optional, Sequence
 
 from torch.utils.data import Sampler
@@ -81,10 +80,6 @@ class SampleBatches:
     def steps_per_epoch(self, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
         """``samples_per_epoch`` already stops the epoch."""
         return num_batches
-
-    def steps_left(self, sampler: Any, batch: BatchProgress, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
-        """The epoch's steps after those already run (a resumed epoch), at the current batch."""
-        return math.ceil((sampler.samples_per_epoch - batch.epoch_samples) / batch.batch_size)
 
     def resize(self, sampler: Any, batch: BatchProgress) -> None:
         """The next batch takes the batch size growth decided."""
@@ -179,11 +174,6 @@ class TokenBatches:
 
     def steps_per_epoch(self, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
         return num_batches if max_steps_per_epoch is None else min(num_batches, max_steps_per_epoch)
-
-    def steps_left(self, sampler: Any, batch: BatchProgress, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:
-        """The epoch's steps after those already run (a resumed epoch); ``num_batches`` is the
-        whole epoch's, however far the sampler has got."""
-        return self.steps_per_epoch(num_batches, max_steps_per_epoch) - batch.epoch_steps
 
     def resize(self, sampler: Any, batch: BatchProgress) -> None:
         """Token batches do not grow."""

@@ -315,8 +315,10 @@ class BatchSession:
         )
 
     def steps_left(self, num_batches: int) -> int:
-        """The epoch's steps after those already run, at the current batch; ``num_batches`` is
-        the whole epoch's, as the sampler counts it once the epoch is set (a token budget's)."""
+        """The epoch's steps after those already run, at the current batch: what this rank's
+        sampler yields, counted from ``settle``'s ``dataset_size`` (this rank's share, as the
+        sampler has it). ``num_batches`` is the whole epoch's, as a token budget's sampler counts
+        it once the epoch is set (sample batches do not read it)."""
         batch = self.batch
         if not self.mode.uses_token_budget:
             samples = min(batch.samples_per_epoch, self.dataset_size)
@@ -354,7 +356,8 @@ class BatchSession:
                 f"Step {batch.global_step}: recovered from out of memory in micro-batches "
                 f"of {list(step.micro_batch_sizes)}; steps from now on use at most {batch.max_micro_batch_size}."
             )
-        if self.grower.grow_at_boundaries(batch):
+        # A boundary held at the bound (clamped) leaves the batch as it was: no resize.
+        if self.grower.grow_at_boundaries(batch) and batch.batch_size != previous:
             return Resize(previous, batch.batch_size)
         return None
 

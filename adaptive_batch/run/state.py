@@ -55,13 +55,20 @@ class RunState:
     """What a resumed run needs of the batch side, as one stateful object.
 
     Args:
-        session: the run's batch decisions (batch state, probe result, noise scale).
+        session: the run's batch decisions (batch state, probe result, noise scale): a
+            :class:`~adaptive_batch.run.session.BatchSession`, or the controller over one.
+
+    Raises:
+        TypeError: for anything else, when built (not at the first checkpoint).
         settings: the settings that change what is trained (see
             :func:`adaptive_batch.torchtune.config.trained_settings`), fingerprinted.
     """
 
-    def __init__(self, session: BatchSession, *, settings: Mapping[str, Any]) -> None:
-        self.session = session
+    def __init__(self, session: Any, *, settings: Mapping[str, Any]) -> None:
+        # The session, or what adapts it (a controller, ``AdaptiveBatch``'s): its decisions.
+        self.session: BatchSession = getattr(session, "session", session)
+        if not isinstance(self.session, BatchSession):
+            raise TypeError(f"RunState takes a BatchSession or its controller, not {type(session).__name__}.")
         self._settings = dict(settings)
         self._fingerprint: Optional[Dict[str, str]] = None
         self.saved: Optional[Dict[str, Any]] = None  # what the checkpoint resumed from recorded

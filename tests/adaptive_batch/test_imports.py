@@ -109,14 +109,18 @@ def test_recipes_import_the_library_through_its_two_faces_only():
     assert not any(beyond.values()), beyond
 
 
+# The 4 public entry points whose arguments need the room; every other function fits a screen.
+LONG_ENTRY_POINTS = {"search_max_batch_size", "find_max_batch_size", "plan_memory", "probe_batch_size"}
+
+
 def test_functions_fit_a_screen():
-    # About 60 lines a function, docstring included; the 4 public entry points whose arguments
-    # need the room (the search, find_max_batch_size, plan_memory, probe_batch_size) up to 100.
-    long = {}
+    # About 60 lines a function, docstring included; the entry points above up to 100.
+    over = {}
     for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "recipes").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-                if node.end_lineno - first + 1 > 60:
-                    long[f"{path.name}:{node.name}"] = node.end_lineno - first + 1
-    assert len(long) <= 4 and max(long.values(), default=0) <= 100, long
+                lines = node.end_lineno - first + 1
+                if lines > (100 if node.name in LONG_ENTRY_POINTS else 60):
+                    over[f"{path.name}:{node.name}"] = lines
+    assert not over, over

@@ -44,3 +44,13 @@ def test_other_ranks_keep_their_warnings_and_leave_the_decisions_to_rank_zero(mo
     record = logging.LogRecord("adaptive_batch", level, __file__, 1, "a line", None, None)
     assert RankZeroFilter().filter(record) is passes
     assert record.getMessage().startswith(f"[rank {rank}] ") is prefixed
+
+
+def test_unconfigured_the_warnings_reach_stderr_and_the_decisions_wait_for_basic_config():
+    # A NullHandler on the library's logger hid every recovery where the application set up nothing.
+    import subprocess
+    import sys
+
+    code = "from adaptive_batch.logs import LOGGER; LOGGER.warning('recovered'); LOGGER.info('decided')"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "recovered" in run.stderr and "decided" not in run.stderr + run.stdout

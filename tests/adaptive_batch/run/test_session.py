@@ -67,6 +67,9 @@ def test_an_interval_in_steps_answers_a_resize_at_the_step_that_reaches_it(tmp_p
     # every 2 steps, the next step takes the new batch
     assert steps == [4, 4, 8, 8, 16, 16, 32, 12]
     assert resizes == [Resize(4, 8), Resize(8, 16), Resize(16, 32), Resize(32, 64)]
+    # at the bound a boundary leaves the batch as it was: nothing to resize
+    s.begin_epoch(1)
+    assert [s.record_step(StepRecord(64, 64, 640, 64)) for _ in range(4)] == [None] * 4
 
 
 def test_a_step_splits_into_the_fewest_micro_batches_that_fit_and_keeps_a_limit_lowered_by_a_retry(tmp_path):
@@ -142,3 +145,21 @@ def test_a_session_resumed_inside_an_epoch_continues_its_steps_and_batch(tmp_pat
     assert resumed.steps_left(0) == math.ceil((40 - 16) / 8)
     assert resumed.state_dict()[BATCH_STATE_KEY] == state[BATCH_STATE_KEY]
     assert first.begin_epoch(1).resumed_after_step == 2  # the same answer as the run that wrote it
+
+
+@pytest.mark.parametrize("max_steps, fresh, resumed", [(None, 5, 3), (4, 4, 2)])
+def test_steps_left_is_what_the_sampler_yields_fresh_and_resumed(tmp_path, max_steps, fresh, resumed):
+    # The session counts from settle's dataset_size, the sampler from the dataset: they agree.
+    dataset = list(range(23))
+    s = session(tmp_path, batch_size=5)
+    s.settle(dataset_size=len(dataset), max_steps_per_epoch=max_steps)
+    sampler = s.mode.batch_sampler(dataset, s.batch, s.ranks, shuffle=False)
+    s.begin_epoch(0)
+    assert s.steps_left(0) == len(sampler) == fresh
+    batches = iter(sampler)
+    for _ in range(2):
+        rows = len(next(batches))
+        s.record_step(StepRecord(rows, rows, rows, micro_batch_limit=5))
+    again = s.mode.batch_sampler(dataset, s.batch, s.ranks, shuffle=False)
+    again.load_state_dict(sampler.state_dict())
+    assert s.steps_left(0) == len(again) == resumed

@@ -154,3 +154,14 @@ def test_a_large_datasets_digest_reads_a_bounded_amount(tmp_path, monkeypatch):
         f.write(b"x")
     changed = files.content_digest(str(tmp_path))
     assert changed != before and changed.endswith(f"({8 << 20} bytes)")
+
+
+def test_the_controller_stands_for_its_session_and_anything_else_is_refused_when_built(tmp_path):
+    # A controller was taken and failed at the first checkpoint (no dataset_size): now it is its session.
+    controller = AdaptiveBatchController(AdaptiveBatchOptions(), batch_size=4, input_key="tokens", device=CPU,
+                                         output_dir=str(tmp_path), max_seq_len=32, log=lambda line: None)
+    controller.settle(dataset_size=100)
+    state = RunState(controller, settings={"batch_size": 4})
+    assert state.session is controller.session and state.state_dict()[RUN_STATE_KEY]["dataset_size"] == 100
+    with pytest.raises(TypeError, match="RunState takes a BatchSession or its controller, not dict"):
+        RunState({}, settings={})

@@ -139,14 +139,16 @@ def test_weight_decay_scaling_option_checks():
     assert not LRScalingOptions().scales
 
 
-@pytest.mark.parametrize("rule", ["linear", "sqrt"])
-def test_the_scaler_sets_what_the_rule_decides(rule):
-    # The scaler applies LRRule's factors: a session deciding them gives the same LR and decay.
+@pytest.mark.parametrize("rule, lr_factor, decay_factor", [("linear", 4.0, 1.0), ("sqrt", 2.0, 2.0)])
+def test_the_rule_and_the_scaler_give_the_papers_factors(rule, lr_factor, decay_factor):
+    # 4x the reference batch: linear 4x the LR (the decay stays); sqrt 2x the LR and 2x the decay,
+    # so lr x weight_decay grows 4x with the batch (the AdamW timescale B / (lr x wd) is kept).
+    factors = LRRule(rule=rule, reference=8, weight_decay_scaling="timescale").factors(samples=32, tokens=0)
+    assert (factors.lr_factor, factors.weight_decay_factor) == (pytest.approx(lr_factor), pytest.approx(decay_factor))
     o = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1, weight_decay=0.01)
     s = BatchLRScaler(o, rule=rule, reference=8, weight_decay_scaling="timescale")
-    factors = LRRule(rule=rule, reference=8, weight_decay_scaling="timescale").factors(samples=32, tokens=0)
-    assert s.apply(samples=32, tokens=0) == pytest.approx(0.1 * factors.lr_factor)
-    assert o.param_groups[0]["weight_decay"] == pytest.approx(0.01 * factors.weight_decay_factor)
+    assert s.apply(samples=32, tokens=0) == pytest.approx(0.1 * lr_factor)
+    assert o.param_groups[0]["weight_decay"] == pytest.approx(0.01 * decay_factor)
 
 
 def test_a_rule_refuses_a_reference_it_cannot_scale_against():
