@@ -165,6 +165,7 @@ class BatchSession:
         self._batch_state: Optional[Dict[str, Any]] = None
         self._max_steps_per_epoch: Optional[int] = None
         self.dataset_size: Optional[int] = None  # one rank's samples, once settled
+        self._lr_rule: Optional[LRRule] = None
 
     @property
     def global_step(self) -> int:
@@ -232,6 +233,9 @@ class BatchSession:
             options, batch_size=self._batch_size, gradient_accumulation_steps=self._accumulation,
             world_size=self.ranks.world_size, dataset_size=dataset_size, report=report, log=self.log, warn=self.warn,
         )
+        split = self.global_batch_split
+        configured = split.per_rank if split is not None else self._batch_size * self._accumulation
+        self._lr_rule = LRRule.of(options.lr_scaling, configured)
         if report is not None and self.global_batch_split is not None:
             report.global_batch, changed = self.global_batch_split.to_dict(), True
         if probed or changed:
@@ -284,10 +288,15 @@ class BatchSession:
     @property
     def lr_rule(self) -> LRRule:
         """The LR rule with its reference: ``lr_scaling_reference``, or the per-rank batch the
-        config's LR was set for (the global batch's share, or the configured step)."""
-        split = self.global_batch_split
-        configured = split.per_rank if split is not None else self._batch_size * self._accumulation
-        return LRRule.of(self.options.lr_scaling, configured)
+        config's LR was set for (the global batch's share, or the configured step); decided once
+        by :meth:`settle`, read every step.
+
+        Raises:
+            RuntimeError: before :meth:`settle`, when the reference is not yet known.
+        """
+        if self._lr_rule is None:
+            raise RuntimeError("the LR rule is decided by settle(): call it first.")
+        return self._lr_rule
 
     def lr_schedule_steps(self, epochs: int, num_batches: int) -> float:
         """``num_training_steps`` for an LR scheduler, given the first epoch's batches."""

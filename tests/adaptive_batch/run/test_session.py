@@ -163,3 +163,11 @@ def test_steps_left_is_what_the_sampler_yields_fresh_and_resumed(tmp_path, max_s
     again = s.mode.batch_sampler(dataset, s.batch, s.ranks, shuffle=False)
     again.load_state_dict(sampler.state_dict())
     assert s.steps_left(0) == len(again) == resumed
+
+
+def test_the_lr_rule_is_decided_once_by_settle(tmp_path):
+    s = session(tmp_path, lr_scaling=LRScalingOptions(lr_scaling="sqrt"))
+    with pytest.raises(RuntimeError, match=r"decided by settle\(\)"):
+        s.lr_rule
+    s.settle(dataset_size=100)
+    assert s.lr_rule is s.lr_rule and s.lr_rule.reference == 4  # one object, read every step
