@@ -45,9 +45,10 @@ MARGIN = 0.01  # the CPU's default safety margin: the budget the truth is held t
 
 
 def _trainer_parts(model: str, max_length: int, cls, **kwargs):
-    """A random-init Llama of :data:`TRAINER_MODELS` in the Trainer: samples of uneven lengths
-    (the longest among them) through a padding collator (``max_length`` pins every sample to it
-    for the truth), an effective batch of 32 (16 x 2, or ``per_device`` x 2), ``steps`` steps."""
+    """A random-init Llama of :data:`TRAINER_MODELS` in the Trainer: ``samples`` (64) of uneven
+    lengths (the longest among them) through a padding collator (``max_length`` pins every sample
+    to it for the truth), an effective batch of 32 (16 x 2, or ``per_device`` x 2), ``steps``
+    steps, on the CPU in fp32 unless ``training`` (TrainingArguments' keywords) says otherwise."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
@@ -59,12 +60,13 @@ def _trainer_parts(model: str, max_length: int, cls, **kwargs):
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=longest)
     generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(shortest, longest + 1, (64,), generator=generator).tolist()
+    lengths = torch.randint(shortest, longest + 1, (kwargs.pop("samples", 64),), generator=generator).tolist()
     lengths[7] = longest
     samples = [{"input_ids": torch.randint(1, vocab, (max_length or n,), generator=generator).tolist()} for n in lengths]
+    training = {"use_cpu": True, **kwargs.pop("training", {})}
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=kwargs.pop("per_device", 16),
                              gradient_accumulation_steps=2, max_steps=kwargs.pop("steps", 2), learning_rate=1e-3,
-                             report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
+                             report_to=[], disable_tqdm=True, save_strategy="no", logging_strategy="no", **training)
     return cls(model=LlamaForCausalLM(config), args=args, train_dataset=samples, data_collator=ByteCollator(), **kwargs)
 
 

@@ -51,3 +51,22 @@ def test_make_gpu_check_uses_a_cuda_torch_as_it_is_and_says_so_without_one():
     assert "--no-deps --target /tmp/site" in dry.stdout and "torchtune==0.6.1" in dry.stdout
     assert "PYTHONPATH=/tmp/site:" in dry.stdout and "python3 benchmarks/gpu_check.py" in dry.stdout
     assert ".venv" not in dry.stdout
+
+
+def test_the_zoo_on_a_card_runs_its_code_path_on_the_cpu(tmp_path, capsys):
+    # benchmarks/gpu_zoo.py: a model the recipes do not have, probed and trained by the same code
+    # the card runs (no fraction to hold, no fresh processes here).
+    import gpu_zoo
+
+    argv = ["--device", "cpu", "--models", "convnet", "--max-memory", "96MiB", "--steps", "2", "--out", str(tmp_path)]
+    assert gpu_zoo.main(argv) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| convnet")]
+    cells = dict(zip(gpu_zoo.COLUMNS, (c.strip() for c in line.strip("|").split("|"))))
+    row = json.loads((tmp_path / "convnet_96MiB.json").read_text())
+    assert int(cells["found"]) == row["found"] >= 2 and cells["trains (steps)"] == "yes (2)"
+    assert row["trial_steps"] == int(cells["trial steps"]) >= 2 and cells["found+1 fresh"] == "n/a (no CUDA)"
+
+
+def test_without_cuda_the_zoo_says_so_and_exits_cleanly():
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "gpu_zoo.py")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "no CUDA device" in run.stdout, run.stderr[-2000:]
