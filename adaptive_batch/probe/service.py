@@ -241,7 +241,7 @@ def probe_batch_size(
             outside one, when ``None``).
         cache_fields: what changes a step's memory (model, optimizer, dtype, ...), for the
             cache key; the budget, device, caps and versions are added here.
-        log: takes the progress lines (``None``: the ``adaptive_batch`` logger).
+        log: where progress lines go (``None``: the ``adaptive_batch`` logger).
         save_report: write ``batch_probe.json`` (and the plot); ``False`` when the caller
             writes it once after adding to it (the controller).
         build: a picklable function that builds ``target`` afresh (the recipes build it from
