@@ -20,7 +20,7 @@ from typing import IO, Any, Callable, Iterator, Optional
 
 from adaptive_batch.errors import CheckpointWriteError, ConfigError, is_disk_full
 from adaptive_batch.faults import fault_point
-from adaptive_batch.logs import info_to
+import adaptive_batch.logs as logs
 
 LOCK_FILENAME = ".adaptive_batch.lock"
 _WRITING = ".writing_"  # in every temporary's name: .<final name>.writing_<random>
@@ -141,16 +141,17 @@ def _fsync(path: str) -> None:
 
 def remove_partial_writes(directory: str, log: Optional[Callable[[str], None]] = None) -> None:
     """Deletes the temporaries of :func:`atomic_write` a crash left anywhere under ``directory``
-    (never a finished file); only for a directory this run holds (:class:`OutputDirLock`)."""
-    log = info_to(log)
+    (never a finished file); only for a directory this run holds (:class:`OutputDirLock`). Each
+    removal is said to ``log`` (``None``: the ``adaptive_batch`` logger)."""
     if not os.path.isdir(directory):
         return
-    for relative in list(walk_files(directory)):
-        folder, name = os.path.split(relative)
-        if name.startswith(".") and _WRITING in name:
-            os.unlink(os.path.join(directory, relative))
-            where = os.path.join(directory, folder) if folder else directory
-            log(f"Removed {name[1:name.index(_WRITING)]}, left half-written in {where} by an interrupted run.")
+    with logs.lines_to(log):
+        for relative in list(walk_files(directory)):
+            folder, name = os.path.split(relative)
+            if name.startswith(".") and _WRITING in name:
+                os.unlink(os.path.join(directory, relative))
+                where = os.path.join(directory, folder) if folder else directory
+                logs.info(f"Removed {name[1:name.index(_WRITING)]}, left half-written in {where} by an interrupted run.")
 
 
 def walk_files(root: str) -> Iterator[str]:

@@ -12,6 +12,7 @@ import os
 from typing import Any, Callable, List, Optional, Sequence
 
 from adaptive_batch.files import atomic_write
+import adaptive_batch.logs as logs
 
 
 def _fingerprint(dataset: Sequence[Any], key: Any, input_key: str) -> str:
@@ -39,30 +40,29 @@ def sample_lengths(
         cache_dir: where ``seqlen_<key>.json`` files go; ``None`` disables the cache.
         key: anything JSON-serialisable that identifies the dataset and tokenizer (their
             config); it is hashed with the dataset's size and first and last samples.
-        log: called with one line saying whether the cache was used.
-        warn: called with one line when a cached file is ignored (``log`` when ``None``).
+        log: takes the line saying whether the cache was used (``None``: the ``adaptive_batch``
+            logger).
+        warn: takes the line when a cached file is ignored (``log`` when ``None``, else the
+            logger's warnings).
 
     Returns:
         The lengths, in dataset order.
     """
-    warn = warn or log
-    path = None
-    if cache_dir is not None:
-        path = os.path.join(cache_dir, f"seqlen_{_fingerprint(dataset, key, input_key)}.json")
-        if os.path.exists(path):
-            cached, problem = _read_lengths(path, dataset, input_key)
-            if cached is not None:
-                if log:
-                    log(f"sample lengths read from {path}")
-                return cached
-            if warn:
-                warn(f"sample length cache {path} ignored ({problem}); computing the lengths again.")
-    lengths = [len(dataset[i][input_key]) for i in range(len(dataset))]
-    if path is not None:
-        atomic_write(path, lambda f: json.dump(lengths, f), text=True)
-        if log:
-            log(f"sample lengths computed for {len(lengths)} samples and cached in {path}")
-    return lengths
+    with logs.lines_to(log, warn):
+        path = None
+        if cache_dir is not None:
+            path = os.path.join(cache_dir, f"seqlen_{_fingerprint(dataset, key, input_key)}.json")
+            if os.path.exists(path):
+                cached, problem = _read_lengths(path, dataset, input_key)
+                if cached is not None:
+                    logs.info(f"sample lengths read from {path}")
+                    return cached
+                logs.warning(f"sample length cache {path} ignored ({problem}); computing the lengths again.")
+        lengths = [len(dataset[i][input_key]) for i in range(len(dataset))]
+        if path is not None:
+            atomic_write(path, lambda f: json.dump(lengths, f), text=True)
+            logs.info(f"sample lengths computed for {len(lengths)} samples and cached in {path}")
+        return lengths
 
 
 SPOT_CHECKS = 16

@@ -29,7 +29,7 @@ from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import atomic_write
-from adaptive_batch.logs import info_to
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.device import prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
@@ -69,7 +69,7 @@ class AdaptiveBatchTrainer(Trainer):
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         super().__init__(*args, **kwargs)
         refuse_what_changes_the_batch(self)
-        self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, info_to(log)
+        self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, log
         self.adaptive_batch: Optional[Dict[str, int]] = None
         self._ranks = RankGroup(self.args.device)
         self.add_callback(_SaveTheBatch(self))
@@ -81,12 +81,15 @@ class AdaptiveBatchTrainer(Trainer):
             checkpoint = get_last_checkpoint(self.args.output_dir)
         saved = _read_state(checkpoint) if isinstance(checkpoint, str) else None
         # Before the probe, so the trials see the allocator training will have; a resumed run
-        # trains the saved batch on the same allocator as the run that probed it.
-        prepare_allocator(self.args.device, probing=saved is None, log=self._log, warn=warnings.warn)
-        if saved is not None:
-            self._apply(saved, f"from the checkpoint {checkpoint}")
-        else:
-            self._apply(self._probe(), "probed")
+        # trains the saved batch on the same allocator as the run that probed it. Its warnings
+        # are Python warnings, as Trainer's own.
+        with logs.lines_to(self._log, warnings.warn):
+            prepare_allocator(self.args.device, probing=saved is None)
+        with logs.lines_to(self._log):
+            if saved is not None:
+                self._apply(saved, f"from the checkpoint {checkpoint}")
+            else:
+                self._apply(self._probe(), "probed")
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _probe(self) -> Dict[str, int]:
@@ -98,7 +101,7 @@ class AdaptiveBatchTrainer(Trainer):
         make_batch = self._make_batch or _longest_sample_batch(self.train_dataset, self.data_collator)
         found = find_max_batch_size(
             self._train_step, make_batch=make_batch, model=self.model, optimizer=optimizer,
-            max_memory=self.max_memory, max_batch_size=effective, log=self._log,
+            max_memory=self.max_memory, max_batch_size=effective,
         )
         # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
         found = -self._ranks.max(-found)
@@ -122,7 +125,7 @@ class AdaptiveBatchTrainer(Trainer):
             args.per_device_eval_batch_size = state["per_device_eval_batch_size"]
         self.adaptive_batch = dict(state)
         budget = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
-        self._log(
+        logs.info(
             f"adaptive-batch ({source}): the effective batch of {state['effective_batch_size']} trains as "
             f"{state['gradient_accumulation_steps']} x {state['per_device_train_batch_size']} per device (the largest "
             f"that fits {budget}: {state['max_micro_batch_size']}); evaluation batch "

@@ -17,6 +17,8 @@ from typing import Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
+import adaptive_batch.logs as logs
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -379,9 +381,7 @@ def free_mkl_buffers() -> bool:
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
-def prepare_allocator(
-    device: torch.device, *, probing: bool, log: Callable[[str], None], warn: Callable[[str], None]
-) -> None:
+def prepare_allocator(device: torch.device, *, probing: bool) -> None:
     """The allocator settings a recipe's batch needs to hold from step to step, each said in
     one line: on CPU under an address-space limit (the process's, or the probe's own),
     glibc's cache of freed blocks would count against it (:func:`return_freed_memory_to_os`);
@@ -393,26 +393,24 @@ def prepare_allocator(
     # Probing on CPU runs its trials under an address-space limit of its own (see
     # adaptive_batch.probe.service.trial_address_space), so it needs the same settings.
     if device.type == "cpu" and (probing or address_space_limit() is not None) and return_freed_memory_to_os():
-        log(
+        logs.info(
             "CPU allocator: glibc M_MMAP_THRESHOLD=256KiB and M_ARENA_MAX=1 for this run, so address space follows "
             "live memory under a memory limit and the probed batch holds from step to step."
         )
     if device.type == "cuda" and probing:
-        use_expandable_segments(log=log, warn=warn)
+        use_expandable_segments()
 
 
-def use_expandable_segments(log: Callable[[str], None], warn: Callable[[str], None]) -> bool:
+def use_expandable_segments() -> bool:
     """Turns on the CUDA caching allocator's expandable segments, unless the user chose.
 
     With fixed-size segments, memory freed by one training step stays split into blocks the
     next step's larger tensors cannot reuse. On an H200 the 152K-vocabulary model at the probed
     batch of 438 ran its first step, then failed the second needing 7.9 GiB with 7.8 GiB
     "reserved but unallocated"; with expandable segments every step ran and the reserved peak
-    stayed within 0.3 GiB of the allocated one, so the probe's batch holds across steps.
-
-    Args:
-        log: told what was set.
-        warn: told when ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) turns them off.
+    stayed within 0.3 GiB of the allocated one, so the probe's batch holds across steps. What
+    was set is said at INFO; a ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) that turns
+    them off, or a torch without a setter, at WARNING.
 
     Returns:
         Whether expandable segments are on.
@@ -422,7 +420,7 @@ def use_expandable_segments(log: Callable[[str], None], warn: Callable[[str], No
         return True
     for name, value in settings.items():
         if "expandable_segments:False" in value:
-            warn(
+            logs.warning(
                 f"{name}={value} turns the CUDA allocator's expandable segments off: fragmentation between steps "
                 "can make the probed batch run out of memory after its first step (the OOM recovery then halves "
                 "it); remove expandable_segments:False to keep the probed batch."
@@ -433,14 +431,14 @@ def use_expandable_segments(log: Callable[[str], None], warn: Callable[[str], No
         torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
     )
     if setter is None:
-        warn(
+        logs.warning(
             f"torch {torch.__version__} has no allocator-settings setter this library knows, so expandable segments "
             "stay as they are: the probed batch may run out of memory after its first step (the OOM recovery then "
             "halves it); start the run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to keep it."
         )
         return False
     setter("expandable_segments:True")
-    log(
+    logs.info(
         "CUDA allocator: expandable_segments:True, so memory freed by one step fits the next step's tensors "
         "(set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False to keep fixed segments)."
     )

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from adaptive_batch.distributed import RankGroup
-from adaptive_batch.logs import info_to
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.device import glibc_mmap_threshold_set, prepare_allocator
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
@@ -106,27 +106,27 @@ def find_max_batch_size(
     """
     if safety_margin is not None:
         check_safety_margin(safety_margin, key="safety_margin")
-    log = info_to(log)
-    options = ProbeOptions(
-        max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size,
-        probe_time_budget=time_budget, probe_cache=False,
-    )
-    target = ProbeTarget(train_step, make_batch, model, optimizer, device, lr_scheduler).on_its_device()
-    check_make_batch(make_batch)
-    budget, capacity, in_children = step_budget(options, target, build=build)
-    if target.device.type == "cpu" and not budget.is_soft:
-        # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
-        # process to process (BERT's answer trained in one fresh process and failed in the next).
-        if glibc_mmap_threshold_set() is None:  # the Trainer and AdaptiveBatch have set and said it
-            prepare_allocator(target.device, probing=True, log=log, warn=log)
-        if not in_children:
-            log(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
-                "leaves worse than a fresh one's: under an address-space limit (RLIMIT_AS), pass build=f() -> "
-                "ProbeTarget to run them in fresh processes.")
-    # The recipes' probe without their cache, ranks and report: each rank answers for itself.
-    report = search_and_check(
-        options, target, budget, capacity, TrialLimits.read(budget, capacity, target), rank_budgets=[budget.budget_bytes],
-        cap=max_batch_size, seq_len=None, ranks=RankGroup.alone(), snapshot_dir=snapshot_dir, log=log,
-        build=build if in_children else None,
-    )
-    return report.batch_size
+    with logs.lines_to(log):
+        options = ProbeOptions(
+            max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size,
+            probe_time_budget=time_budget, probe_cache=False,
+        )
+        target = ProbeTarget(train_step, make_batch, model, optimizer, device, lr_scheduler).on_its_device()
+        check_make_batch(make_batch)
+        budget, capacity, in_children = step_budget(options, target, build=build)
+        if target.device.type == "cpu" and not budget.is_soft:
+            # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
+            # process to process (BERT's answer trained in one fresh process and failed in the next).
+            if glibc_mmap_threshold_set() is None:  # the Trainer and AdaptiveBatch have set and said it
+                prepare_allocator(target.device, probing=True)
+            if not in_children:
+                logs.info(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
+                          "leaves worse than a fresh one's: under an address-space limit (RLIMIT_AS), pass build=f() -> "
+                          "ProbeTarget to run them in fresh processes.")
+        # The recipes' probe without their cache, ranks and report: each rank answers for itself.
+        report = search_and_check(
+            options, target, budget, capacity, TrialLimits.read(budget, capacity, target), rank_budgets=[budget.budget_bytes],
+            cap=max_batch_size, seq_len=None, ranks=RankGroup.alone(), snapshot_dir=snapshot_dir,
+            build=build if in_children else None,
+        )
+        return report.batch_size

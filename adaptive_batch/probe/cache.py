@@ -12,9 +12,10 @@ import hashlib
 from importlib import metadata
 import json
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 from adaptive_batch.files import atomic_write
+import adaptive_batch.logs as logs
 from adaptive_batch.probe.report import ProbeReport
 
 CACHE_FORMAT = 1
@@ -79,14 +80,15 @@ def report_problem(report: Any, fields: Dict[str, Any]) -> Optional[str]:
 class ProbeCache:
     """Probe results on disk, one JSON file a key.
 
+    An entry that cannot be used (unreadable, stale, invalid) is ignored with a line (INFO: the
+    probe runs again, as if nothing were cached).
+
     Args:
         directory: where entries live (created on first store).
-        warn: called with a line when an entry is ignored.
     """
 
-    def __init__(self, directory: str, warn: Callable[[str], None] = lambda message: None) -> None:
+    def __init__(self, directory: str) -> None:
         self.directory = directory
-        self.warn = warn
 
     def path(self, fields: Dict[str, Any]) -> str:
         return os.path.join(self.directory, f"probe_{cache_key(fields)}.json")
@@ -103,10 +105,10 @@ class ProbeCache:
             report = entry["report"]
             stale = entry.get("format") != CACHE_FORMAT or json.loads(json.dumps(fields, default=str)) != stored
         except (OSError, ValueError, KeyError, TypeError) as e:
-            self.warn(f"probe cache: ignoring unreadable entry {path} ({type(e).__name__}: {e}); probing again.")
+            logs.info(f"probe cache: ignoring unreadable entry {path} ({type(e).__name__}: {e}); probing again.")
             return None
         if stale:
-            self.warn(f"probe cache: ignoring stale entry {path} (its fields or format differ); probing again.")
+            logs.info(f"probe cache: ignoring stale entry {path} (its fields or format differ); probing again.")
             return None
         problem = report_problem(report, fields)
         if problem is None:
@@ -114,7 +116,7 @@ class ProbeCache:
                 return ProbeReport.from_dict(report)
             except ValueError as e:
                 problem = str(e)
-        self.warn(f"probe cache: ignoring invalid entry {path} ({problem}); probing again.")
+        logs.info(f"probe cache: ignoring invalid entry {path} ({problem}); probing again.")
         return None
 
     def store(self, fields: Dict[str, Any], report: ProbeReport) -> str:

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from adaptive_batch.errors import BatchSizeTooLargeError
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import MemoryBudget, after_margin
 from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity, format_bytes
 from adaptive_batch.probe.child import child_trial
@@ -45,7 +46,6 @@ def search_in_children(
     max_batch_size: Optional[int],
     time_budget: Optional[float],
     snapshot_dir: Optional[str],
-    log: Optional[Callable[[str], None]],
 ) -> SearchResult:
     """The search judged in the hard limit's own unit: the address space a child's steps added,
     against this process's headroom less the safety margin. Each trial runs training's first
@@ -56,9 +56,8 @@ def search_in_children(
     """
     headroom = capacity.headroom_bytes
     steps = verify_steps(torch.device("cpu"))
-    if log is not None:
-        log(f"probe: {budget.describe()}; each trial runs {steps} steps in a fresh process held to this process's "
-            f"headroom of {format_bytes(headroom)} of address space, judged by the address space it adds.")
+    logs.info(f"probe: {budget.describe()}; each trial runs {steps} steps in a fresh process held to this process's "
+              f"headroom of {format_bytes(headroom)} of address space, judged by the address space it adds.")
     guess = _tensor_guess(target, budget=budget, snapshot_dir=snapshot_dir)
     if guess is not None and max_batch_size is not None:
         guess = min(guess, max_batch_size)
@@ -68,15 +67,14 @@ def search_in_children(
     # the line still bent (4 out-of-memory trials); from here the conv net took 4 trials, none out
     # of memory.
     sizes = (1, 2) if guess is None or guess < 8 else (guess // 2, 3 * guess // 4)
-    if log is not None:
-        log(f"probe: the tensor bytes of steps at batch 1 and 2 put the answer at most at {guess}; "
-            f"the line in address space is measured at {sizes[0]} and {sizes[1]}.")
+    logs.info(f"probe: the tensor bytes of steps at batch 1 and 2 put the answer at most at {guess}; "
+              f"the line in address space is measured at {sizes[0]} and {sizes[1]}.")
     try:
         return search_max_batch_size(
             # One trial longer than the whole probe may take is a hang.
             child_trial(build, headroom_bytes=headroom, steps=steps, timeout_s=time_budget),
             budget_bytes=after_margin(headroom, budget.safety_margin),
-            max_batch_size=max_batch_size, warmup=False, log=log, max_overshoot=math.inf, time_budget_s=time_budget,
+            max_batch_size=max_batch_size, warmup=False, max_overshoot=math.inf, time_budget_s=time_budget,
             release=lambda: None,  # nothing of a trial is left in this process
             estimate_sizes=sizes, tolerance=ADDRESS_SPACE_TOLERANCE,
         )
@@ -87,7 +85,9 @@ def search_in_children(
 def _tensor_guess(target: ProbeTarget, *, budget: MemoryBudget, snapshot_dir: Optional[str]) -> Optional[int]:
     """A first guess from steps at batch 1 and 2 in this process (nothing runs out of memory at
     those): where the operator lines' tensor bytes meet the budget. Address space holds more
-    than tensors, so it guesses high; the children's trials measure from below it."""
-    result = probe_max_batch_size(target, budget_bytes=budget.budget_bytes, max_batch_size=2, budget_source=budget.source,
-                                  snapshot_dir=snapshot_dir)
+    than tensors, so it guesses high; the children's trials measure from below it. Its two steps
+    are no trials of the search: they are not said."""
+    with logs.quiet():
+        result = probe_max_batch_size(target, budget_bytes=budget.budget_bytes, max_batch_size=2,
+                                      budget_source=budget.source, snapshot_dir=snapshot_dir)
     return None if result.estimate is None else result.estimate.max_batch_size(budget.budget_bytes)

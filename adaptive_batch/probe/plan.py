@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
 from adaptive_batch.errors import BatchSizeTooLargeError
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import after_margin
 from adaptive_batch.memory.estimator import LinearMemoryEstimate
 from adaptive_batch.probe.fake_step import (
@@ -315,15 +316,16 @@ def _search_in_fake_steps(
         return measured[b].peak_bytes
 
     try:
-        # Fake steps allocate nothing: no bound on how far a trial may go.
-        result = search_max_batch_size(
-            run_trial,
-            budget_bytes=budget,
-            max_batch_size=max_batch_size,
-            warmup=False,
-            release=lambda: None,
-            max_overshoot=math.inf,
-        )
+        # Fake steps allocate nothing: no bound on how far a trial may go. A plan says no trial.
+        with logs.quiet():
+            result = search_max_batch_size(
+                run_trial,
+                budget_bytes=budget,
+                max_batch_size=max_batch_size,
+                warmup=False,
+                release=lambda: None,
+                max_overshoot=math.inf,
+            )
     except BatchSizeTooLargeError:
         return 0
     return result.max_batch_size

@@ -12,6 +12,7 @@ import time
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from adaptive_batch.errors import BatchSizeTooLargeError
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import MAX_TRIAL_OVERSHOOT
 from adaptive_batch.memory.device import format_bytes
 from adaptive_batch.memory.estimator import LinearMemoryEstimate, OperatorMemoryEstimate, PhaseMemoryEstimate
@@ -131,7 +132,6 @@ def search_max_batch_size(
     max_batch_size: Optional[int] = None,
     warmup: bool = True,
     release: Callable[[], None] = release_memory,
-    log: Optional[Callable[[str], None]] = None,
     max_trials: int = 64,
     max_overshoot: float = MAX_TRIAL_OVERSHOOT,
     settle_slope: bool = False,
@@ -168,7 +168,6 @@ def search_max_batch_size(
         warmup: run one step at batch 1 first and leave it out of the estimate, so one-time
             allocations (optimizer state) are in place for the measured steps.
         release: frees what a failed step left behind.
-        log: called with one line per trial.
         max_trials: a guard against a step that never runs out of memory with no cap.
         max_overshoot: the bound on a trial's peak, as a multiple of the budget, that limits
             how far past the largest fit the next trial may go (``math.inf``: no bound, for
@@ -199,10 +198,10 @@ def search_max_batch_size(
     """
     _check_bounds(budget_bytes, max_batch_size, max_overshoot)
     start = time.perf_counter()
-    trials = _Trials(run_trial, budget_bytes, release=release, log=log, max_trials=max_trials)
+    trials = _Trials(run_trial, budget_bytes, release=release, max_trials=max_trials)
     bracket = _Bracket(trials, budget_bytes, max_batch_size, max_overshoot, tolerance)
-    clock = _Clock(trials, time_budget_s, start, agree=agree, log=log)
-    estimate = _measure_line(bracket, clock, estimate_sizes, warmup=warmup, settle_slope=settle_slope, log=log)
+    clock = _Clock(trials, time_budget_s, start, agree=agree)
+    estimate = _measure_line(bracket, clock, estimate_sizes, warmup=warmup, settle_slope=settle_slope)
     predicted = None if estimate is None else estimate.max_batch_size(budget_bytes)
     if predicted is not None and max_batch_size is not None:
         predicted = min(predicted, max_batch_size)
@@ -226,8 +225,7 @@ def _check_bounds(budget_bytes: int, max_batch_size: Optional[int], max_overshoo
 
 
 def _measure_line(
-    bracket: "_Bracket", clock: "_Clock", sizes: Tuple[int, int], *, warmup: bool, settle_slope: bool,
-    log: Optional[Callable[[str], None]],
+    bracket: "_Bracket", clock: "_Clock", sizes: Tuple[int, int], *, warmup: bool, settle_slope: bool
 ) -> Optional[Estimate]:
     """The warmup and estimate steps, and the line through them; ``None`` where those steps
     settled the answer themselves (the first size did not fit, or the cap was reached), any
@@ -253,8 +251,7 @@ def _measure_line(
     steps = trials.estimate_steps
     if (first, second) == (1, 2) and len(steps) == 2 and not _same_operators(steps[1], steps[2]) and cap != 2:
         # Batch 1 often runs other operators (a view where larger batches copy): measure at 3.
-        if log is not None:
-            log("probe: batch 1 and 2 ran different operators; one more estimate step at batch 3")
+        logs.info("probe: batch 1 and 2 ran different operators; one more estimate step at batch 3")
         if not bracket.run(3, "estimate"):
             return None
         del steps[1]
@@ -267,9 +264,8 @@ def _measure_line(
 class _Trials:
     """Runs and records the search's real steps: one :class:`Trial` each, logged."""
 
-    def __init__(self, run_trial: Callable, budget_bytes: int, *, release: Callable[[], None],
-                 log: Optional[Callable[[str], None]], max_trials: int) -> None:
-        self.run_trial, self.budget_bytes, self.release, self.log = run_trial, budget_bytes, release, log
+    def __init__(self, run_trial: Callable, budget_bytes: int, *, release: Callable[[], None], max_trials: int) -> None:
+        self.run_trial, self.budget_bytes, self.release = run_trial, budget_bytes, release
         self.max_trials = max_trials
         self.done: List[Trial] = []
         self.estimate_steps: Dict[int, StepMemory] = {}  # the estimate steps' memory after each operator
@@ -307,12 +303,11 @@ class _Trials:
         fits = not oom and peak is not None and peak <= self.budget_bytes
         trial = Trial(batch_size, fits, peak, time.perf_counter() - t0, oom, phase, phases, start_bytes)
         self.done.append(trial)
-        if self.log is not None:
-            outcome = "fits" if fits else ("out of memory" if oom else "over budget")
-            self.log(
-                f"probe trial {len(self.done)} ({phase}): batch_size={batch_size} {outcome}, "
-                f"peak {format_bytes(peak)}, {trial.seconds:.2f}s"
-            )
+        outcome = "fits" if fits else ("out of memory" if oom else "over budget")
+        logs.info(
+            f"probe trial {len(self.done)} ({phase}): batch_size={batch_size} {outcome}, "
+            f"peak {format_bytes(peak)}, {trial.seconds:.2f}s"
+        )
         return trial
 
 
@@ -468,9 +463,8 @@ class _Clock:
     """How long the search's next trial will take, by the line through the times of the two
     largest sizes that ran so far, and whether the time budget allows it."""
 
-    def __init__(self, trials: _Trials, budget_s: Optional[float], start: float, *,
-                 agree: Callable[[bool], bool], log: Optional[Callable[[str], None]]) -> None:
-        self.trials, self.budget_s, self.start, self.agree, self.log = trials, budget_s, start, agree, log
+    def __init__(self, trials: _Trials, budget_s: Optional[float], start: float, *, agree: Callable[[bool], bool]) -> None:
+        self.trials, self.budget_s, self.start, self.agree = trials, budget_s, start, agree
         self.stopped = False
 
     def seconds(self, batch_size: int) -> Optional[float]:
@@ -484,10 +478,10 @@ class _Clock:
     def say_eta(self, predicted: Optional[int]) -> None:
         """One line: the time a trial at the prediction should take, and the budget."""
         seconds = None if predicted is None else self.seconds(predicted)
-        if self.log is None or seconds is None:
+        if seconds is None:
             return
         limit = "no time budget" if self.budget_s is None else f"a time budget of {self.budget_s:g}s"
-        self.log(
+        logs.info(
             f"probe: a step at the predicted batch {predicted} should take about {seconds:.1f}s by the "
             f"steps so far: the search about {2 * seconds:.0f}s at the least, with {limit}."
         )
@@ -503,13 +497,12 @@ class _Clock:
         if not self.agree(over):
             return True
         self.stopped = True
-        if self.log is not None:
-            about = "" if seconds is None else f" a trial at batch {batch_size} would take about {seconds:.0f}s more, and"
-            self.log(
-                f"probe: stopped at batch {largest_fit}, the largest that fitted so far:{about} the search has "
-                f"run {elapsed:.0f}s of probe_time_budget={self.budget_s:g}; raise probe_time_budget "
-                "(or set it to null) to search further."
-            )
+        about = "" if seconds is None else f" a trial at batch {batch_size} would take about {seconds:.0f}s more, and"
+        logs.info(
+            f"probe: stopped at batch {largest_fit}, the largest that fitted so far:{about} the search has "
+            f"run {elapsed:.0f}s of probe_time_budget={self.budget_s:g}; raise probe_time_budget "
+            "(or set it to null) to search further."
+        )
         return False
 
 

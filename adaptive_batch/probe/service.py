@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
 from adaptive_batch.distributed import MAX_MEMORY_ENV, RankGroup
 from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
-from adaptive_batch.logs import info_to
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import (
     MemoryBudget,
     check_reserve_bytes as _check_reserve_bytes,
@@ -194,9 +194,10 @@ class TrialLimits:
 
 
 @contextmanager
-def trial_memory_limit(limit_bytes: Optional[int], log: Optional[Callable[[str], None]] = None) -> Iterator[Optional[int]]:
+def trial_memory_limit(limit_bytes: Optional[int], *, announce: bool = False) -> Iterator[Optional[int]]:
     """Holds the block to ``limit_bytes`` of address space (see :class:`TrialLimits`); a tighter
-    limit already set stays, and the previous one is back on exit.
+    limit already set stays, and the previous one is back on exit. With ``announce`` the limit
+    is said in a line (once a probe: the search's, not the timing's).
 
     Yields:
         The limit in force, or ``None`` when ``limit_bytes`` is ``None``.
@@ -205,8 +206,8 @@ def trial_memory_limit(limit_bytes: Optional[int], log: Optional[Callable[[str],
         yield None
         return
     with address_space_limit_at(limit_bytes) as limit:
-        if log is not None and limit == limit_bytes:
-            log(
+        if announce and limit == limit_bytes:
+            logs.info(
                 f"probe: trials run under a soft RLIMIT_AS of {format_bytes(limit)}, so a trial past the "
                 "budget fails to allocate instead of waking the kernel's OOM killer; lifted after them."
             )
@@ -255,43 +256,43 @@ def probe_batch_size(
         BatchSizeTooLargeError: when batch 1 does not fit.
         ConfigError: for a ``max_memory`` the device cannot give, or a device this torch lacks.
     """
-    say = log = info_to(log)
-    target = target.on_its_device()
-    ranks = ranks or RankGroup(target.device)
-    budget, capacity, in_children = step_budget(options, target, build=build, distributed=ranks.distributed)
-    # Every rank searches against the smallest budget; each measures against its own.
-    rank_budgets = ranks.gather(budget.budget_bytes)
-    caps = [c for c in (dataset_size, options.max_batch_size) if c is not None]
-    cap = min(caps) if caps else None
-    limits = TrialLimits.read(budget, capacity, target)
-    check = _AnswerCheck(target, limits, min(rank_budgets), budget.is_soft, ranks, output_dir, log)
-    cache = ProbeCache(options.probe_cache_dir or default_cache_dir(), warn=say) if options.probe_cache else None
-    key = dict(
-        cache_fields or {}, seq_len=seq_len, device=device_name(target.device), budget_bytes=min(rank_budgets),
-        rank_budget_bytes=rank_budgets, batch_size_cap=cap, batch_size_rounding=options.batch_size_rounding,
-        batch_size_objective=options.batch_size_objective, throughput_tolerance=options.throughput_tolerance,
-        versions=library_versions(),
-    )
-    cached = None if cache is None else _trusted_cache_entry(cache, key, ranks, check, say)
-    if cached is not None:
-        cached.cache = CacheUse(hit=True, path=cache.path(key))
-        path = _publish(cached, options, output_dir, ranks, save_report, say)
-        say(
-            f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
-            f"{cached.batch_size}, no probing; probe_cache=False probes again." + ("" if path is None else f" Details in {path}")
+    with logs.lines_to(log):
+        target = target.on_its_device()
+        ranks = ranks or RankGroup(target.device)
+        budget, capacity, in_children = step_budget(options, target, build=build, distributed=ranks.distributed)
+        # Every rank searches against the smallest budget; each measures against its own.
+        rank_budgets = ranks.gather(budget.budget_bytes)
+        caps = [c for c in (dataset_size, options.max_batch_size) if c is not None]
+        cap = min(caps) if caps else None
+        limits = TrialLimits.read(budget, capacity, target)
+        check = _AnswerCheck(target, limits, min(rank_budgets), budget.is_soft, ranks, output_dir)
+        cache = ProbeCache(options.probe_cache_dir or default_cache_dir()) if options.probe_cache else None
+        key = dict(
+            cache_fields or {}, seq_len=seq_len, device=device_name(target.device), budget_bytes=min(rank_budgets),
+            rank_budget_bytes=rank_budgets, batch_size_cap=cap, batch_size_rounding=options.batch_size_rounding,
+            batch_size_objective=options.batch_size_objective, throughput_tolerance=options.throughput_tolerance,
+            versions=library_versions(),
         )
-        return cached
-    say(f"use_maximum_batch_size: probing {'' if cap is None else f'up to batch {cap} '}"
-        f"{'' if seq_len is None else f'at seq_len={seq_len} '}with {budget.describe()}.")
-    report = search_and_check(options, target, budget, capacity, limits, rank_budgets=rank_budgets, cap=cap,
-                              seq_len=seq_len, ranks=ranks, snapshot_dir=output_dir, log=log,
-                              build=build if in_children else None)
-    if cache is not None and not report.stopped_by_time:  # a longer search may find more
-        report.cache = CacheUse(hit=False, path=ranks.decide_on_main(lambda: cache.store(key, report)))
-    say(report.describe())
-    path = _publish(report, options, output_dir, ranks, save_report, say)
-    say(f"use_maximum_batch_size: the batch to use is {report.batch_size}" + ("" if path is None else f"; details in {path}"))
-    return report
+        cached = None if cache is None else _trusted_cache_entry(cache, key, ranks, check)
+        if cached is not None:
+            cached.cache = CacheUse(hit=True, path=cache.path(key))
+            path = _publish(cached, options, output_dir, ranks, save_report)
+            logs.info(
+                f"use_maximum_batch_size: probe cache hit ({cache.path(key)}): batch_size="
+                f"{cached.batch_size}, no probing; probe_cache=False probes again." + ("" if path is None else f" Details in {path}")
+            )
+            return cached
+        logs.info(f"use_maximum_batch_size: probing {'' if cap is None else f'up to batch {cap} '}"
+                  f"{'' if seq_len is None else f'at seq_len={seq_len} '}with {budget.describe()}.")
+        report = search_and_check(options, target, budget, capacity, limits, rank_budgets=rank_budgets, cap=cap,
+                                  seq_len=seq_len, ranks=ranks, snapshot_dir=output_dir,
+                                  build=build if in_children else None)
+        if cache is not None and not report.stopped_by_time:  # a longer search may find more
+            report.cache = CacheUse(hit=False, path=ranks.decide_on_main(lambda: cache.store(key, report)))
+        logs.info(report.describe())
+        path = _publish(report, options, output_dir, ranks, save_report)
+        logs.info(f"use_maximum_batch_size: the batch to use is {report.batch_size}" + ("" if path is None else f"; details in {path}"))
+        return report
 
 
 @dataclass(frozen=True)
@@ -305,11 +306,10 @@ class _AnswerCheck:
     soft: bool
     ranks: RankGroup
     snapshot_dir: Optional[str]
-    log: Optional[Callable[[str], None]]
 
     def _kwargs(self) -> Dict[str, Any]:
         return dict(snapshot_dir=self.snapshot_dir, budget_bytes=self.budget_bytes, soft_budget=self.soft,
-                    reserve_bytes=self.limits.reserve_bytes, agree=self.ranks.any, log=self.log)
+                    reserve_bytes=self.limits.reserve_bytes, agree=self.ranks.any)
 
     def passes(self, batch_size: int) -> bool:
         return runs_consecutive_steps(batch_size, self.target, **self._kwargs())
@@ -319,14 +319,14 @@ class _AnswerCheck:
 
 
 def _trusted_cache_entry(
-    cache: ProbeCache, key: Dict[str, Any], ranks: RankGroup, check: _AnswerCheck, say: Callable[[str], None]
+    cache: ProbeCache, key: Dict[str, Any], ranks: RankGroup, check: _AnswerCheck
 ) -> Optional[ProbeReport]:
     """The cached report for ``key`` when its answer trains here, else ``None``."""
     cached = ranks.decide_on_main(lambda: cache.load(key))
     if cached is None or check.passes(cached.largest_that_trains):
         return cached
-    say(f"use_maximum_batch_size: the probe cache's batch_size={cached.largest_that_trains} did not train here; "
-        "probing again.")
+    logs.info(f"use_maximum_batch_size: the probe cache's batch_size={cached.largest_that_trains} did not train here; "
+              "probing again.")
     return None
 
 
@@ -342,7 +342,6 @@ def search_and_check(
     seq_len: Optional[int],
     ranks: RankGroup,
     snapshot_dir: Optional[str],
-    log: Optional[Callable[[str], None]],
     build: Optional[Callable[[], ProbeTarget]] = None,
 ) -> ProbeReport:
     """The real-step search in lockstep on every rank, the answer's check, the rounding and the
@@ -356,7 +355,7 @@ def search_and_check(
         BatchSizeTooLargeError: when batch 1 does not fit (naming the rank whose budget is smallest).
     """
     common_budget = min(rank_budgets)
-    check = _AnswerCheck(target, limits, common_budget, budget.is_soft, ranks, snapshot_dir, log)
+    check = _AnswerCheck(target, limits, common_budget, budget.is_soft, ranks, snapshot_dir)
     lockstep: List[LockstepTrial] = []
 
     def agree_on_outcomes(run_trial: Callable[[int], int]) -> LockstepTrial:
@@ -365,12 +364,12 @@ def search_and_check(
 
     if build is not None:
         result = search_in_children(build, target, budget, capacity, max_batch_size=cap,
-                                    time_budget=options.probe_time_budget, snapshot_dir=snapshot_dir, log=log)
+                                    time_budget=options.probe_time_budget, snapshot_dir=snapshot_dir)
     else:
         with _smallest_rank_named(budget, rank_budgets, ranks):
             result = probe_max_batch_size(
-                target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir, log=log,
-                wrap_trial=agree_on_outcomes, trial_limit=lambda: trial_memory_limit(limits.address_space, log=log),
+                target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir,
+                wrap_trial=agree_on_outcomes, trial_limit=lambda: trial_memory_limit(limits.address_space, announce=True),
                 budget_source=budget.source, time_budget_s=options.probe_time_budget, agree=ranks.any,
             )
     # Also after trials in fresh processes: this process has what a fresh one has not (a LoRA
@@ -379,7 +378,7 @@ def search_and_check(
     batch_size = round_batch_size(verified, options.batch_size_rounding)
     throughput = None
     if options.batch_size_objective == "throughput":
-        throughput = _fastest(options, target, batch_size, ranks, limits, snapshot_dir=snapshot_dir, log=log)
+        throughput = _fastest(options, target, batch_size, ranks, limits, snapshot_dir=snapshot_dir)
         batch_size = throughput.batch_size
     return report_of_search(
         result, batch_size=batch_size, seq_len=seq_len, device=target.device, budget=budget, capacity=capacity,
@@ -412,31 +411,28 @@ def _fastest(
     limits: TrialLimits,
     *,
     snapshot_dir: Optional[str],
-    log: Optional[Callable[[str], None]],
 ) -> ThroughputChoice:
     """The throughput objective: ranks time the same steps; rank 0's choice holds for all."""
     timed = probe_throughput(
-        target, max_batch_size=batch_size, tolerance=options.throughput_tolerance, snapshot_dir=snapshot_dir, log=log,
+        target, max_batch_size=batch_size, tolerance=options.throughput_tolerance, snapshot_dir=snapshot_dir,
         trial_limit=lambda: trial_memory_limit(limits.address_space),
     )
     choice = ranks.broadcast(timed)
-    if log is not None:
-        log(
-            f"batch_size_objective=throughput: batch {choice.batch_size} is within "
-            f"{choice.tolerance:.0%} of the best {choice.best_samples_per_second:.1f} samples/s."
-        )
+    logs.info(
+        f"batch_size_objective=throughput: batch {choice.batch_size} is within "
+        f"{choice.tolerance:.0%} of the best {choice.best_samples_per_second:.1f} samples/s."
+    )
     return choice
 
 
 def _publish(
-    report: ProbeReport, options: ProbeOptions, output_dir: Optional[str], ranks: RankGroup, save: bool,
-    log: Callable[[str], None],
+    report: ProbeReport, options: ProbeOptions, output_dir: Optional[str], ranks: RankGroup, save: bool
 ) -> Optional[str]:
     if output_dir is None:
         return None
     if not save:
         return _report_path(output_dir)
-    return save_probe_report(report, output_dir, ranks, plot=options.plot, log=log)
+    return save_probe_report(report, output_dir, ranks, plot=options.plot)
 
 
 def save_probe_report(
@@ -445,17 +441,16 @@ def save_probe_report(
     ranks: RankGroup,
     *,
     plot: bool = False,
-    log: Optional[Callable[[str], None]] = None,
 ) -> str:
-    """Rank 0 writes ``batch_probe.json`` (and the plot when asked); returns its path."""
+    """Rank 0 writes ``batch_probe.json`` (and the plot when asked, its path said in a line);
+    returns its path."""
     if not ranks.is_main:
         return _report_path(output_dir)
-    log = info_to(log)
     path = write_probe_report(report, output_dir)
     if plot:
         from adaptive_batch.probe.plot import plot_probe_report
 
-        log(f"plot: memory against batch size in {plot_probe_report(report, f'{output_dir}/batch_probe.png')}")
+        logs.info(f"plot: memory against batch size in {plot_probe_report(report, f'{output_dir}/batch_probe.png')}")
     return path
 
 

@@ -10,11 +10,12 @@ import glob
 import os
 import tempfile
 from types import TracebackType
-from typing import Any, BinaryIO, Callable, Dict, Optional, Type
+from typing import Any, BinaryIO, Dict, Optional, Type
 
 import torch
 from torch import nn
 
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.rng import rng_state, set_rng_state
 
@@ -29,8 +30,8 @@ class TrainingStateSnapshot:
         model: the model whose parameters and buffers the steps change.
         optimizer: the optimizer (its state, e.g. Adam moments, is created by the first step).
         lr_scheduler: an LR scheduler, or ``None``.
-        directory: where the snapshot file goes (e.g. the run's output directory).
-        log: told about stale snapshot files removed from ``directory``.
+        directory: where the snapshot file goes (e.g. the run's output directory); stale
+            snapshot files found there are removed, each said in a line.
     """
 
     def __init__(
@@ -39,13 +40,11 @@ class TrainingStateSnapshot:
         optimizer: Optional[torch.optim.Optimizer],
         lr_scheduler: Optional[Any] = None,
         directory: Optional[str] = None,
-        log: Optional[Callable[[str], None]] = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.directory = directory
-        self.log = log
         self._file: Optional[BinaryIO] = None
         self._path: Optional[str] = None  # where to read it back from
         self._named: Optional[str] = None  # its name, where the platform cannot unlink it early
@@ -55,7 +54,7 @@ class TrainingStateSnapshot:
         """Writes the state to an unnamed temporary file and remembers the RNG state."""
         if self.directory is not None:
             os.makedirs(self.directory, exist_ok=True)
-        remove_stale_snapshots(self.directory, log=self.log)
+        remove_stale_snapshots(self.directory)
         fd, path = tempfile.mkstemp(prefix=SNAPSHOT_PREFIX, suffix=".pt", dir=self.directory)
         self._file = os.fdopen(fd, "w+b")
         if os.path.isdir("/proc/self/fd"):
@@ -129,7 +128,7 @@ class TrainingStateSnapshot:
 SNAPSHOT_PREFIX = ".probe_snapshot_"
 
 
-def remove_stale_snapshots(directory: Optional[str], log: Optional[Callable[[str], None]] = None) -> int:
+def remove_stale_snapshots(directory: Optional[str]) -> int:
     """Removes named snapshot files from ``directory``: a snapshot only has a name where it
     could not be unlinked, or from an older version of this package, and then only while its
     run lives, so one found at the start of a probe was left by a killed run.
@@ -145,8 +144,7 @@ def remove_stale_snapshots(directory: Optional[str], log: Optional[Callable[[str
         except OSError:
             continue
         removed += 1
-        if log is not None:
-            log(f"probe: removed {path} ({size} bytes), a snapshot a killed run left behind.")
+        logs.info(f"probe: removed {path} ({size} bytes), a snapshot a killed run left behind.")
     return removed
 
 

@@ -42,9 +42,9 @@ class ProbeTarget:
         """
         return replace(self, device=step_device(self.model, self.device))
 
-    def snapshot(self, directory: Optional[str] = None, log: Optional[Callable[[str], None]] = None) -> TrainingStateSnapshot:
+    def snapshot(self, directory: Optional[str] = None) -> TrainingStateSnapshot:
         """A context that saves the model, optimizer, scheduler and RNG and puts them back."""
-        return TrainingStateSnapshot(self.model, self.optimizer, self.lr_scheduler, directory=directory, log=log)
+        return TrainingStateSnapshot(self.model, self.optimizer, self.lr_scheduler, directory=directory)
 
 
 def step_device(model: nn.Module, device: Optional[Union[str, torch.device]]) -> torch.device:

@@ -13,6 +13,7 @@ from typing import Callable, ContextManager, List, Optional
 
 import torch
 
+import adaptive_batch.logs as logs
 from adaptive_batch.probe.search import powers_of_two
 from adaptive_batch.probe.target import ProbeTarget
 
@@ -51,9 +52,8 @@ def choose_by_throughput(
     candidates: List[int],
     *,
     tolerance: float,
-    log: Optional[Callable[[str], None]] = None,
 ) -> ThroughputChoice:
-    """Times each candidate and keeps the smallest within ``tolerance`` of the best rate.
+    """Times each candidate (a line each) and keeps the smallest within ``tolerance`` of the best rate.
 
     Args:
         seconds_per_step: the seconds one training step takes at a batch size.
@@ -71,8 +71,7 @@ def choose_by_throughput(
     for b in sorted(set(candidates)):
         seconds = seconds_per_step(b)
         trials.append(ThroughputTrial(b, seconds, b / seconds))
-        if log is not None:
-            log(f"throughput trial: batch_size={b} {b / seconds:.1f} samples/s ({seconds:.3f}s a step)")
+        logs.info(f"throughput trial: batch_size={b} {b / seconds:.1f} samples/s ({seconds:.3f}s a step)")
     best = max(t.samples_per_second for t in trials)
     chosen = min(t.batch_size for t in trials if t.samples_per_second >= (1 - tolerance) * best)
     return ThroughputChoice(batch_size=chosen, best_samples_per_second=best, tolerance=tolerance, trials=trials)
@@ -85,7 +84,6 @@ def probe_throughput(
     tolerance: float,
     timed_steps: int = 2,
     snapshot_dir: Optional[str] = None,
-    log: Optional[Callable[[str], None]] = None,
     trial_limit: Optional[Callable[[], ContextManager]] = None,
 ) -> ThroughputChoice:
     """Times real training steps of ``target`` at :func:`throughput_candidates` of
@@ -109,9 +107,9 @@ def probe_throughput(
         _synchronize(target.device)
         return (time.perf_counter() - start) / timed_steps
 
-    with target.snapshot(snapshot_dir, log), (trial_limit() if trial_limit is not None else nullcontext()):
+    with target.snapshot(snapshot_dir), (trial_limit() if trial_limit is not None else nullcontext()):
         return choose_by_throughput(
-            seconds_per_step, throughput_candidates(max_batch_size), tolerance=tolerance, log=log
+            seconds_per_step, throughput_candidates(max_batch_size), tolerance=tolerance
         )
 
 

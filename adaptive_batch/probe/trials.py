@@ -54,7 +54,6 @@ def probe_max_batch_size(
     budget_bytes: int,
     max_batch_size: Optional[int] = None,
     snapshot_dir: Optional[str] = None,
-    log: Optional[Callable[[str], None]] = None,
     wrap_trial: Optional[Callable[[Callable[[int], int]], Callable[[int], int]]] = None,
     trial_limit: Optional[Callable[[], ContextManager]] = None,
     budget_source: str = "max_memory",
@@ -64,7 +63,7 @@ def probe_max_batch_size(
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
     Each trial runs ``target.train_step(target.make_batch(b))``, measuring each phase's peak and,
-    on CPU, the memory after each operator (:func:`measure_training_step`). The target's model,
+    on CPU, the memory after each operator (:func:`measure_training_step`), and is said in a line. The target's model,
     optimizer, LR scheduler and RNG are put back after the last trial, also when one raises.
 
     Args:
@@ -72,7 +71,6 @@ def probe_max_batch_size(
         budget_bytes: the most a step's peak may be.
         max_batch_size: the largest size worth trying (e.g. the dataset size).
         snapshot_dir: where the temporary snapshot file goes.
-        log: called with one line per trial.
         wrap_trial: wraps the measured trial, e.g. ``LockstepTrial`` (ranks agree on every outcome).
         trial_limit: a context the trials (not the snapshot) run in (``trial_memory_limit``).
         budget_source: what set ``budget_bytes``, for the advice when batch 1 does not fit.
@@ -92,14 +90,13 @@ def probe_max_batch_size(
         fault_point("probe_trial")
         return measured
 
-    with target.snapshot(snapshot_dir, log), (trial_limit() if trial_limit is not None else nullcontext()):
+    with target.snapshot(snapshot_dir), (trial_limit() if trial_limit is not None else nullcontext()):
         try:
             result = search_max_batch_size(
                 run_trial if wrap_trial is None else wrap_trial(run_trial),
                 budget_bytes=budget_bytes,
                 max_batch_size=max_batch_size,
                 release=lambda: release_memory(device),
-                log=log,
                 settle_slope=device.type == "cuda",  # no operator timeline there
                 time_budget_s=time_budget_s,
                 agree=agree,

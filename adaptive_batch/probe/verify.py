@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils._pytree import tree_leaves
 
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.memory.tracker import measure_peak_bytes
@@ -85,10 +86,10 @@ def runs_consecutive_steps(
     reserve_bytes: int = 0,
     soft_budget: bool = False,
     agree: Callable[[bool], bool] = lambda failed: failed,
-    log: Optional[Callable[[str], None]] = None,
 ) -> bool:
     """Whether ``batch_size`` runs :func:`verify_steps` consecutive real steps of ``target`` now,
-    as the caller's loop will, with the training state put back afterwards.
+    as the caller's loop will, with the training state put back afterwards; a failure is said in
+    a line.
 
     Args:
         batch_size: the size to check.
@@ -99,7 +100,6 @@ def runs_consecutive_steps(
         soft_budget: on CPU, judge ``budget_bytes`` by each step's live tensor bytes (a soft
             budget's measure, the same in every process); a step over it fails the check.
         agree: turns this process's outcome into every rank's (``RankGroup.any`` of the failures).
-        log: called with a line when the check fails.
 
     Returns:
         ``True`` when every step ran (on every rank).
@@ -125,14 +125,14 @@ def runs_consecutive_steps(
         return None
 
     # The state goes back after the cap is lifted: restoring is not training's to pay for.
-    with target.snapshot(snapshot_dir, log), cuda_memory_cap(device, budget_bytes):
+    with target.snapshot(snapshot_dir), cuda_memory_cap(device, budget_bytes):
         # The check runs a size the search saw fit, or one below it.
         over_budget, failure = catch_oom(run, after_a_smaller_step=True)
     release_memory(device)
     failure = failure or over_budget
     failed = agree(failure is not None)
-    if failed and log is not None:
-        log(f"probe: batch {batch_size} did not run {steps} consecutive steps within the budget ({failure or 'another rank'}).")
+    if failed:
+        logs.info(f"probe: batch {batch_size} did not run {steps} consecutive steps within the budget ({failure or 'another rank'}).")
     return not failed
 
 
@@ -161,8 +161,7 @@ def largest_that_trains(batch_size: int, target: ProbeTarget, **check: Any) -> i
             good = middle
         else:
             bad = middle
-    if check.get("log") is not None:
-        check["log"](f"probe: the answer is {good}, which runs {verify_steps(target.device)} consecutive steps; {bad} did not.")
+    logs.info(f"probe: the answer is {good}, which runs {verify_steps(target.device)} consecutive steps; {bad} did not.")
     return good
 
 

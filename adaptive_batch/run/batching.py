@@ -25,6 +25,7 @@ from adaptive_batch.data.token_budget import (
 )
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
+import adaptive_batch.logs as logs
 from adaptive_batch.probe.report import ProbeReport
 
 
@@ -34,11 +35,11 @@ class SampleBatches:
     uses_token_budget = False
     counts_lr_in_samples = True
 
-    def adopt_probe(self, report: ProbeReport, seq_len: int, log: Callable[[str], None]) -> bool:
+    def adopt_probe(self, report: ProbeReport, seq_len: int) -> bool:
         """Nothing to take from a probe report beyond its batch size; returns ``False``."""
         return False
 
-    def prepare(self, lengths: Optional[List[int]], log: Callable[[str], None]) -> None:
+    def prepare(self, lengths: Optional[List[int]]) -> None:
         """Sample lengths play no part."""
 
     def max_micro_batch_size(self, micro_batch_size: int, dataset_size: int) -> int:
@@ -68,11 +69,11 @@ class SampleBatches:
         """The progress is set from samples seen, so the scheduler starts afresh."""
         return -1
 
-    def start_epoch(self, sampler: Any, batch: BatchProgress, epoch: int, log: Callable[[str], None]) -> None:
+    def start_epoch(self, sampler: Any, batch: BatchProgress, epoch: int) -> None:
         sampler.batch_size = batch.batch_size
         sampler.set_epoch(epoch)
         if batch.grad_accum_steps > 1:
-            log(
+            logs.info(
                 f"Epoch {epoch}: {batch.batch_size} samples a step in "
                 f"{batch.grad_accum_steps} micro-batches of up to {batch.micro_batch_size}."
             )
@@ -106,17 +107,17 @@ class TokenBatches:
         self.max_batch_size = max_batch_size
         self.lengths: List[int] = []
 
-    def adopt_probe(self, report: ProbeReport, seq_len: int, log: Callable[[str], None]) -> bool:
+    def adopt_probe(self, report: ProbeReport, seq_len: int) -> bool:
         """The budget becomes the probed batch in full-length rows: any batch with as many
         padded tokens fits. Returns whether the report gained ``max_tokens``."""
         added = report.max_tokens is None  # a new probe or a cached one
         if added:
             report.max_tokens = report.batch_size * seq_len
         self.max_tokens = report.max_tokens
-        log(f"use_maximum_batch_size: training with max_tokens={self.max_tokens}")
+        logs.info(f"use_maximum_batch_size: training with max_tokens={self.max_tokens}")
         return added
 
-    def prepare(self, lengths: Optional[List[int]], log: Callable[[str], None]) -> None:
+    def prepare(self, lengths: Optional[List[int]]) -> None:
         """Takes the samples' lengths and checks the budget against them.
 
         Raises:
@@ -136,7 +137,7 @@ class TokenBatches:
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        log(
+        logs.info(
             f"Token-budget batches: max_tokens={self.max_tokens}, "
             f"{too_long} of {len(self.lengths)} samples longer than that (truncated)."
         )
@@ -169,7 +170,7 @@ class TokenBatches:
     def lr_last_epoch(self, global_step: int) -> int:
         return global_step - 1
 
-    def start_epoch(self, sampler: Any, batch: BatchProgress, epoch: int, log: Callable[[str], None]) -> None:
+    def start_epoch(self, sampler: Any, batch: BatchProgress, epoch: int) -> None:
         sampler.set_epoch(epoch)
 
     def steps_per_epoch(self, num_batches: int, max_steps_per_epoch: Optional[int]) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.faults import fault_point
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.device import prepare_allocator
 from adaptive_batch.run.lr_coupling import LRCoupling
 from adaptive_batch.run.options import AdaptiveBatchOptions
@@ -49,7 +50,8 @@ class AdaptiveBatchController:
         self.layout = layout or BatchLayout()
         self.lr: Optional[LRCoupling] = None
         self._sampler: Any = None
-        prepare_allocator(self.device, probing=options.needs_probe, log=self.log, warn=self.warn)
+        with logs.lines_to(self.log, self.warn):
+            prepare_allocator(self.device, probing=options.needs_probe)
 
     # What the recipes read of the session's decisions.
     options = property(lambda self: self.session.options)
@@ -121,12 +123,13 @@ class AdaptiveBatchController:
             BatchIncreaseFunctionError: on every rank, when the function fails.
         """
         start = self.session.begin_epoch(epoch)
-        self.mode.start_epoch(dataloader.batch_sampler, self.batch, epoch, self.log)
-        if start.resumed_after_step is not None:
-            self.log(
-                f"Epoch {epoch}: resuming after its step {start.resumed_after_step} "
-                f"(global step {self.batch.global_step})."
-            )
+        with logs.lines_to(self.log, self.warn):
+            self.mode.start_epoch(dataloader.batch_sampler, self.batch, epoch)
+            if start.resumed_after_step is not None:
+                logs.info(
+                    f"Epoch {epoch}: resuming after its step {start.resumed_after_step} "
+                    f"(global step {self.batch.global_step})."
+                )
         return self.session.steps_left(len(dataloader))
 
     def step(
@@ -159,12 +162,13 @@ class AdaptiveBatchController:
         if self.lr is not None:
             self.lr.start_step()
         split = self.session.split_step(samples)
-        accumulated = accumulate_gradients(
-            forward_backward, batch, rows=samples, micro_batch_limit=split.micro_batch_limit,
-            zero_grad=zero_grad, retry_on_oom=self.session.retries_oom, device=self.device, log=self.warn,
-            agree_on_oom=self.ranks.any if self.ranks.distributed else None, observer=self.grower.gradients,
-            min_micro_batches=split.min_micro_batches, layout=self.layout,
-        )
+        with logs.lines_to(self.log, self.warn):
+            accumulated = accumulate_gradients(
+                forward_backward, batch, rows=samples, micro_batch_limit=split.micro_batch_limit,
+                zero_grad=zero_grad, retry_on_oom=self.session.retries_oom, device=self.device,
+                agree_on_oom=self.ranks.any if self.ranks.distributed else None, observer=self.grower.gradients,
+                min_micro_batches=split.min_micro_batches, layout=self.layout,
+            )
         global_samples, tokens, padded, loss_sum = self.ranks.sums(samples, accumulated.num_tokens, padded, accumulated.loss_sum)
         outcome = StepOutcome(
             accumulated, samples, int(global_samples), tokens, padded, loss_sum / tokens,

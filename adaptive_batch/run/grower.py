@@ -5,10 +5,11 @@
 and folds each step's micro-batch gradients into the gradient noise scale when asked to.
 """
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import BatchIncreaseFunctionError
+import adaptive_batch.logs as logs
 from adaptive_batch.run.progress import BatchProgress
 from adaptive_batch.schedule.growth import (
     BatchIncreaseFunction,
@@ -26,14 +27,13 @@ from adaptive_batch.schedule.noise_scale import (
 
 
 class Grower:
-    """The growth function and the noise scale of a run.
+    """The growth function and the noise scale of a run. A growth is said at INFO, a growth that
+    must wait for the noise scale at WARNING.
 
     Args:
         growth: the function and its interval.
         noise: whether and how the gradient noise scale is measured.
         ranks: the data-parallel ranks.
-        log: where growth is reported.
-        warn: where a growth that must wait is reported.
     """
 
     def __init__(
@@ -42,13 +42,11 @@ class Grower:
         noise: NoiseScaleOptions,
         *,
         ranks: RankGroup,
-        log: Callable[[str], None],
-        warn: Callable[[str], None],
     ) -> None:
         # The user's function seen from a rank (global sizes in and out), built once.
         self._function = per_rank_increase(growth.batch_increase_function, ranks.world_size)
         self.interval = growth.batch_increase_interval
-        self.ranks, self.log, self.warn = ranks, log, warn
+        self.ranks = ranks
         self.noise_scale = GradientNoiseScale(noise.noise_scale_ema) if noise.measure_noise_scale else None
         self.gradients: Optional[MicroBatchGradients] = None
         self._samples_per_token: Optional[float] = None
@@ -121,7 +119,7 @@ class Grower:
             if self.noise_scale.updates
             else "it is measured on steps of two or more micro-batches (noise_scale_split_step=True splits steps of one)"
         )
-        self.warn(f"{self.interval.describe(k).capitalize()}: no gradient noise scale yet, so the batch stays; {why}.")
+        logs.warning(f"{self.interval.describe(k).capitalize()}: no gradient noise scale yet, so the batch stays; {why}.")
 
     def _log_growth(self, batch: BatchProgress, k: int, decision: Any) -> None:
         note = ""
@@ -132,7 +130,7 @@ class Grower:
         where = self.interval.describe(k).capitalize()
         if not self.interval.per_epoch:
             where += f" at step {batch.global_step}"
-        self.log(f"{where}: batch_size {decision.previous} -> {decision.batch_size}{per_rank}{note}.")
+        logs.info(f"{where}: batch_size {decision.previous} -> {decision.batch_size}{per_rank}{note}.")
 
     # ---------------------------------------------------------------- the noise scale
 

@@ -22,7 +22,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.loader import LOADER_KEYS, loader_settings
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.logs import info_to
 from adaptive_batch.probe.service import probe_batch_size
 from adaptive_batch.probe.target import ProbeTarget, check_make_batch, step_device
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
@@ -102,7 +101,7 @@ class AdaptiveBatch:
             )
         if make_batch is not None and options.needs_probe:
             check_make_batch(make_batch)
-        self.model, self.optimizer, self.dataset, self.log = model, optimizer, data.dataset, info_to(log)
+        self.model, self.optimizer, self.dataset = model, optimizer, data.dataset
         self._lr_scheduler, self._clip, self._make_batch = lr_scheduler, clip_grad_norm, make_batch
         self._loss_fn, self._collate, self._shuffle = loss_fn, data.collate_fn, data.shuffle
         self._loader_options = data.options

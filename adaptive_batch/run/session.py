@@ -26,7 +26,7 @@ import torch
 
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.logs import info_to, warning_to
+import adaptive_batch.logs as logs
 from adaptive_batch.probe.report import PROBE_STATE_KEY, ProbeReport
 from adaptive_batch.probe.service import save_probe_report
 from adaptive_batch.run.batching import SampleBatches, TokenBatches
@@ -122,6 +122,11 @@ class BatchSession:
         log: where decisions are reported (``None``: the ``adaptive_batch`` logger).
         warn: where recoveries are reported (``log`` when ``None``, else the logger's warnings).
 
+    Attributes:
+        log: the ``log`` given (``None`` for the logger), kept for the methods that say lines
+            (:func:`~adaptive_batch.logs.lines_to`).
+        warn: the ``warn`` given.
+
     Raises:
         ConfigError: for the first setting, or combination of settings, the run cannot use.
     """
@@ -148,7 +153,7 @@ class BatchSession:
         self.output_dir, self.max_seq_len, self.input_key = output_dir, max_seq_len, input_key
         # A step split after an out-of-memory error, unless the optimizer steps inside backward.
         self.retries_oom = options.growth.retries_oom(optimizer_in_bwd)
-        self.log, self.warn = info_to(log), warning_to(warn, log)
+        self.log, self.warn = log, warn
         self._batch_size, self._accumulation = batch_size, gradient_accumulation_steps
         options.validate(RunContext(device, gradient_accumulation_steps, packed, optimizer_in_bwd,
                                     self.ranks.world_size, max_seq_len))
@@ -157,7 +162,7 @@ class BatchSession:
             if options.tokens.max_tokens is not None
             else SampleBatches()
         )
-        self.grower = Grower(options.growth, options.noise, ranks=self.ranks, log=self.log, warn=self.warn)
+        self.grower = Grower(options.growth, options.noise, ranks=self.ranks)
         self.global_batch_split: Optional[GlobalBatchSplit] = None
         self.probe_report: Optional[ProbeReport] = None
         self._probe_again = False
@@ -215,8 +220,9 @@ class BatchSession:
         Args:
             dataset_size: the samples of one rank.
             max_steps_per_epoch: torchtune's cap on an epoch's steps, or ``None``.
-            probe: ``probe(options, dataset_size=, ranks=, output_dir=, log=, save_report=False)``
-                (a partial of :func:`probe_batch_size` with its target), when probing.
+            probe: ``probe(options, dataset_size=, ranks=, output_dir=, save_report=False)``
+                (a partial of :func:`probe_batch_size` with its target), when probing; its lines
+                go where the session's do.
             lengths: every sample's length in tokens (token-budget batches only).
 
         Raises:
@@ -224,55 +230,55 @@ class BatchSession:
             BatchSizeTooLargeError: when probing finds that batch 1 does not fit.
             ValueError: when a probe is needed and ``probe`` is ``None``.
         """
-        self._max_steps_per_epoch, self.dataset_size = max_steps_per_epoch, dataset_size
-        probed = self._probe_if_needed(dataset_size, probe)
-        report, options = self.probe_report, self.options
-        changed = report is not None and self.mode.adopt_probe(report, self.max_seq_len, self.log)
-        self.mode.prepare(lengths, self.log)
-        start, micro, self.global_batch_split = first_batch(
-            options, batch_size=self._batch_size, gradient_accumulation_steps=self._accumulation,
-            world_size=self.ranks.world_size, dataset_size=dataset_size, report=report, log=self.log, warn=self.warn,
-        )
-        split = self.global_batch_split
-        configured = split.per_rank if split is not None else self._batch_size * self._accumulation
-        self._lr_rule = LRRule.of(options.lr_scaling, configured)
-        if report is not None and self.global_batch_split is not None:
-            report.global_batch, changed = self.global_batch_split.to_dict(), True
-        if probed or changed:
-            save_probe_report(report, self.output_dir, self.ranks, plot=options.probe.plot, log=self.log)
-        self.batch = BatchProgress(
-            batch_size=start,
-            max_micro_batch_size=self.mode.max_micro_batch_size(micro, dataset_size),
-            # A global batch runs in accumulated micro-batches, and grows the same way.
-            grow_with_accumulation=options.growth.grow_with_accumulation or self.global_batch_split is not None,
-            samples_per_epoch=self.mode.samples_per_epoch(dataset_size, start, max_steps_per_epoch),
-        )
-        if self._batch_state is not None:
-            probed_micro = self.batch.max_micro_batch_size
-            self.batch.load_state_dict(self._batch_state)
-            if self._probe_again:
-                self.batch.max_micro_batch_size = probed_micro
-            self.log(f"Resumed run: batch state from the recipe state: {self.batch.state_dict()}")
-        return self.batch
+        with logs.lines_to(self.log, self.warn):
+            self._max_steps_per_epoch, self.dataset_size = max_steps_per_epoch, dataset_size
+            probed = self._probe_if_needed(dataset_size, probe)
+            report, options = self.probe_report, self.options
+            changed = report is not None and self.mode.adopt_probe(report, self.max_seq_len)
+            self.mode.prepare(lengths)
+            start, micro, self.global_batch_split = first_batch(
+                options, batch_size=self._batch_size, gradient_accumulation_steps=self._accumulation,
+                world_size=self.ranks.world_size, dataset_size=dataset_size, report=report,
+            )
+            split = self.global_batch_split
+            configured = split.per_rank if split is not None else self._batch_size * self._accumulation
+            self._lr_rule = LRRule.of(options.lr_scaling, configured)
+            if report is not None and self.global_batch_split is not None:
+                report.global_batch, changed = self.global_batch_split.to_dict(), True
+            if probed or changed:
+                save_probe_report(report, self.output_dir, self.ranks, plot=options.probe.plot)
+            self.batch = BatchProgress(
+                batch_size=start,
+                max_micro_batch_size=self.mode.max_micro_batch_size(micro, dataset_size),
+                # A global batch runs in accumulated micro-batches, and grows the same way.
+                grow_with_accumulation=options.growth.grow_with_accumulation or self.global_batch_split is not None,
+                samples_per_epoch=self.mode.samples_per_epoch(dataset_size, start, max_steps_per_epoch),
+            )
+            if self._batch_state is not None:
+                probed_micro = self.batch.max_micro_batch_size
+                self.batch.load_state_dict(self._batch_state)
+                if self._probe_again:
+                    self.batch.max_micro_batch_size = probed_micro
+                logs.info(f"Resumed run: batch state from the recipe state: {self.batch.state_dict()}")
+            return self.batch
 
     def _probe_if_needed(self, dataset_size: int, probe: Optional[Probe]) -> bool:
         """Probes unless a resumed result stands or nothing needs one; whether it probed."""
         options = self.options
         if self.probe_report is not None:
-            self.log(f"Resumed run: using the probed batch_size={self.probe_report.batch_size} from the recipe state.")
+            logs.info(f"Resumed run: using the probed batch_size={self.probe_report.batch_size} from the recipe state.")
             return False
         if not options.needs_probe:
             return False
         if not options.probe.use_maximum_batch_size:
-            self.log(
+            logs.info(
                 "batch_increase_function without max_batch_size: probing for the largest batch "
                 "that fits, as the bound of the growth."
             )
         if probe is None:
             raise ValueError("settle() needs probe= to find the largest batch that fits.")
         self.probe_report = probe(
-            options.probe, dataset_size=dataset_size, ranks=self.ranks, output_dir=self.output_dir, log=self.log,
-            save_report=False,
+            options.probe, dataset_size=dataset_size, ranks=self.ranks, output_dir=self.output_dir, save_report=False,
         )
         return True
 
@@ -317,7 +323,8 @@ class BatchSession:
         """
         batch = self.batch
         continuing = not batch.enter_epoch(epoch)
-        self.grower.start_epoch(batch, epoch)
+        with logs.lines_to(self.log, self.warn):
+            self.grower.start_epoch(batch, epoch)
         return EpochStart(
             epoch, batch.batch_size, batch.micro_batch_size, batch.grad_accum_steps,
             resumed_after_step=batch.epoch_steps if continuing else None,
@@ -354,21 +361,22 @@ class BatchSession:
     def record_step(self, step: StepRecord) -> Optional[Resize]:
         """Counts a step, keeps a limit an out-of-memory retry lowered, and grows the batch at
         the boundaries the step reached; the new batch when it changed."""
-        batch = self.batch
-        previous = batch.batch_size
-        batch.record_step(
-            samples=step.samples, micro_batch_limit=step.micro_batch_limit, oom_retries=step.oom_retries,
-            global_samples=step.global_samples, tokens=int(step.tokens),
-        )
-        if step.oom_retries:
-            self.warn(
-                f"Step {batch.global_step}: recovered from out of memory in micro-batches "
-                f"of {list(step.micro_batch_sizes)}; steps from now on use at most {batch.max_micro_batch_size}."
+        with logs.lines_to(self.log, self.warn):
+            batch = self.batch
+            previous = batch.batch_size
+            batch.record_step(
+                samples=step.samples, micro_batch_limit=step.micro_batch_limit, oom_retries=step.oom_retries,
+                global_samples=step.global_samples, tokens=int(step.tokens),
             )
-        # A boundary held at the bound (clamped) leaves the batch as it was: no resize.
-        if self.grower.grow_at_boundaries(batch) and batch.batch_size != previous:
-            return Resize(previous, batch.batch_size)
-        return None
+            if step.oom_retries:
+                logs.warning(
+                    f"Step {batch.global_step}: recovered from out of memory in micro-batches "
+                    f"of {list(step.micro_batch_sizes)}; steps from now on use at most {batch.max_micro_batch_size}."
+                )
+            # A boundary held at the bound (clamped) leaves the batch as it was: no resize.
+            if self.grower.grow_at_boundaries(batch) and batch.batch_size != previous:
+                return Resize(previous, batch.batch_size)
+            return None
 
 
 def _resumed_report(data: Any) -> ProbeReport:

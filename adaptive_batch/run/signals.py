@@ -17,7 +17,7 @@ import torch
 
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import RunStopped
-from adaptive_batch.logs import info_to
+import adaptive_batch.logs as logs
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -54,7 +54,7 @@ class StopSignals(_HandledSignals):
 
     def __init__(self, ranks: Optional[RankGroup] = None, log: Optional[Callable[[str], None]] = None) -> None:
         self.ranks = ranks or RankGroup(torch.device("cpu"))
-        self.log = info_to(log)
+        self.log = log
         self.received: Optional[int] = None
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
@@ -63,7 +63,8 @@ class StopSignals(_HandledSignals):
             os.kill(os.getpid(), signum)
             return
         self.received = signum
-        self.log(f"{signal.Signals(signum).name} received: stopping after this step (send it again to stop at once).")
+        with logs.lines_to(self.log):
+            logs.info(f"{signal.Signals(signum).name} received: stopping after this step (send it again to stop at once).")
 
     def stop_requested(self) -> Optional[int]:
         """The signal that asks every rank to stop now (each rank calls it after each step),

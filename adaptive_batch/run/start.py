@@ -1,12 +1,13 @@
 """The batch a run starts with, and the largest micro-batch, once the probe has spoken.
 
-Pure decisions over the probe's report and the settings: they return numbers and a plan and
-write nothing (the controller writes the report once, after them).
+Pure decisions over the probe's report and the settings: they return numbers and a plan, say
+them in a line, and write nothing (the controller writes the report once, after them).
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 from adaptive_batch.errors import ConfigError
+import adaptive_batch.logs as logs
 from adaptive_batch.probe.report import ProbeReport
 from adaptive_batch.probe.search import round_batch_size
 from adaptive_batch.probe.service import ProbeOptions
@@ -24,8 +25,6 @@ def first_batch(
     world_size: int,
     dataset_size: int,
     report: Optional[ProbeReport],
-    log: Callable[[str], None],
-    warn: Callable[[str], None],
 ) -> Tuple[int, int, Optional[GlobalBatchSplit]]:
     """The first step's samples per rank, the largest micro-batch, and the plan of a fixed
     ``global_batch_size`` (``None`` without one).
@@ -37,14 +36,14 @@ def first_batch(
     if global_batch is None:
         start, micro = starting_batch(
             batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, report=report,
-            probe=options.probe, growth=options.growth, log=log, warn=warn,
+            probe=options.probe, growth=options.growth,
         )
         return start, micro, None
     plan = global_batch_plan(
         global_batch, world_size=world_size, dataset_size=dataset_size, batch_size=batch_size, report=report,
         throughput_tolerance=options.probe.throughput_tolerance,
     )
-    log(plan.describe() + "; the global batch and the LR stay, an out-of-memory error halves the micro-batch.")
+    logs.info(plan.describe() + "; the global batch and the LR stay, an out-of-memory error halves the micro-batch.")
     return global_batch // world_size, plan.micro_batch_limit, plan
 
 
@@ -55,8 +54,6 @@ def starting_batch(
     report: Optional[ProbeReport],
     probe: ProbeOptions,
     growth: GrowthOptions,
-    log: Callable[[str], None],
-    warn: Callable[[str], None],
 ) -> Tuple[int, int]:
     """The first step's samples (per rank) and the largest micro-batch.
 
@@ -70,7 +67,7 @@ def starting_batch(
         if report is None:
             return batch_size * accumulation, batch_size
         micro = report.batch_size
-        log(f"use_maximum_batch_size: training with batch_size={micro}")
+        logs.info(f"use_maximum_batch_size: training with batch_size={micro}")
         return micro * accumulation, micro
     # Growth is bounded by the largest batch that ran consecutive steps (not the search's answer,
     # which may have failed them), whatever batch the objective chose.
@@ -81,12 +78,12 @@ def starting_batch(
     )
     start = batch_size * accumulation
     with_accumulation = growth.grow_with_accumulation
-    log(
+    logs.info(
         f"batch_increase_function: starting at {start} samples a step, micro-batches of up to "
         f"{bound}; growth " + ("may pass it by gradient accumulation." if with_accumulation else "stops there.")
     )
     if start > bound and not with_accumulation:
-        warn(
+        logs.warning(
             f"batch_size={batch_size} x gradient_accumulation_steps={accumulation} is over "
             f"the largest batch that fits, {bound}: starting at {bound}."
         )

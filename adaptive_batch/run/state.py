@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from adaptive_batch.distributed import RankGroup, check_same_world_size
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import content_digest
+import adaptive_batch.logs as logs
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.session import BatchSession
 
@@ -126,10 +127,11 @@ class RunState:
         global_batch = self.session.options.global_batch.global_batch_size
         if changed and set(changed) <= BUDGET_KEYS and global_batch is not None:
             moves = ", ".join(f"{k} {before.get(k, 'unset')} -> {self.fingerprint[k]}" for k in changed)
-            self.session.log(
-                f"Resumed run: {moves}; each step still trains global_batch_size={global_batch} samples: "
-                "probing the micro-batch again."
-            )
+            with logs.lines_to(self.session.log, self.session.warn):  # where the session's lines go
+                logs.info(
+                    f"Resumed run: {moves}; each step still trains global_batch_size={global_batch} samples: "
+                    "probing the micro-batch again."
+                )
             self.session.probe_again()
             return
         if changed:

@@ -17,6 +17,7 @@ import torch
 
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.errors import MicroBatchOutOfMemoryError, PeerOutOfMemoryError
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.oom import catch_oom, release_memory
 
 Batch = Any  # any structure of tensors (see adaptive_batch.data.layout)
@@ -68,7 +69,6 @@ def accumulate_gradients(
     zero_grad: Callable[[], None],
     retry_on_oom: bool = True,
     device: Optional[torch.device] = None,
-    log: Callable[[str], None] = lambda message: None,
     agree_on_oom: Optional[Callable[[bool], bool]] = None,
     observer: Optional[Any] = None,
     min_micro_batches: int = 1,
@@ -83,10 +83,9 @@ def accumulate_gradients(
         rows: its samples (every tensor with this many along ``layout.batch_dim`` is split).
         micro_batch_limit: the most rows one micro-batch may have.
         zero_grad: drops the gradients, to restart a step that ran out of memory.
-        retry_on_oom: restart the step in smaller micro-batches after an out-of-memory error;
-            when ``False`` the error propagates.
+        retry_on_oom: restart the step in smaller micro-batches after an out-of-memory error,
+            with a warning; when ``False`` the error propagates.
         device: the device, to give its cached memory back between attempts.
-        log: where retries are reported.
         agree_on_oom: for data-parallel ranks, ``agree(failed) -> failed on any rank`` after
             every micro-batch, so all ranks restart with the same smaller micro-batches (an error
             raised inside a collective leaves a rank waiting there, out of reach).
@@ -118,11 +117,12 @@ def accumulate_gradients(
         zero_grad()
         release_memory(device)
         messages.append(message)
-        limit = _halved_limit(max(sizes), rows, message, log)
+        limit = _halved_limit(max(sizes), rows, message)
 
 
-def _halved_limit(largest: int, rows: int, message: str, log: Callable[[str], None]) -> int:
-    """The limit a step that ran out of memory in micro-batches of up to ``largest`` retries at.
+def _halved_limit(largest: int, rows: int, message: str) -> int:
+    """The limit a step that ran out of memory in micro-batches of up to ``largest`` retries at,
+    said in a warning.
 
     Raises:
         MicroBatchOutOfMemoryError: when ``largest`` was already one sample.
@@ -133,7 +133,7 @@ def _halved_limit(largest: int, rows: int, message: str, log: Callable[[str], No
             "optimizer alone nearly fill the memory: lower max_seq_len or free memory."
         )
     limit = max(1, largest // 2)
-    log(
+    logs.warning(
         f"out of memory in a step of {rows} samples in micro-batches of up to {largest} "
         f"({message}); retrying it in micro-batches of up to {limit}."
     )

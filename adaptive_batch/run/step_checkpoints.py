@@ -26,7 +26,7 @@ import torch
 from adaptive_batch.distributed import RankGroup, check_same_world_size
 from adaptive_batch.errors import CheckpointWriteError, ConfigError
 from adaptive_batch.files import atomic_write, remove_partial_writes
-from adaptive_batch.logs import info_to
+import adaptive_batch.logs as logs
 from adaptive_batch.validation import check_positive_int
 
 DIRNAME = "step_checkpoints"
@@ -71,7 +71,7 @@ class StepCheckpoints:
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.ranks = ranks or RankGroup(torch.device("cpu"))
-        self.log = info_to(log)
+        self.log = log
         self._state: Callable[[], Dict[str, Any]] = dict
         self._position: Dict[str, Stateful] = {}
 
@@ -107,20 +107,21 @@ class StepCheckpoints:
         Raises:
             ConfigError: when it was written by another number of ranks.
         """
-        for step, path in reversed(self.saved()):
-            # At the same step the epoch checkpoint wins: it ends the epoch, and resuming from
-            # it starts the next one, where a step checkpoint would re-enter the finished epoch.
-            if step <= epoch_step:
-                self.log(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is not newer.")
-                return None
-            try:
-                state = self.load(path)
-            except Exception as e:  # a truncated zip, an empty file, bytes that are no pickle
-                self.log(f"The step checkpoint {path} cannot be read ({type(e).__name__}: {e}); trying the one before it.")
-                continue
-            since = f"the epoch checkpoint is at step {epoch_step}" if epoch_step >= 0 else "no epoch checkpoint yet"
-            self.log(f"Resuming from the step checkpoint {path} (step {step}; {since}).")
-            return self._checked(state, path)
+        with logs.lines_to(self.log):
+            for step, path in reversed(self.saved()):
+                # At the same step the epoch checkpoint wins: it ends the epoch, and resuming from
+                # it starts the next one, where a step checkpoint would re-enter the finished epoch.
+                if step <= epoch_step:
+                    logs.info(f"Resuming from the epoch checkpoint (step {epoch_step}): {path} is not newer.")
+                    return None
+                try:
+                    state = self.load(path)
+                except Exception as e:  # a truncated zip, an empty file, bytes that are no pickle
+                    logs.info(f"The step checkpoint {path} cannot be read ({type(e).__name__}: {e}); trying the one before it.")
+                    continue
+                since = f"the epoch checkpoint is at step {epoch_step}" if epoch_step >= 0 else "no epoch checkpoint yet"
+                logs.info(f"Resuming from the step checkpoint {path} (step {step}; {since}).")
+                return self._checked(state, path)
         return None
 
     def _checked(self, state: Dict[str, Any], path: str) -> Dict[str, Any]:
@@ -180,12 +181,14 @@ class StepCheckpoints:
         for old in removed:
             os.unlink(old)
         note = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
-        self.log(f"Step {global_step}: checkpoint saved to {path}{note}.")
+        with logs.lines_to(self.log):
+            logs.info(f"Step {global_step}: checkpoint saved to {path}{note}.")
         return path
 
     def remove_partial_writes(self) -> None:
         """Deletes temporaries a crash left mid-write (never a finished checkpoint)."""
-        remove_partial_writes(self.directory, log=self.log)
+        with logs.lines_to(self.log):
+            remove_partial_writes(self.directory)
 
     @staticmethod
     def load(path: str) -> Dict[str, Any]:

@@ -25,7 +25,7 @@ from torch import nn
 from adaptive_batch.errors import CheckpointWriteError, ConfigError
 from adaptive_batch.faults import fault_point
 from adaptive_batch.files import atomic_write, fsync_directory, fsync_tree, walk_files, write_failure_cause
-from adaptive_batch.logs import info_to
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.oom import first_line
 from adaptive_batch.run.step_checkpoints import DIRNAME, StepCheckpoints
 
@@ -136,17 +136,18 @@ def save_epoch_checkpoint(
 
 def recover_epoch_checkpoint(output_dir: str, log: Optional[Callable[[str], None]] = None) -> None:
     """Finishes moving an epoch checkpoint an interrupted run had completed, or removes one it
-    had not (the checkpoints before it are then the newest)."""
-    log = info_to(log)
+    had not (the checkpoints before it are then the newest); says which to ``log`` (``None``:
+    the ``adaptive_batch`` logger)."""
     staging = os.path.join(output_dir, STAGING_DIRNAME)
     if not os.path.isdir(staging):
         return
-    if os.path.exists(os.path.join(staging, COMPLETE_MARK)):
-        moved = _move_into_place(staging, output_dir)
-        log(f"Finished saving the epoch checkpoint an interrupted run had written ({', '.join(moved) or 'moved'}).")
-    else:
-        shutil.rmtree(staging)
-        log(f"Removed an epoch checkpoint an interrupted run left half-written ({staging}).")
+    with logs.lines_to(log):
+        if os.path.exists(os.path.join(staging, COMPLETE_MARK)):
+            moved = _move_into_place(staging, output_dir)
+            logs.info(f"Finished saving the epoch checkpoint an interrupted run had written ({', '.join(moved) or 'moved'}).")
+        else:
+            shutil.rmtree(staging)
+            logs.info(f"Removed an epoch checkpoint an interrupted run left half-written ({staging}).")
 
 
 def _move_into_place(staging: str, output_dir: str) -> List[str]:

@@ -59,7 +59,7 @@ def test_layers_import_downwards_only_and_without_cycles():
             continue
         module = "adaptive_batch." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
         graph[module] = {m for m in _imports(path) if m != "adaptive_batch"}
-    assert graph["adaptive_batch.memory.device"] == set()
+    assert graph["adaptive_batch.memory.device"] <= {"adaptive_batch.logs"}  # the one layer before it
     assert graph["adaptive_batch.errors"] == {"adaptive_batch.memory.device"}
     upward = [(m, dep) for m in graph for dep in graph[m] if _layer(dep) > _layer(m)]
     assert not upward, f"imports against the layer order {LAYERS}: {upward}"

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from adaptive_batch import parse_memory
+from adaptive_batch.logs import lines_to
 from adaptive_batch.memory.device import (
     ALLOC_CONF_VARS,
     DeviceCapacity,
@@ -149,7 +150,8 @@ class AllocatorSettings:
 def test_expandable_segments_are_turned_on_and_said(monkeypatch):
     settings = AllocatorSettings(monkeypatch)
     logged, warned = [], []
-    assert use_expandable_segments(log=logged.append, warn=warned.append)
+    with lines_to(logged.append, warned.append):
+        assert use_expandable_segments()
     assert settings.calls == ["expandable_segments:True"]
     assert len(logged) == 1 and "expandable_segments:True" in logged[0] and not warned
 
@@ -159,7 +161,8 @@ def test_expandable_segments_the_user_turned_on_are_left_alone(monkeypatch, name
     settings = AllocatorSettings(monkeypatch)
     monkeypatch.setenv(name, "max_split_size_mb:512, expandable_segments:True")
     logged = []
-    assert use_expandable_segments(log=logged.append, warn=logged.append)
+    with lines_to(logged.append):
+        assert use_expandable_segments()
     assert settings.calls == [] and logged == []
 
 
@@ -168,7 +171,8 @@ def test_a_torch_without_the_private_setter_is_said_with_the_variable_to_set(mon
     for name in ("_accelerator_setAllocatorSettings", "_cuda_cudaCachingAllocator_set_allocator_settings"):
         monkeypatch.delattr(torch._C, name, raising=False)
     logged, warned = [], []
-    assert not use_expandable_segments(log=logged.append, warn=warned.append)
+    with lines_to(logged.append, warned.append):
+        assert not use_expandable_segments()
     assert logged == [] and len(warned) == 1
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in warned[0] and torch.__version__ in warned[0]
 
@@ -177,7 +181,8 @@ def test_expandable_segments_the_user_turned_off_stay_off_with_a_warning(monkeyp
     settings = AllocatorSettings(monkeypatch)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     logged, warned = [], []
-    assert not use_expandable_segments(log=logged.append, warn=warned.append)
+    with lines_to(logged.append, warned.append):
+        assert not use_expandable_segments()
     assert settings.calls == [] and logged == []
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in warned[0]
     assert "remove expandable_segments:False" in warned[0]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from adaptive_batch import ConfigError, find_max_batch_size
+from adaptive_batch.logs import lines_to
 
 
 def parts(width=512):
@@ -294,5 +295,6 @@ def test_the_recipes_allocator_settings_are_said_in_one_line(monkeypatch):
 
     monkeypatch.setattr(device, "return_freed_memory_to_os", lambda: True)
     lines = []
-    device.prepare_allocator(torch.device("cpu"), probing=True, log=lines.append, warn=lines.append)
+    with lines_to(lines.append):
+        device.prepare_allocator(torch.device("cpu"), probing=True)
     assert len(lines) == 1 and "glibc M_MMAP_THRESHOLD=256KiB and M_ARENA_MAX=1 for this run" in lines[0]

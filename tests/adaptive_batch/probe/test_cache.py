@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from adaptive_batch.logs import lines_to
 from adaptive_batch.probe.cache import ProbeCache, cache_key, default_cache_dir, library_versions
 from adaptive_batch.probe.report import ProbeReport
 
@@ -27,21 +28,22 @@ def test_hit_after_store_and_miss_on_any_changed_field(tmp_path):
 
 def test_corrupt_and_stale_entries_are_ignored_with_a_warning(tmp_path):
     warnings = []
-    cache = ProbeCache(str(tmp_path), warn=warnings.append)
-    path = cache.store(FIELDS, REPORT)
-    with open(path, "w") as f:
-        f.write('{"format": 1, "fields": ')  # cut short
-    assert cache.load(FIELDS) is None and "unreadable" in warnings[-1]
-    # an entry whose fields are not the key's (hand-edited, or a hash collision)
-    with open(path, "w") as f:
-        json.dump({"format": 1, "fields": {**FIELDS, "seq_len": 4096}, "report": REPORT.to_dict()}, f)
-    assert cache.load(FIELDS) is None and "stale" in warnings[-1]
-    with open(path, "w") as f:
-        json.dump({"format": 1, "fields": FIELDS, "report": {"max_batch_size": "19"}}, f)
-    assert cache.load(FIELDS) is None and "invalid" in warnings[-1]
-    with open(path, "w") as f:
-        json.dump({"format": 0, "fields": FIELDS, "report": REPORT.to_dict()}, f)
-    assert cache.load(FIELDS) is None and len(warnings) == 4
+    with lines_to(warnings.append):
+        cache = ProbeCache(str(tmp_path))
+        path = cache.store(FIELDS, REPORT)
+        with open(path, "w") as f:
+            f.write('{"format": 1, "fields": ')  # cut short
+        assert cache.load(FIELDS) is None and "unreadable" in warnings[-1]
+        # an entry whose fields are not the key's (hand-edited, or a hash collision)
+        with open(path, "w") as f:
+            json.dump({"format": 1, "fields": {**FIELDS, "seq_len": 4096}, "report": REPORT.to_dict()}, f)
+        assert cache.load(FIELDS) is None and "stale" in warnings[-1]
+        with open(path, "w") as f:
+            json.dump({"format": 1, "fields": FIELDS, "report": {"max_batch_size": "19"}}, f)
+        assert cache.load(FIELDS) is None and "invalid" in warnings[-1]
+        with open(path, "w") as f:
+            json.dump({"format": 0, "fields": FIELDS, "report": REPORT.to_dict()}, f)
+        assert cache.load(FIELDS) is None and len(warnings) == 4
 
 
 def test_versions_and_default_directory(monkeypatch, tmp_path):
@@ -71,7 +73,7 @@ def test_versions_and_default_directory(monkeypatch, tmp_path):
 )
 def test_a_poisoned_entry_is_never_a_hit(tmp_path, poison, reason):
     warnings = []
-    cache = ProbeCache(str(tmp_path), warn=warnings.append)
+    cache = ProbeCache(str(tmp_path))
     fields = {**FIELDS, "batch_size_cap": 64}
     path = cache.store(fields, REPORT)
     with open(path) as f:
@@ -79,5 +81,6 @@ def test_a_poisoned_entry_is_never_a_hit(tmp_path, poison, reason):
     entry["report"].update(poison)
     with open(path, "w") as f:
         json.dump(entry, f)
-    assert cache.load(fields) is None
+    with lines_to(warnings.append):
+        assert cache.load(fields) is None
     assert "ignoring invalid entry" in warnings[-1] and reason in warnings[-1] and "probing again" in warnings[-1]

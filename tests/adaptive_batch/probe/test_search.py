@@ -2,6 +2,7 @@ import pytest
 
 from adaptive_batch import BatchSizeTooLargeError
 from adaptive_batch.memory.tracker import StepMemory
+from adaptive_batch.logs import lines_to
 from adaptive_batch.probe import search
 from adaptive_batch.probe.search import round_batch_size, search_max_batch_size
 
@@ -255,7 +256,8 @@ class StepWithOperators:
 def test_operator_lines_land_on_the_answer_with_one_failure_and_batch_three_when_one_differs():
     step = StepWithOperators()
     lines = []
-    result = search_max_batch_size(step, budget_bytes=3_000, release=no_release, log=lines.append)
+    with lines_to(lines.append):
+        result = search_max_batch_size(step, budget_bytes=3_000, release=no_release)
     # 260 + 400 * 6 = 2_660 fits, 7 gives 3_060
     assert step.calls == [1, 1, 2, 3, 6, 7]
     assert result.max_batch_size == result.predicted_max_batch_size == 6
@@ -378,7 +380,8 @@ def test_a_time_budget_stops_at_the_largest_fit_when_the_next_trial_would_end_pa
     clock = FakeClock()
     monkeypatch.setattr(search.time, "perf_counter", clock.perf_counter)
     lines = []
-    result = search_max_batch_size(clock.step, budget_bytes=11_000, time_budget_s=time_budget_s, log=lines.append)
+    with lines_to(lines.append):
+        result = search_max_batch_size(clock.step, budget_bytes=11_000, time_budget_s=time_budget_s)
     assert (result.max_batch_size, result.stopped_by_time, result.to_dict()["stopped_by_time"]) == (found, stopped, stopped)
     eta = [line for line in lines if "should take about" in line]
     assert len(eta) == 1 and "predicted batch 1000 should take about 10.1s" in eta[0]
@@ -396,9 +399,8 @@ def test_a_time_budget_stops_at_the_largest_fit_when_the_next_trial_would_end_pa
 def test_ranks_stop_for_time_together():
     """Ranks search in lockstep: one rank's wish to stop (its clock) is every rank's."""
     lines = []
-    result = search_max_batch_size(
-        lambda b: 1000 + 10 * b, budget_bytes=11_000, time_budget_s=1e9, agree=lambda stop: True, log=lines.append
-    )
+    with lines_to(lines.append):
+        result = search_max_batch_size(lambda b: 1000 + 10 * b, budget_bytes=11_000, time_budget_s=1e9, agree=lambda stop: True)
     assert result.stopped_by_time and result.max_batch_size == 2
     assert [line for line in lines if line.startswith("probe: stopped at batch 2, the largest that fitted so far: a trial at")]
 

@@ -179,7 +179,7 @@ def test_an_answer_from_fresh_processes_is_checked_in_the_probing_process(monkey
     report = service.search_and_check(
         ProbeOptions(use_maximum_batch_size=True), target, budget, capacity, service.TrialLimits(None, 0),
         rank_budgets=[budget.budget_bytes], cap=None, seq_len=None, ranks=RankGroup.alone(), snapshot_dir=str(tmp_path),
-        log=None, build=lambda: target,
+        build=lambda: target,
     )
     assert report.trials_in_fresh_processes and report.max_batch_size == 20
     assert report.batch_size == report.verified_batch_size == 19 and 20 in ran

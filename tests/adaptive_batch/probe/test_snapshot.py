@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from adaptive_batch.logs import lines_to
 from adaptive_batch.probe.snapshot import TrainingStateSnapshot
 
 
@@ -115,7 +116,7 @@ def test_a_stale_snapshot_is_removed_with_a_message(tmp_path):
     stale = tmp_path / ".probe_snapshot_abc123.pt"
     stale.write_bytes(b"x" * 100)
     lines = []
-    with TrainingStateSnapshot(torch.nn.Linear(2, 2), None, directory=str(tmp_path), log=lines.append):
+    with lines_to(lines.append), TrainingStateSnapshot(torch.nn.Linear(2, 2), None, directory=str(tmp_path)):
         pass
     assert not stale.exists()
     assert "snapshot a killed run left behind" in lines[0] and str(stale) in lines[0]

@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 
+from adaptive_batch.logs import lines_to
 from adaptive_batch.probe import verify
 from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.verify import cuda_memory_cap, largest_that_trains, runs_consecutive_steps
@@ -46,7 +47,8 @@ def test_steps_down_then_back_up_to_the_largest_that_trains(monkeypatch):
     monkeypatch.setattr(verify, "release_memory", lambda device: None)
     before = [p.detach().clone() for p in model.parameters()]
     lines = []
-    assert largest_that_trains(100, target, log=lines.append) == 90
+    with lines_to(lines.append):
+        assert largest_that_trains(100, target) == 90
     steps = verify.VERIFY_STEPS["cuda"]
     # 2% at a time until one passes, then 91 (between 90 and 92) fails its second step.
     assert sizes == [100, 100, 98, 98, 96, 96, 94, 94, 92, 92] + [90] * steps + [91, 91]
@@ -82,7 +84,8 @@ def test_another_ranks_failure_fails_every_rank():
     """The ranks agree (``RankGroup.any``): a size that fails on one fails on all."""
     _, _, target = _parts(second_step_fails_above=1000)
     lines = []
-    assert not runs_consecutive_steps(8, target, agree=lambda failed: True, log=lines.append)
+    with lines_to(lines.append):
+        assert not runs_consecutive_steps(8, target, agree=lambda failed: True)
     assert "(another rank)" in lines[0]
     assert largest_that_trains(8, target, agree=lambda failed: True) == 1
 
@@ -169,7 +172,8 @@ def test_on_cpu_a_soft_budget_is_held_by_the_steps_live_tensor_bytes():
     # the parameters and AdamW's two moments alone are ~1.6 MiB; one sample's activations ~8 KiB
     lines = []
     assert runs_consecutive_steps(4, target, budget_bytes=8 * 2**20, soft_budget=True)
-    assert not runs_consecutive_steps(2000, target, budget_bytes=8 * 2**20, soft_budget=True, log=lines.append)
+    with lines_to(lines.append):
+        assert not runs_consecutive_steps(2000, target, budget_bytes=8 * 2**20, soft_budget=True)
     assert "live tensors peaked at" in lines[0] and "over the budget's 8388608" in lines[0]
     # the same size is not judged by tensors under a hard limit (allocation failures decide there)
     assert runs_consecutive_steps(2000, target, budget_bytes=8 * 2**20, soft_budget=False)

@@ -3,6 +3,7 @@
 import pytest
 
 from adaptive_batch import ConfigError, ProbeOptions
+from adaptive_batch.logs import lines_to
 from adaptive_batch.probe.report import ProbeReport
 from adaptive_batch.run.start import global_batch_plan, starting_batch
 from adaptive_batch.schedule.growth import GrowthOptions
@@ -17,8 +18,9 @@ def probed(**fields):
 
 def start(report=None, probe=ProbeOptions(), growth=GrowthOptions(), batch_size=4, accumulation=1):
     lines, warnings = [], []
-    got = starting_batch(batch_size=batch_size, gradient_accumulation_steps=accumulation, report=report,
-                         probe=probe, growth=growth, log=lines.append, warn=warnings.append)
+    with lines_to(lines.append, warnings.append):
+        got = starting_batch(batch_size=batch_size, gradient_accumulation_steps=accumulation, report=report,
+                             probe=probe, growth=growth)
     return got, lines, warnings
 
 

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from adaptive_batch import MicroBatchOutOfMemoryError
+from adaptive_batch.logs import lines_to
 from adaptive_batch.run.step import accumulate_gradients, micro_batch_sizes
 
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes."
@@ -81,9 +82,8 @@ def test_out_of_memory_retries_the_same_rows_smaller():
         return out
 
     messages = []
-    step = accumulate_gradients(
-        fails_over_three, make_batch(), rows=10, micro_batch_limit=10, zero_grad=setup.zero_grad, log=messages.append
-    )
+    with lines_to(warn=messages.append):  # retries are warnings
+        step = accumulate_gradients(fails_over_three, make_batch(), rows=10, micro_batch_limit=10, zero_grad=setup.zero_grad)
     assert step.oom_retries == 2 and step.micro_batch_limit == 2  # 10 -> 5 -> 2
     assert step.micro_batch_sizes == [2] * 5
     assert len(messages) == 2 and "retrying it in micro-batches of up to 5" in messages[0]
