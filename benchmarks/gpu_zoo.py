@@ -202,9 +202,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":  # as training turns them on: the fresh processes run with them too
+        from adaptive_batch.logs import lines_to
         from adaptive_batch.memory.device import use_expandable_segments
 
-        use_expandable_segments(log=print, warn=print)
+        with lines_to(print, print):
+            use_expandable_segments()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -149,6 +149,38 @@ def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(t
     assert trainer_peak(found) <= budget < trainer_peak(found + 1)
 
 
+def test_in_mixed_precision_the_trials_forward_runs_as_the_trainers_own(tmp_path):
+    """Accelerate wraps the forward in autocast (its outputs cast to fp32) when train() prepares
+    the model, after the probe. Without the same wrap the probe's bf16 trials ran in fp32: on an
+    H200 they measured 1.84 GiB at 16 where the Trainer's own steps took 1.37 GiB."""
+    from transformers import TrainerCallback
+
+    trainer = _trainer(tmp_path, max_memory="20MiB", training={"bf16": True})
+    seen = {"probe": set(), "training": set()}
+    phase = ["probe"]
+
+    def inside(module, args, output):  # under the forward's autocast, if any
+        autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        seen[phase[0]].add(("lm_head", autocast, output.dtype))
+
+    def outside(module, args, output):  # what the caller gets back
+        seen[phase[0]].add(("logits", output.logits.dtype))
+
+    class Training(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            phase[0] = "training"
+
+    trainer.model.lm_head.register_forward_hook(inside)
+    trainer.model.register_forward_hook(outside)
+    trainer.add_callback(Training())
+    trainer.train()
+    assert any(line.startswith("probe trial") for line in trainer.lines)
+    expected = {("lm_head", torch.bfloat16, torch.bfloat16), ("logits", torch.float32)}
+    assert seen["probe"] == seen["training"] == expected, seen
+    # The probe's wrap is gone before train() prepares the model: accelerate wrapped the model's own forward.
+    assert trainer.model._original_forward.__func__ is type(trainer.model).forward
+
+
 def test_the_evaluation_trial_runs_in_eval_mode_after_the_training_trials(tmp_path):
     """The training trials leave the model in train mode; the evaluation loop runs it in eval
     mode (dropout off, BatchNorm's statistics untouched), and so must its trial."""
