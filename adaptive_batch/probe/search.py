@@ -139,6 +139,7 @@ def search_max_batch_size(
     agree: Callable[[bool], bool] = lambda stop: stop,
     estimate_sizes: Tuple[int, int] = (1, 2),
     tolerance: float = 0.0,
+    oom_scars_caller: bool = False,
 ) -> SearchResult:
     """Finds the largest batch size whose step fits in ``budget_bytes``.
 
@@ -187,6 +188,10 @@ def search_max_batch_size(
             smallest failure (0: exact); the gallop's first stride is as large. For a unit whose
             noise is larger than a sample (address space moves in 8 MiB steps of glibc's heap,
             where an MLP's sample took 0.1 MiB: 19 trials to settle 1% below the budget).
+        oom_scars_caller: a failed trial leaves the heap the caller trains in worse (trials in
+            this process under a hard CPU limit): the last trial, one past the largest fit, is
+            not run where the line through the two largest fits puts it over the budget by
+            more than half a sample (:meth:`_Bracket.foresees_failure`).
 
     Returns:
         The result, with every trial.
@@ -209,7 +214,8 @@ def search_max_batch_size(
         clock.say_eta(predicted)
         # A line per operator through two steps that ran the same operators is the step's own
         # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.
-        _Search(bracket, predicted, clock, trust_prediction=isinstance(estimate, OperatorMemoryEstimate)).run()
+        _Search(bracket, predicted, clock, trust_prediction=isinstance(estimate, OperatorMemoryEstimate),
+                spare_the_caller=oom_scars_caller).run()
     return SearchResult(
         bracket.lo, budget_bytes, estimate, predicted, trials.done, time.perf_counter() - start, clock.stopped
     )
@@ -368,15 +374,37 @@ class _Bracket:
         candidate = max(candidate, self.lo + 1)
         return min(candidate, top) if top is not None else candidate
 
+    def _two_largest_fits(self) -> Optional[Tuple[Tuple[int, int], Tuple[int, int]]]:
+        fits = sorted({t.batch_size: t.peak_bytes for t in self.trials.done
+                       if t.fits and t.peak_bytes and t.phase != "warmup"}.items())
+        return (fits[-2], fits[-1]) if len(fits) >= 2 else None
+
     def extrapolate(self) -> Optional[int]:
         """Where the line through the two largest fits' peaks meets the budget (``None``: fewer
         than two, or a line that does not rise)."""
-        fits = sorted({t.batch_size: t.peak_bytes for t in self.trials.done
-                       if t.fits and t.peak_bytes and t.phase != "warmup"}.items())
-        if len(fits) < 2:
+        pair = self._two_largest_fits()
+        if pair is None:
             return None
-        (b1, p1), (b2, p2) = fits[-2:]
+        (b1, p1), (b2, p2) = pair
         return _where_line_meets(self.budget_bytes, b1, p1, b2, p2)
+
+    def foresees_failure(self, batch_size: int) -> bool:
+        """Whether the line through the two largest fits' measured peaks puts ``batch_size`` over
+        the budget by more than half a sample: a failure the measurements at the top of the
+        range already show, with a sample's worth of room for the line's own error."""
+        pair = self._two_largest_fits()
+        if pair is None:
+            return False
+        (b1, p1), (b2, p2) = pair
+        per_sample = (p2 - p1) / (b2 - b1)
+        return per_sample > 0 and p2 + per_sample * (batch_size - b2) >= self.budget_bytes + per_sample / 2
+
+    def judge_over(self, batch_size: int) -> None:
+        """Takes ``batch_size`` as not fitting, without a trial."""
+        self.hi = batch_size if self.hi is None else min(self.hi, batch_size)
+        logs.info(f"probe: batch_size={batch_size} is not tried: the line through the two largest fits puts its "
+                  "peak over the budget by more than half a sample, and a failed trial would leave this process's "
+                  "heap worse for the training that follows.")
 
     def interpolate(self) -> Optional[int]:
         """Where the line through the measured peaks at ``lo`` and ``hi`` meets the budget."""
@@ -407,9 +435,10 @@ class _Search:
     trials in a row on the same side fall back to one halving.
     """
 
-    def __init__(self, bracket: _Bracket, predicted: Optional[int], clock: "_Clock", *, trust_prediction: bool) -> None:
+    def __init__(self, bracket: _Bracket, predicted: Optional[int], clock: "_Clock", *, trust_prediction: bool,
+                 spare_the_caller: bool = False) -> None:
         self.bracket, self.predicted, self.clock = bracket, predicted, clock
-        self.trust_prediction = trust_prediction
+        self.trust_prediction, self.spare_the_caller = trust_prediction, spare_the_caller
         self.direction = 0  # +1 while trials fit, -1 while they fail, until bracketed
         self.step = 1  # the gallop's next stride
         self.bracketed = False
@@ -422,6 +451,9 @@ class _Search:
         candidate = b.clamp(self.predicted if self.predicted is not None else 2 * b.lo, bounded=not self.trust_prediction)
         while not b.settled():
             if not self.clock.allows(candidate, b.lo):
+                break
+            if self.spare_the_caller and candidate == b.lo + 1 and b.foresees_failure(candidate):
+                b.judge_over(candidate)
                 break
             fits = b.run(candidate, "search")
             moved = 1 if fits else -1

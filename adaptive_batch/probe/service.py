@@ -371,6 +371,8 @@ def search_and_check(
                 target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir,
                 wrap_trial=agree_on_outcomes, trial_limit=lambda: trial_memory_limit(limits.address_space, announce=True),
                 budget_source=budget.source, time_budget_s=options.probe_time_budget, agree=ranks.any,
+                # An out-of-memory trial in this process scars the heap it trains in (CUDA's cache empties).
+                oom_scars_caller=not budget.is_soft and target.device.type == "cpu" and not ranks.distributed,
             )
     # Also after trials in fresh processes: this process has what a fresh one has not (a LoRA
     # answer ran 3 steps in a child with 2 MiB to spare and ran out of memory here in training).

@@ -59,6 +59,7 @@ def probe_max_batch_size(
     budget_source: str = "max_memory",
     time_budget_s: Optional[float] = None,
     agree: Callable[[bool], bool] = lambda stop: stop,
+    oom_scars_caller: bool = False,
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
@@ -76,6 +77,8 @@ def probe_max_batch_size(
         budget_source: what set ``budget_bytes``, for the advice when batch 1 does not fit.
         time_budget_s: seconds the search may take (see :func:`search_max_batch_size`).
         agree: makes a rank's wish to stop for time every rank's (``RankGroup.any``).
+        oom_scars_caller: a failed trial would leave the heap the caller trains in worse (see
+            :func:`search_max_batch_size`).
 
     Returns:
         The search result with every trial.
@@ -100,6 +103,7 @@ def probe_max_batch_size(
                 settle_slope=device.type == "cuda",  # no operator timeline there
                 time_budget_s=time_budget_s,
                 agree=agree,
+                oom_scars_caller=oom_scars_caller,
             )
         except BatchSizeTooLargeError as e:
             raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget_source) from None

@@ -84,6 +84,34 @@ def test_warmup_step_is_left_out_of_the_estimate():
     assert [t.phase for t in result.trials[:3]] == ["warmup", "estimate", "estimate"]
 
 
+def test_where_a_failed_trial_scars_the_caller_the_failure_the_line_foresees_is_not_run():
+    # The Trainer under an outside limit (trials in its own process): 16 fitted at 1.50 GiB of a
+    # 1.51 GiB budget at 89 MiB a sample, 17 ran out of memory, and the scarred heap then failed
+    # 16's consecutive steps, so it answered 15 where 16 trains.
+    step = LinearStep(fixed=1_000, per_sample=100, oom_above=37, start=True)
+    lines = []
+    with lines_to(lines.append):
+        result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37 + 10, release=no_release,
+                                       oom_scars_caller=True)
+    assert result.max_batch_size == 37 and step.calls == [1, 1, 2, 37]
+    assert not any(t.oom or not t.fits for t in result.trials)
+    assert any("batch_size=38 is not tried" in line for line in lines)
+    # The same search where failures leave nothing behind runs the trial that settles it.
+    plain = LinearStep(fixed=1_000, per_sample=100, oom_above=37, start=True)
+    search_max_batch_size(plain, budget_bytes=1_000 + 100 * 37 + 10, release=no_release)
+    assert plain.calls == [1, 1, 2, 37, 38]
+
+
+def test_a_failure_within_half_a_sample_of_the_line_is_still_tried():
+    # 38 is within half a sample of the budget by the line: only a trial can say, and it fails
+    # (memory the line cannot see); the answer is bracketed by real trials as before.
+    step = LinearStep(fixed=1_000, per_sample=100, oom_above=37, start=True)
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37 + 60, release=no_release,
+                                   oom_scars_caller=True)
+    assert result.max_batch_size == 37 and step.calls[-1] == 38
+    check_bracket(result)
+
+
 def test_real_oom_below_the_budget_walks_down_then_bisects():
     # The line says 90 fits, but allocations fail above 61 (memory the counter cannot see).
     step = LinearStep(fixed=1_000, per_sample=100, oom_above=61, start=True)
