@@ -101,9 +101,7 @@ def probe_max_batch_size(
                 max_batch_size=max_batch_size,
                 release=lambda: release_memory(device),
                 settle_slope=device.type == "cuda",  # no operator timeline there
-                time_budget_s=time_budget_s,
-                agree=agree,
-                oom_scars_caller=oom_scars_caller,
+                time_budget_s=time_budget_s, agree=agree, oom_scars_caller=oom_scars_caller,
             )
         except BatchSizeTooLargeError as e:
             raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget_source) from None
