@@ -1,0 +1,181 @@
+"""Lightning's ``BatchSizeFinder`` replaced by the probe: real training steps of the module's own
+``training_step``, a memory-delta estimate, and a search with real out-of-memory trials.
+
+``BatchSizeFinder`` doubles (or bisects) the batch by running the fit loop until a step fails;
+in our peer table it lands at 0.57-0.86x of the largest batch that trains. Here the trials run
+training's own step at the worst-case batch (the module's ``training_step`` under the trainer's
+precision context, its ``backward`` hook through the strategy, clipping, the optimizer step;
+two micro-batches with the first one's gradients alive where the trainer accumulates; the
+module's own steps under manual optimization), the model, optimizer, scheduler and RNG are put
+back afterwards, and the answer is written where Lightning reads the batch size
+(``batch_arg_name`` on the module, its ``hparams`` or the datamodule, as ``BatchSizeFinder``
+does) before the fit loop builds its dataloader.
+"""
+
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.trainer.call import _call_strategy_hook
+from lightning.pytorch.utilities.exceptions import _TunerExitException
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from torch.utils._pytree import tree_leaves
+
+from adaptive_batch.data.layout import BatchLayout
+from adaptive_batch.errors import ConfigError
+import adaptive_batch.logs as logs
+from adaptive_batch.probe.api import find_max_batch_size
+from adaptive_batch.probe.service import ProbeOptions
+from adaptive_batch.rng import rng_state, set_rng_state
+from adaptive_batch.schedule.global_batch import micro_batches_per_trial
+
+# Samples looked at for the worst case when no make_batch is given: the largest of them,
+# by the elements of its collated tensors, stands for every batch (padding collators pad to it).
+WORST_CASE_SCAN = 256
+
+
+class AdaptiveBatchFinder(Callback):
+    """Finds the largest batch that trains at fit start and sets it where Lightning reads it.
+
+    Args:
+        max_memory: the budget for a step's peak (bytes, ``"6GiB"``, a fraction of the device), or
+            ``None`` for what the device has.
+        batch_arg_name: the attribute that holds the batch size, looked up as Lightning does
+            (the module, its ``hparams``, the datamodule).
+        make_batch: ``f(batch_size)`` returning the worst-case batch, collated, on the CPU;
+            ``None``: the largest of the first :data:`WORST_CASE_SCAN` training samples repeated.
+        max_batch_size: the largest size worth trying; ``None``: the training set's size.
+        stop_after: stop the fit once the batch is found (the tuner function sets it).
+
+    Attributes:
+        optimal_batch_size: the answer, once found (``None`` before).
+
+    Raises:
+        ConfigError: for a ``max_memory`` that cannot be parsed, here; at fit start, before any
+            trial, for a batch size Lightning cannot find, several devices, several optimizers,
+            an iterable dataset without ``make_batch``, or ``BatchSizeFinder`` beside it.
+    """
+
+    def __init__(self, *, max_memory: Any = None, batch_arg_name: str = "batch_size",
+                 make_batch: Optional[Callable[[int], Any]] = None, max_batch_size: Optional[int] = None,
+                 stop_after: bool = False, log: Optional[Callable[[str], None]] = None) -> None:
+        ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
+        self.max_memory, self.batch_arg_name, self.make_batch = max_memory, batch_arg_name, make_batch
+        self.max_batch_size, self.stop_after, self._log = max_batch_size, stop_after, log
+        self.optimal_batch_size: Optional[int] = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        with logs.lines_to(self._log):
+            self._refuse_what_it_cannot_probe(trainer, pl_module)
+            # Building the fit loop's dataloaders draws from the RNG: the loop built once, as a
+            # run without the probe builds it, draws the same (and so shuffles the same).
+            before = rng_state()
+            loader = _train_loader(trainer)
+            make_batch = self.make_batch or _worst_case_batch(loader)
+            optimizer = trainer.optimizers[0] if trainer.optimizers else None
+            schedulers = trainer.lr_scheduler_configs
+            found = find_max_batch_size(
+                _training_step(trainer, pl_module, optimizer),
+                make_batch=lambda b: trainer.strategy.batch_to_device(make_batch(b)),
+                model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
+                lr_scheduler=schedulers[0].scheduler if schedulers else None,
+                max_batch_size=self.max_batch_size or _dataset_size(loader),
+            )
+            previous = lightning_getattr(pl_module, self.batch_arg_name)
+            lightning_setattr(pl_module, self.batch_arg_name, found)
+            set_rng_state(before)
+            _rebuild_train_loader(trainer)
+            trainer._logger_connector.reset_results()  # what the trials' self.log() said is no epoch's
+            self.optimal_batch_size = found
+            logs.info(f"adaptive-batch: {self.batch_arg_name}={found} (was {previous}), the largest that trains within "
+                      f"{'the device' if self.max_memory is None else f'max_memory={self.max_memory}'}.")
+        if self.stop_after:
+            raise _TunerExitException()
+
+    def _refuse_what_it_cannot_probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        name = self.batch_arg_name
+        if not lightning_hasattr(pl_module, name):
+            raise ConfigError(
+                f"batch_arg_name={name!r}: neither the LightningModule, its hparams nor the datamodule has it; "
+                f"give the module a `{name}` its train_dataloader reads, or name the attribute that holds the batch size."
+            )
+        if trainer.world_size > 1:
+            raise ConfigError(
+                f"AdaptiveBatchFinder on {trainer.world_size} processes is not supported yet (each rank would "
+                "need the smallest rank's answer): probe on one device, then pass the answer as the batch size."
+            )
+        if len(trainer.optimizers) > 1:
+            raise ConfigError(f"{len(trainer.optimizers)} optimizers: AdaptiveBatchFinder puts back one after its "
+                              "trials; use one optimizer, or probe with adaptive_batch.find_max_batch_size.")
+        if any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
+            raise ConfigError("BatchSizeFinder and AdaptiveBatchFinder both set the batch size: keep one of them.")
+
+
+def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optional[torch.optim.Optimizer]):
+    """One optimizer step as the fit loop runs it: the trainer's precision context around the
+    module's ``training_step``, its ``backward`` through the strategy, clipping, the step and
+    ``zero_grad``; two micro-batches first where the trainer accumulates. Under manual
+    optimization the module's ``training_step`` is the whole step."""
+    accumulate = int(trainer.accumulate_grad_batches)
+
+    def step(batch: Any) -> None:
+        # Through the strategy, as the fit loop calls it: the precision context, and the hook's
+        # name set so that the module's self.log() works.
+        if not module.automatic_optimization:
+            _call_strategy_hook(trainer, "training_step", batch, 0)
+            return
+        pieces = micro_batches_per_trial(BatchLayout().rows(batch), gradient_accumulation_steps=accumulate)
+        for _ in range(pieces):
+            out = _call_strategy_hook(trainer, "training_step", batch, 0)
+            loss = out["loss"] if isinstance(out, dict) else out
+            trainer.strategy.backward(loss / pieces, optimizer)
+        if trainer.gradient_clip_val:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), float(trainer.gradient_clip_val))
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _train_loader(trainer: Trainer) -> Any:
+    """The fit loop's training dataloader, built as the loop builds it."""
+    loop = trainer.fit_loop
+    loop.setup_data()
+    return loop._combined_loader.flattened[0]
+
+
+def _rebuild_train_loader(trainer: Trainer) -> None:
+    """Makes the fit loop build its dataloaders again at the batch size just set."""
+    loop = trainer.fit_loop
+    loop._combined_loader = None
+    loop.setup_data()
+
+
+def _dataset_size(loader: Any) -> Optional[int]:
+    try:
+        return len(loader.dataset)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _worst_case_batch(loader: Any) -> Callable[[int], Any]:
+    """``f(b)``: the largest of the first training samples, ``b`` times, through the loader's collate_fn.
+
+    Raises:
+        ConfigError: for an iterable dataset (no sample to pick by index).
+    """
+    dataset, collate = loader.dataset, loader.collate_fn
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise ConfigError(
+            f"the training dataset is a {type(dataset).__name__}, read in order: AdaptiveBatchFinder cannot pick "
+            "its largest sample; pass make_batch=f(batch_size) returning the worst-case batch."
+        )
+    size = min(len(dataset), WORST_CASE_SCAN)
+
+    def elements(i: int) -> int:
+        return sum(t.numel() for t in tree_leaves(collate([dataset[i]])) if isinstance(t, torch.Tensor))
+
+    largest = dataset[max(range(size), key=elements)]
+    return lambda b: collate([largest] * b)

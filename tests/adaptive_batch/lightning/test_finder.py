@@ -1,0 +1,151 @@
+"""The Lightning callback: the answer is MemTracker's on the same step, it is set where Lightning
+reads the batch size, the fit trains it, and the fit is the one a run at that batch would make."""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")  # the [lightning] extra; CI installs it
+
+from adaptive_batch import ConfigError  # noqa: E402
+from adaptive_batch.lightning import AdaptiveBatchFinder, find_batch_size  # noqa: E402
+
+FEATURES, HIDDEN, ROWS = 256, 2048, 2048
+BUDGET = "24MiB"
+
+
+def _data():
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(ROWS, FEATURES, generator=generator), torch.randn(ROWS, 1, generator=generator))
+
+
+def _net():
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+
+class Regression(pl.LightningModule):
+    """Reads its batch size where ``BatchSizeFinder`` would set it, and logs as modules do."""
+
+    def __init__(self, batch_size=2):
+        super().__init__()
+        self.batch_size = batch_size
+        self.net = _net()
+        self.trained = []  # the batch sizes the fit loop ran
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.trained.append(len(batch[0]))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=self.batch_size, shuffle=True)
+
+
+def _trainer(*callbacks, steps=2, **kwargs):
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), **kwargs)
+
+
+def test_the_answer_is_memtrackers_on_the_same_step_and_the_fit_trains_it():
+    sys.path.insert(0, "benchmarks")
+    from truth import memtracker_max_batch_size
+
+    from adaptive_batch.memory.device import parse_memory
+
+    model, lines = Regression(), []
+    finder = AdaptiveBatchFinder(max_memory=BUDGET, log=lines.append)
+    _trainer(finder).fit(model)
+    found = finder.optimal_batch_size
+    assert found == model.batch_size and model.trained == [found, found]
+    trials = [line for line in lines if line.startswith("probe trial")]
+    assert 2 <= len(trials) <= 6 and sum("fits" not in line for line in trials) <= 1, trials
+    assert lines[-1].startswith(f"adaptive-batch: batch_size={found} (was 2)")
+    # The truth, on a plain PyTorch step of the same model: the budget less the CPU's 1% margin.
+    net = _net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def step(batch):
+        F.mse_loss(net(batch[0]), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # Batches of their own (a slice of the dataset would be its whole storage to MemTracker).
+    truth = memtracker_max_batch_size(step, lambda b: (torch.randn(b, FEATURES), torch.randn(b, 1)), model=net,
+                                      optimizer=optimizer, budget_bytes=int(parse_memory(BUDGET) * 0.99), upper=ROWS)
+    assert 1 < truth < ROWS and truth * 0.99 <= found <= truth
+
+
+def test_the_fit_after_the_probe_is_the_fit_at_that_batch_without_it():
+    """Model, optimizer, RNG and data order come out of the probe untouched."""
+    pl.seed_everything(0)
+    probed = Regression()
+    finder = AdaptiveBatchFinder(max_memory=BUDGET)
+    _trainer(finder, steps=3).fit(probed)
+    pl.seed_everything(0)
+    plain = Regression(batch_size=finder.optimal_batch_size)
+    _trainer(steps=3).fit(plain)
+    for a, b in zip(probed.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_tuner_function_sets_the_batch_without_a_training_step_and_a_fit_trains_it():
+    model = Regression()
+    found = find_batch_size(_trainer(), model, max_memory=BUDGET)
+    assert found > 2 and model.batch_size == found and model.trained == []
+    _trainer().fit(model)
+    assert model.trained == [found, found]
+
+
+def test_a_batch_size_in_the_datamodule_and_manual_optimization():
+    class Data(pl.LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.batch_size = 2
+
+        def train_dataloader(self):
+            return DataLoader(_data(), batch_size=self.batch_size)
+
+    class Manual(pl.LightningModule):  # no batch_size of its own: the datamodule holds it
+        def __init__(self):
+            super().__init__()
+            self.net, self.trained = _net(), []
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            self.manual_backward(F.mse_loss(self.net(batch[0]), batch[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self.trained.append(len(batch[0]))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data, model = Data(), Manual()
+    finder = AdaptiveBatchFinder(max_memory=BUDGET)
+    _trainer(finder).fit(model, datamodule=data)
+    assert data.batch_size == finder.optimal_batch_size > 2 and model.trained == [data.batch_size] * 2
+
+
+def test_what_it_cannot_probe_is_one_line_before_any_trial():
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    with pytest.raises(ConfigError, match="max_memory='lots' cannot be parsed"):
+        AdaptiveBatchFinder(max_memory="lots")
+    with pytest.raises(ConfigError, match="batch_arg_name='bs': neither the LightningModule"):
+        _trainer(AdaptiveBatchFinder(batch_arg_name="bs")).fit(Regression())
+    with pytest.raises(ConfigError, match="BatchSizeFinder and AdaptiveBatchFinder both set the batch size"):
+        _trainer(AdaptiveBatchFinder(), BatchSizeFinder()).fit(Regression())
