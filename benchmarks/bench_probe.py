@@ -28,7 +28,7 @@ from readme_table import write_readme_table
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/tiny/full_single_device.yaml"
-METHODS = ["ours", "ours_margin0", "lightning_power", "lightning_binsearch", "accelerate"]
+METHODS = ["ours", "ours_margin0", "lightning_adaptive", "lightning_power", "lightning_binsearch", "accelerate"]
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -102,9 +102,13 @@ def _run_ours(headroom: int, margin: float) -> dict:
 
 
 def _run_lightning(headroom: int, mode: str) -> dict:
+    """Lightning's ``BatchSizeFinder`` (``mode``: power or binsearch), or ours in its place
+    (``mode="adaptive"``: ``adaptive_batch.lightning.find_batch_size``), on the same module."""
     import lightning as L
     from lightning.pytorch.tuner import Tuner
     import torch
+
+    from adaptive_batch.lightning import find_batch_size
 
     model, opt, loss_of, _, make_batch, seq_len, vocab = _setup()
     steps = {"n": 0}
@@ -139,7 +143,10 @@ def _run_lightning(headroom: int, mode: str) -> dict:
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=d,
         )
         _limit(headroom)
-        found = Tuner(trainer).scale_batch_size(Module(), mode=mode, init_val=2, max_trials=25)
+        if mode == "adaptive":
+            found = find_batch_size(trainer, Module(), max_memory=None)
+        else:
+            found = Tuner(trainer).scale_batch_size(Module(), mode=mode, init_val=2, max_trials=25)
     return {"found": int(found), "trial_steps": steps["n"]}
 
 

@@ -53,8 +53,10 @@ class AdaptiveBatchFinder(Callback):
 
     Raises:
         ConfigError: for a ``max_memory`` that cannot be parsed, here; at fit start, before any
-            trial, for a batch size Lightning cannot find, several devices, several optimizers,
-            an iterable dataset without ``make_batch``, or ``BatchSizeFinder`` beside it.
+            trial, for a batch size Lightning cannot find, several devices, several optimizers or
+            training dataloaders, an iterable dataset without ``make_batch``, or
+            ``BatchSizeFinder`` beside it; after the probe, for a ``train_dataloader`` that does
+            not build its batches at the batch size set.
     """
 
     def __init__(self, *, max_memory: Any = None, batch_arg_name: str = "batch_size",
@@ -85,7 +87,7 @@ class AdaptiveBatchFinder(Callback):
             previous = lightning_getattr(pl_module, self.batch_arg_name)
             lightning_setattr(pl_module, self.batch_arg_name, found)
             set_rng_state(before)
-            _rebuild_train_loader(trainer)
+            _rebuild_train_loader(trainer, self.batch_arg_name, found)
             trainer._logger_connector.reset_results()  # what the trials' self.log() said is no epoch's
             self.optimal_batch_size = found
             logs.info(f"adaptive-batch: {self.batch_arg_name}={found} (was {previous}), the largest that trains within "
@@ -140,17 +142,36 @@ def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optiona
 
 
 def _train_loader(trainer: Trainer) -> Any:
-    """The fit loop's training dataloader, built as the loop builds it."""
+    """The fit loop's training dataloader, built as the loop builds it.
+
+    Raises:
+        ConfigError: for several training dataloaders (one worst-case batch stands for one).
+    """
     loop = trainer.fit_loop
     loop.setup_data()
-    return loop._combined_loader.flattened[0]
+    loaders = loop._combined_loader.flattened
+    if len(loaders) != 1:
+        raise ConfigError(f"{len(loaders)} training dataloaders: AdaptiveBatchFinder probes one; combine them into one "
+                          "dataset, or probe with adaptive_batch.find_max_batch_size and a make_batch of your own.")
+    return loaders[0]
 
 
-def _rebuild_train_loader(trainer: Trainer) -> None:
-    """Makes the fit loop build its dataloaders again at the batch size just set."""
+def _rebuild_train_loader(trainer: Trainer, batch_arg_name: str, batch_size: int) -> None:
+    """Makes the fit loop build its dataloaders again at the batch size just set.
+
+    Raises:
+        ConfigError: when the rebuilt dataloader does not take it (a ``train_dataloader`` that
+            does not read ``batch_arg_name``): the fit would train another batch without a word.
+    """
     loop = trainer.fit_loop
     loop._combined_loader = None
     loop.setup_data()
+    built = getattr(loop._combined_loader.flattened[0], "batch_size", batch_size)
+    if built is not None and built != batch_size:
+        raise ConfigError(
+            f"batch_arg_name={batch_arg_name!r} is now {batch_size}, but train_dataloader() still builds batches of "
+            f"{built}: build its DataLoader with batch_size=self.{batch_arg_name}."
+        )
 
 
 def _dataset_size(loader: Any) -> Optional[int]:

@@ -149,3 +149,11 @@ def test_what_it_cannot_probe_is_one_line_before_any_trial():
         _trainer(AdaptiveBatchFinder(batch_arg_name="bs")).fit(Regression())
     with pytest.raises(ConfigError, match="BatchSizeFinder and AdaptiveBatchFinder both set the batch size"):
         _trainer(AdaptiveBatchFinder(), BatchSizeFinder()).fit(Regression())
+
+    class Fixed(Regression):  # has batch_size, but its dataloader never reads it
+        def train_dataloader(self):
+            return DataLoader(_data(), batch_size=2)
+
+    with pytest.raises(ConfigError, match=r"train_dataloader\(\) still builds batches of 2: build its DataLoader "
+                                          r"with batch_size=self.batch_size"):
+        _trainer(AdaptiveBatchFinder(max_memory=BUDGET)).fit(Fixed())
