@@ -240,7 +240,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         Sets up the recipe state correctly. This includes setting recipe attributes based
         on the ``resume_from_checkpoint`` flag.
         """
-        self._claim_output_dir(cfg)
+        # Every rank waits for the main rank's cleanup before writing under output_dir.
+        abt.claim_output_dir(cfg.output_dir, cfg.checkpointer.output_dir, self._step_checkpoints, self._ranks, log=log.info)
         # Tokenizer and data first: a bad path or argument stops the run before the model loads.
         self._tokenizer = abt.build("tokenizer", cfg.tokenizer)
         log.info("Tokenizer is initialized from file.")
@@ -293,15 +294,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         self._attach_lr_and_step_checkpoints()
         self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
-
-    def _claim_output_dir(self, cfg: DictConfig) -> None:
-        """This run holds output_dir: what an interrupted one left half-written goes, and it is
-        no longer a finished run's until this one finishes."""
-        if self._ranks.is_main:
-            abt.forget_finished_run(cfg.checkpointer.output_dir)
-            abt.remove_partial_writes(cfg.output_dir, log=log.info)
-            self._step_checkpoints.remove_partial_writes()
-            abt.recover_epoch_checkpoint(cfg.checkpointer.output_dir, log=log.info)
 
     def _setup_loss(self, cfg: DictConfig) -> None:
         self._loss_fn = config.instantiate(cfg.loss)

@@ -25,6 +25,7 @@ from adaptive_batch.validation import check_bool, check_known_keys
 
 from adaptive_batch.torchtune.checkpoint import (
     UnreadableEpochState,
+    claim_output_dir,
     epoch_checkpoint_step,
     epoch_weight_files,
     finished_run,
@@ -88,6 +89,7 @@ __all__ = [
     "adaptive_options",
     "build",
     "check_command_line",
+    "claim_output_dir",
     "byte_tokenizer",
     "check_profiler",
     "check_run_settings",

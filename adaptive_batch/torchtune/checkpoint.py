@@ -24,7 +24,9 @@ from torch import nn
 
 from adaptive_batch.errors import CheckpointWriteError, ConfigError
 from adaptive_batch.faults import fault_point
-from adaptive_batch.files import atomic_write, fsync_directory, fsync_tree, walk_files, write_failure_cause
+from adaptive_batch.files import (
+    atomic_write, fsync_directory, fsync_tree, remove_partial_writes, walk_files, write_failure_cause,
+)
 import adaptive_batch.logs as logs
 from adaptive_batch.memory.oom import first_line
 from adaptive_batch.run.step_checkpoints import DIRNAME, StepCheckpoints
@@ -207,6 +209,30 @@ def forget_finished_run(output_dir: str) -> None:
     if os.path.exists(path):
         os.remove(path)
         fsync_directory(output_dir)
+
+
+def claim_output_dir(output_dir: str, checkpoint_dir: str, step_checkpoints: StepCheckpoints, ranks: Any,
+                     log: Optional[Callable[[str], None]] = None) -> None:
+    """Makes ``output_dir`` this run's: the main rank forgets a finished run there, removes what an
+    interrupted one left half-written (``checkpoint_dir``'s and the step checkpoints' too) and
+    finishes moving its epoch checkpoint; then every rank waits for it (``ranks.barrier()``), so
+    no rank's own write under ``output_dir`` (the dataset file) is taken for an interrupted run's
+    and removed mid-write, as a rank's was before.
+
+    Args:
+        output_dir: the run's output directory.
+        checkpoint_dir: the checkpointer's output directory.
+        step_checkpoints: the run's step checkpoints.
+        ranks: the run's :class:`~adaptive_batch.distributed.RankGroup` (``is_main``, ``barrier()``).
+        log: takes each line (``None``: the ``adaptive_batch`` logger).
+    """
+    if ranks.is_main:
+        with logs.lines_to(log):
+            forget_finished_run(checkpoint_dir)
+            remove_partial_writes(output_dir)
+            step_checkpoints.remove_partial_writes()
+            recover_epoch_checkpoint(checkpoint_dir)
+    ranks.barrier()
 
 
 def saved_checkpoints(output_dir: str) -> str:

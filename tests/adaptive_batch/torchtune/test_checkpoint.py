@@ -161,3 +161,54 @@ def test_the_last_epochs_checkpoint_marks_the_run_finished_and_a_new_run_forgets
         finished_run(out, epochs=2)
     forget_finished_run(out)
     assert finished_run(out, epochs=2) is None
+
+
+class _ThreadRank:
+    """One of two ranks as threads: ``barrier()`` waits for the other, as ``dist.barrier`` does."""
+
+    def __init__(self, rank, barrier):
+        self.is_main, self._barrier = rank == 0, barrier
+
+    def barrier(self):
+        self._barrier.wait(timeout=30)
+
+
+def test_no_rank_writes_under_the_output_dir_before_the_main_rank_claimed_it(tmp_path):
+    """Two ranks of one run: rank 1 writes the dataset file under output_dir while rank 0 removes
+    what an interrupted run left half-written there. Rank 0 took rank 1's temporary for such a
+    leftover and removed it mid-write (a two-rank fixture failed with FileNotFoundError on its
+    rename); every rank now waits for the claim before its own writes."""
+    import threading
+
+    from adaptive_batch.files import atomic_write
+    from adaptive_batch.run.step_checkpoints import StepCheckpoints
+    from adaptive_batch.torchtune import claim_output_dir
+
+    out = tmp_path / "run"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / ".left.jsonl.writing_x").write_text("half")  # an interrupted run's
+    barrier, claimed, errors = threading.Barrier(2), threading.Event(), []
+
+    def rank(index):
+        try:
+            claim_output_dir(str(out), str(out), StepCheckpoints(str(out / "step_checkpoints")),
+                             _ThreadRank(index, barrier), log=lambda line: None)
+            if index == 0:
+                claimed.set()
+                return
+
+            def write(f):  # the main rank's claim, were it still running, would happen now
+                claimed.wait(timeout=30)
+                f.write("rows\n")
+
+            atomic_write(str(out / "data" / "rows.jsonl"), write, text=True)
+        except BaseException as e:  # noqa: BLE001 - the thread's failure is the test's
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert sorted(os.listdir(out / "data")) == ["rows.jsonl"]  # the leftover gone, rank 1's file whole
