@@ -12,11 +12,13 @@ back afterwards, and the answer is written where Lightning reads the batch size
 does) before the fit loop builds its dataloader.
 """
 
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.trainer.call import _call_strategy_hook
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
@@ -77,13 +79,16 @@ class AdaptiveBatchFinder(Callback):
             make_batch = self.make_batch or _worst_case_batch(loader)
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
             schedulers = trainer.lr_scheduler_configs
-            found = find_max_batch_size(
-                _training_step(trainer, pl_module, optimizer),
-                make_batch=lambda b: trainer.strategy.batch_to_device(make_batch(b)),
-                model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
-                lr_scheduler=schedulers[0].scheduler if schedulers else None,
-                max_batch_size=self.max_batch_size or _dataset_size(loader),
-            )
+            with _trials_leave_no_trace(trainer):
+                found = find_max_batch_size(
+                    _training_step(trainer, pl_module, optimizer),
+                    # As the loop hands a batch over: the precision's input dtype, then the device.
+                    make_batch=lambda b: trainer.strategy.batch_to_device(
+                        trainer.precision_plugin.convert_input(make_batch(b))),
+                    model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
+                    lr_scheduler=schedulers[0].scheduler if schedulers else None,
+                    max_batch_size=self.max_batch_size or _dataset_size(loader),
+                )
             previous = lightning_getattr(pl_module, self.batch_arg_name)
             lightning_setattr(pl_module, self.batch_arg_name, found)
             set_rng_state(before)
@@ -114,6 +119,21 @@ class AdaptiveBatchFinder(Callback):
             raise ConfigError("BatchSizeFinder and AdaptiveBatchFinder both set the batch size: keep one of them.")
 
 
+@contextmanager
+def _trials_leave_no_trace(trainer: Trainer) -> Iterator[None]:
+    """Puts back what the trials may change beyond the model, optimizer, scheduler and RNG (which
+    the probe's snapshot puts back): the precision plugin's state (a GradScaler's scale, halved by
+    an overflowing trial under manual optimization), and the loggers, swapped for a dummy one so
+    that a callback's hook run by a trial's backward writes nothing to the run's logs."""
+    precision, loggers = trainer.precision_plugin.state_dict(), trainer.loggers
+    trainer.loggers = [DummyLogger()] if loggers else []
+    try:
+        yield
+    finally:
+        trainer.loggers = loggers
+        trainer.precision_plugin.load_state_dict(precision)
+
+
 def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optional[torch.optim.Optimizer]):
     """One optimizer step as the fit loop runs it: the trainer's precision context around the
     module's ``training_step``, its ``backward`` through the strategy, clipping, the step and
@@ -131,7 +151,8 @@ def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optiona
         for _ in range(pieces):
             out = _call_strategy_hook(trainer, "training_step", batch, 0)
             loss = out["loss"] if isinstance(out, dict) else out
-            trainer.strategy.backward(loss / pieces, optimizer)
+            if loss is not None:  # None: the loop skips the step's backward too
+                trainer.strategy.backward(loss / pieces, optimizer)
         if trainer.gradient_clip_val:
             torch.nn.utils.clip_grad_norm_(module.parameters(), float(trainer.gradient_clip_val))
         if optimizer is not None:

@@ -215,7 +215,8 @@ def claim_output_dir(output_dir: str, checkpoint_dir: str, step_checkpoints: Ste
                      log: Optional[Callable[[str], None]] = None) -> None:
     """Makes ``output_dir`` this run's: the main rank forgets a finished run there, removes what an
     interrupted one left half-written (``checkpoint_dir``'s and the step checkpoints' too) and
-    finishes moving its epoch checkpoint; then every rank waits for it (``ranks.barrier()``), so
+    finishes moving its epoch checkpoint; then every rank waits for it (``ranks.decide_on_main``, which stops every rank
+    together when the cleanup fails), so
     no rank's own write under ``output_dir`` (the dataset file) is taken for an interrupted run's
     and removed mid-write, as a rank's was before.
 
@@ -223,16 +224,22 @@ def claim_output_dir(output_dir: str, checkpoint_dir: str, step_checkpoints: Ste
         output_dir: the run's output directory.
         checkpoint_dir: the checkpointer's output directory.
         step_checkpoints: the run's step checkpoints.
-        ranks: the run's :class:`~adaptive_batch.distributed.RankGroup` (``is_main``, ``barrier()``).
+        ranks: the run's :class:`~adaptive_batch.distributed.RankGroup`.
+
+    Raises:
+        OSError, CheckpointWriteError: on every rank, when the main rank's cleanup fails.
         log: takes each line (``None``: the ``adaptive_batch`` logger).
     """
-    if ranks.is_main:
+    def clean() -> None:
         with logs.lines_to(log):
             forget_finished_run(checkpoint_dir)
             remove_partial_writes(output_dir)
             step_checkpoints.remove_partial_writes()
             recover_epoch_checkpoint(checkpoint_dir)
-    ranks.barrier()
+
+    # A collective every rank reaches, which also carries the main rank's failure to the others
+    # (a barrier would leave them waiting for a rank that stopped).
+    ranks.decide_on_main(clean, errors=(OSError, CheckpointWriteError))
 
 
 def saved_checkpoints(output_dir: str) -> str:

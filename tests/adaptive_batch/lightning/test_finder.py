@@ -157,3 +157,25 @@ def test_what_it_cannot_probe_is_one_line_before_any_trial():
     with pytest.raises(ConfigError, match=r"train_dataloader\(\) still builds batches of 2: build its DataLoader "
                                           r"with batch_size=self.batch_size"):
         _trainer(AdaptiveBatchFinder(max_memory=BUDGET)).fit(Fixed())
+
+
+def test_trials_take_the_precisions_inputs_and_leave_the_runs_logger_alone(tmp_path):
+    """Under bf16-true the loop converts each batch to bf16 before the step, and so must a trial
+    (an fp32 batch into bf16 weights fails). A callback's backward hook, which trials run too,
+    must not write to the run's logger: a dummy one stands in during the trials."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    seen = []
+
+    class Loggers(pl.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            seen.append((trainer.state.fn is not None and trainer.global_step, type(trainer.logger).__name__))
+
+    model, finder = Regression(), AdaptiveBatchFinder(max_memory=BUDGET)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, precision="bf16-true", enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[finder, Loggers()],
+                         logger=CSVLogger(tmp_path))
+    trainer.fit(model)
+    assert model.batch_size == finder.optimal_batch_size > 2 and model.trained[0] == model.batch_size
+    loggers = [name for _, name in seen]
+    assert loggers[-2:] == ["CSVLogger", "CSVLogger"] and set(loggers[:-2]) == {"DummyLogger"}, loggers

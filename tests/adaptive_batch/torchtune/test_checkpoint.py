@@ -164,13 +164,16 @@ def test_the_last_epochs_checkpoint_marks_the_run_finished_and_a_new_run_forgets
 
 
 class _ThreadRank:
-    """One of two ranks as threads: ``barrier()`` waits for the other, as ``dist.barrier`` does."""
+    """One of two ranks as threads: ``decide_on_main`` runs on rank 0, and every rank leaves it
+    together, as the broadcast of ``RankGroup.decide_on_main`` makes them."""
 
     def __init__(self, rank, barrier):
         self.is_main, self._barrier = rank == 0, barrier
 
-    def barrier(self):
+    def decide_on_main(self, decide, errors=()):
+        result = decide() if self.is_main else None
         self._barrier.wait(timeout=30)
+        return result
 
 
 def test_no_rank_writes_under_the_output_dir_before_the_main_rank_claimed_it(tmp_path):
