@@ -69,9 +69,15 @@ class AdaptiveBatchFinder(Callback):
         self.max_batch_size, self.stop_after, self._log = max_batch_size, stop_after, log
         self.optimal_batch_size: Optional[int] = None
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":  # before any other callback's work and the model's move to its device
+            self._refuse_what_it_cannot_probe(trainer, pl_module)
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         with logs.lines_to(self._log):
-            self._refuse_what_it_cannot_probe(trainer, pl_module)
+            if len(trainer.optimizers) > 1:
+                raise ConfigError(f"{len(trainer.optimizers)} optimizers: AdaptiveBatchFinder puts back one after its "
+                                  "trials; use one optimizer, or probe with adaptive_batch.find_max_batch_size.")
             # Building the fit loop's dataloaders draws from the RNG: the loop built once, as a
             # run without the probe builds it, draws the same (and so shuffles the same).
             before = rng_state()
@@ -112,11 +118,13 @@ class AdaptiveBatchFinder(Callback):
                 f"AdaptiveBatchFinder on {trainer.world_size} processes is not supported yet (each rank would "
                 "need the smallest rank's answer): probe on one device, then pass the answer as the batch size."
             )
-        if len(trainer.optimizers) > 1:
-            raise ConfigError(f"{len(trainer.optimizers)} optimizers: AdaptiveBatchFinder puts back one after its "
-                              "trials; use one optimizer, or probe with adaptive_batch.find_max_batch_size.")
         if any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
             raise ConfigError("BatchSizeFinder and AdaptiveBatchFinder both set the batch size: keep one of them.")
+        if not trainer.fit_loop._data_source.is_module():
+            raise ConfigError(
+                "train_dataloaders passed to fit() are built already, so the batch size found cannot reach them: "
+                f"return the DataLoader from train_dataloader() (the module's or a datamodule's), built with self.{name}."
+            )
 
 
 @contextmanager

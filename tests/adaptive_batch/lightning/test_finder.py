@@ -147,8 +147,13 @@ def test_what_it_cannot_probe_is_one_line_before_any_trial():
         AdaptiveBatchFinder(max_memory="lots")
     with pytest.raises(ConfigError, match="batch_arg_name='bs': neither the LightningModule"):
         _trainer(AdaptiveBatchFinder(batch_arg_name="bs")).fit(Regression())
-    with pytest.raises(ConfigError, match="BatchSizeFinder and AdaptiveBatchFinder both set the batch size"):
-        _trainer(AdaptiveBatchFinder(), BatchSizeFinder()).fit(Regression())
+    for callbacks in ([AdaptiveBatchFinder(), BatchSizeFinder()], [BatchSizeFinder(), AdaptiveBatchFinder()]):
+        model = Regression()  # refused before either searches: the batch size is untouched
+        with pytest.raises(ConfigError, match="BatchSizeFinder and AdaptiveBatchFinder both set the batch size"):
+            _trainer(*callbacks).fit(model)
+        assert model.batch_size == 2
+    with pytest.raises(ConfigError, match=r"train_dataloaders passed to fit\(\) are built already"):
+        _trainer(AdaptiveBatchFinder()).fit(Regression(), train_dataloaders=DataLoader(_data(), batch_size=2))
 
     class Fixed(Regression):  # has batch_size, but its dataloader never reads it
         def train_dataloader(self):
