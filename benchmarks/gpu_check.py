@@ -113,6 +113,27 @@ def hold_card_to(device, limit_bytes: Optional[int]) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
 
 
+def card_or_none(device_name: str, script: str):
+    """The device to check on, with training's allocator settings (expandable segments, as the
+    recipes turn them on before probing) on a card; ``None`` (said in a line) where ``cuda`` is
+    asked for and this torch sees none."""
+    import torch
+
+    if device_name == "cuda" and not torch.cuda.is_available():
+        print(f"{script}: no CUDA device here; nothing to check (exit 0).")
+        return None
+    device = torch.device(device_name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        from adaptive_batch.logs import lines_to
+        from adaptive_batch.memory.device import use_expandable_segments
+
+        with lines_to(print, print):
+            use_expandable_segments()
+    return device
+
+
 def train(name: str, batch_size: int, steps: int, limit_bytes: Optional[int], device_name: str,
           warm_state: bool = False) -> Dict[str, Any]:
     """``steps`` training steps at ``batch_size`` (in the calling process), held to ``limit_bytes``;
@@ -292,18 +313,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu-check: no CUDA device here; nothing to check (exit 0).")
+    device = card_or_none(args.device, "gpu-check")
+    if device is None:
         return 0
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda":  # as the recipe does before probing
-        from adaptive_batch.logs import lines_to
-        from adaptive_batch.memory.device import use_expandable_segments
-
-        with lines_to(print, print):
-            use_expandable_segments()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))  # the rows' text data

@@ -29,7 +29,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from bench_zoo import TRAINER_MODELS, _trainer_parts
-from gpu_check import hold_card_to
+from gpu_check import card_or_none, hold_card_to
 
 MODELS = ("convnet", "bert", "llama128k", "hf-llama8k")
 TRAINER = "hf-llama8k"
@@ -195,18 +195,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu-zoo: no CUDA device here; nothing to check (exit 0).")
+    device = card_or_none(args.device, "gpu-zoo")
+    if device is None:
         return 0
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda":  # as training turns them on: the fresh processes run with them too
-        from adaptive_batch.logs import lines_to
-        from adaptive_batch.memory.device import use_expandable_segments
-
-        with lines_to(print, print):
-            use_expandable_segments()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
