@@ -1,16 +1,18 @@
 """Putting a training run back exactly as it was after probing it with real steps.
 
 The snapshot goes to a file, not to memory: a copy of the weights in memory would itself take
-the room the probe is measuring. The file has no name while it holds the snapshot (created,
-unlinked, then written through its open descriptor), so a run killed while probing leaves
-nothing behind: the kernel frees it with the process.
+the room the probe is measuring. The file never has a name on Linux (``O_TMPFILE``), so a run
+killed while probing leaves nothing behind (the kernel frees it with the process) and another
+rank sweeping the same directory cannot take it away. Where a file system cannot make unnamed
+files, it is created with its owner's process id in the name and unlinked at once.
 """
 
+import errno
 import glob
 import os
 import tempfile
 from types import TracebackType
-from typing import Any, BinaryIO, Dict, Optional, Type
+from typing import Any, BinaryIO, Dict, Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -55,13 +57,9 @@ class TrainingStateSnapshot:
         if self.directory is not None:
             os.makedirs(self.directory, exist_ok=True)
         remove_stale_snapshots(self.directory)
-        fd, path = tempfile.mkstemp(prefix=SNAPSHOT_PREFIX, suffix=".pt", dir=self.directory)
+        fd, self._named = _unnamed_or_owned_file(self.directory or tempfile.gettempdir())
         self._file = os.fdopen(fd, "w+b")
-        if os.path.isdir("/proc/self/fd"):
-            os.unlink(path)
-            self._path, self._named = f"/proc/self/fd/{fd}", None
-        else:  # pragma: no cover - Linux has /proc
-            self._path, self._named = path, path
+        self._path = f"/proc/self/fd/{fd}" if self._named is None else self._named
         state = {"model": self.model.state_dict()}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
@@ -128,16 +126,52 @@ class TrainingStateSnapshot:
 SNAPSHOT_PREFIX = ".probe_snapshot_"
 
 
+def _unnamed_or_owned_file(directory: str) -> Tuple[int, Optional[str]]:
+    """A file open for reading and writing in ``directory``, and its name where it has one.
+
+    Two ranks of one run share an output directory, and each sweeps it for stale snapshots
+    before saving its own: a name that lived even between ``mkstemp`` and ``unlink`` was once
+    swept away under the other rank (whose unlink then failed).
+    """
+    if hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd"):
+        try:
+            return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600), None
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    fd, path = tempfile.mkstemp(prefix=f"{SNAPSHOT_PREFIX}{os.getpid()}_", suffix=".pt", dir=directory)
+    if not os.path.isdir("/proc/self/fd"):  # pragma: no cover - Linux has /proc
+        return fd, path
+    os.unlink(path)
+    return fd, None
+
+
+def _owner_lives(path: str) -> bool:
+    """Whether the process named in a snapshot file's name (``.probe_snapshot_<pid>_...``) lives;
+    names without a process id come from older versions, whose runs are over."""
+    owner = os.path.basename(path)[len(SNAPSHOT_PREFIX) :].split("_", 1)[0]
+    if not owner.isdigit():
+        return False
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def remove_stale_snapshots(directory: Optional[str]) -> int:
-    """Removes named snapshot files from ``directory``: a snapshot only has a name where it
-    could not be unlinked, or from an older version of this package, and then only while its
-    run lives, so one found at the start of a probe was left by a killed run.
+    """Removes snapshot files that a killed run left in ``directory``: a file whose owner still
+    runs (another rank, between creating and unlinking it) is left alone.
 
     Returns:
         How many files were removed.
     """
     removed = 0
     for path in glob.glob(os.path.join(directory or tempfile.gettempdir(), SNAPSHOT_PREFIX + "*.pt")):
+        if _owner_lives(path):
+            continue
         try:
             size = os.path.getsize(path)
             os.remove(path)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from adaptive_batch.logs import lines_to
-from adaptive_batch.probe.snapshot import TrainingStateSnapshot
+from adaptive_batch.probe.snapshot import TrainingStateSnapshot, remove_stale_snapshots
 
 
 def train_steps(model, opt, sched, n=2):
@@ -120,6 +120,46 @@ def test_a_stale_snapshot_is_removed_with_a_message(tmp_path):
         pass
     assert not stale.exists()
     assert "snapshot a killed run left behind" in lines[0] and str(stale) in lines[0]
+
+
+def test_a_snapshot_named_by_a_live_process_is_left_and_one_by_a_dead_process_removed(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f".probe_snapshot_{int(dead.stdout)}_abc.pt"
+    live = tmp_path / f".probe_snapshot_{os.getpid()}_def.pt"
+    gone.write_bytes(b"x")
+    live.write_bytes(b"x")
+    assert remove_stale_snapshots(str(tmp_path)) == 1
+    assert not gone.exists() and live.exists()
+
+
+def test_another_ranks_sweep_between_naming_and_unlinking_takes_nothing(tmp_path, monkeypatch):
+    # Two ranks share an output directory; the other rank's sweep once removed this rank's file in
+    # the instant it had a name, and this rank's unlink then failed. Where the file system cannot
+    # make unnamed files the name is there for that instant: the sweep runs in it here.
+    import tempfile
+
+    import adaptive_batch.probe.snapshot as snapshot
+
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp_then_the_other_ranks_sweep(**kwargs):
+        made = real_mkstemp(**kwargs)
+        assert os.listdir(tmp_path) != []
+        remove_stale_snapshots(str(tmp_path))
+        return made
+
+    monkeypatch.setattr(snapshot.tempfile, "mkstemp", mkstemp_then_the_other_ranks_sweep)
+    model, opt, sched = make()
+    train_steps(model, opt, sched)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with TrainingStateSnapshot(model, opt, sched, directory=str(tmp_path)):
+        train_steps(model, opt, sched)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert os.listdir(tmp_path) == []
 
 
 KILLED_SCRIPT = """
