@@ -17,10 +17,12 @@ expandable segments): :func:`adaptive_batch.memory.device.prepare_allocator`.
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
+import functools
 import json
 import math
 import os
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 import warnings
 
 from torch import nn
@@ -33,9 +35,12 @@ from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import atomic_write
 import adaptive_batch.logs as logs
-from adaptive_batch.memory.device import prepare_allocator
+from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
+from adaptive_batch.memory.device import address_space_limit, prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
+from adaptive_batch.probe.child import TrialProcessNotStartedError
 from adaptive_batch.probe.service import ProbeOptions
+from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.schedule.global_batch import micro_batches_per_trial
 
 STATE_FILE = "adaptive_batch.json"
@@ -74,11 +79,16 @@ class AdaptiveBatchTrainer(Trainer):
         refuse_what_changes_the_batch(self)
         self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, log
         self.adaptive_batch: Optional[Dict[str, int]] = None
+        self._settle: Optional[Callable[[], None]] = None  # the probe or the checkpoint's batches, at the loop's start
         self._ranks = RankGroup(self.args.device)
         self.add_callback(_SaveTheBatch(self))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """Probes (or, resuming, reads the checkpoint's batches), then trains as ``Trainer`` does."""
+        """Probes (or, resuming, reads the checkpoint's batches), then trains as ``Trainer`` does.
+
+        The probe runs at the start of ``Trainer``'s own training loop, once ``train()`` has
+        made the model what it trains (activation checkpointing, NEFTune, Liger kernels): a
+        probe before them measured a model training does not run."""
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
@@ -88,39 +98,71 @@ class AdaptiveBatchTrainer(Trainer):
         # are Python warnings, as Trainer's own.
         with logs.lines_to(self._log, warnings.warn):
             prepare_allocator(self.args.device, probing=saved is None)
-        with logs.lines_to(self._log):
-            if saved is not None:
-                self._apply(saved, f"from the checkpoint {checkpoint}")
-            else:
-                self._apply(self._probe(), "probed")
+        self._settle = (lambda: self._apply(saved, f"from the checkpoint {checkpoint}")) if saved is not None else (
+            lambda: self._apply(self._probe(), "probed"))
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _inner_training_loop(self, batch_size: Optional[int] = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer``'s loop, on the batches settled at its start (it builds the data loader
+        from ``_train_batch_size``, which :meth:`_apply` sets)."""
+        stop_at_the_loop(self)  # a trial process's Trainer is made ready up to here, and no further
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            with logs.lines_to(self._log):
+                settle()
+        return super()._inner_training_loop(self._train_batch_size, *args, **kwargs)
 
     def _probe(self) -> Dict[str, int]:
         """The per-device batches: the largest training micro-batch that fits, the effective
         batch split into the fewest equal micro-batches no larger, and the evaluation batch."""
         args = self.args
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        optimizer = self.create_optimizer()  # the one training will use (Trainer keeps it)
-        make_batch = self._make_batch or _longest_sample_batch(self.train_dataset, self.data_collator)
-        with forward_as_accelerate_runs_it(self.accelerator, self.model):
-            found = find_max_batch_size(
-                self._train_step, make_batch=make_batch, model=self.model, optimizer=optimizer,
-                max_memory=self.max_memory, max_batch_size=effective,
-            )
+        make_batch = self._make_batch or RepeatedSample.longest(self.train_dataset, self.data_collator)
+        build = self._trial_build(make_batch)  # before the optimizer: one passed in cannot be made again
+        target = self.trial_target(make_batch)
+        probe = functools.partial(find_max_batch_size, target.train_step, make_batch=make_batch, model=self.model,
+                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective)
+        with self._forward_as_trained:
+            try:
+                found = probe(build=build)
+            except TrialProcessNotStartedError:
+                logs.info("adaptive-batch: the trial processes could not import this script (run again as their main "
+                          "module, it does not stop at `if __name__ == \"__main__\":`); the trials run in this process. "
+                          "Call trainer.train() under that guard for trials in fresh processes.")
+                found = probe(build=None)
         # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
         found = -self._ranks.max(-found)
         accumulation = next(a for a in range(math.ceil(effective / found), effective + 1) if effective % a == 0)
         state = {"effective_batch_size": effective, "max_micro_batch_size": found,
                  "per_device_train_batch_size": effective // accumulation, "gradient_accumulation_steps": accumulation}
         if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
-            eval_batch = _longest_sample_batch(self.eval_dataset, self.data_collator)
-            with forward_as_accelerate_runs_it(self.accelerator, self.model):
+            eval_batch = RepeatedSample.longest(self.eval_dataset, self.data_collator)
+            with self._forward_as_trained:
                 eval_found = find_max_batch_size(
                     self._eval_step, make_batch=eval_batch, model=self.model, optimizer=None,
                     max_memory=self.max_memory, max_batch_size=len(self.eval_dataset),
                 )
             state["per_device_eval_batch_size"] = -self._ranks.max(-eval_found)
         return state
+
+    def trial_target(self, make_batch: Callable[[int], Any]) -> ProbeTarget:
+        """What a trial trains: this Trainer's own step (:meth:`_train_step`) on its model, with
+        the optimizer training will use (``Trainer`` keeps the one made here)."""
+        return ProbeTarget(self._train_step, make_batch, self.model, self.create_optimizer())
+
+    @property
+    def _forward_as_trained(self) -> Any:
+        return forward_as_accelerate_runs_it(self.accelerator, self.model)
+
+    def _trial_build(self, make_batch: Callable[[int], Any]) -> Optional[TrainerTrialBuild]:
+        """The build trials in fresh processes take, where this Trainer's parts can be sent to
+        one; where not, and a hard CPU limit would have used them, a line says why."""
+        found = TrainerTrialBuild.of(self, make_batch)
+        if isinstance(found, TrainerTrialBuild):
+            return found
+        if self.args.device.type == "cpu" and address_space_limit() is not None:
+            logs.info(f"adaptive-batch: the Trainer's trials run in this process, not in fresh ones: {found}.")
+        return None
 
     def _apply(self, state: Dict[str, int], source: str) -> None:
         args = self.args
@@ -234,19 +276,29 @@ def _read_state(checkpoint: str) -> Optional[Dict[str, int]]:
         return json.load(f)
 
 
-def _longest_sample_batch(dataset: Any, collate: Callable) -> Callable[[int], Any]:
-    """``f(b)``: the dataset's longest sample (by ``input_ids``) ``b`` times, collated: no
-    batch the collator pads is longer.
+@dataclass(frozen=True)
+class RepeatedSample:
+    """``f(b)``: ``sample`` ``b`` times, through ``collate``. Picklable where both are, so a
+    trial process can make the same batch."""
 
-    Raises:
-        ConfigError: when the samples have no ``input_ids`` to measure (pass ``make_batch``).
-    """
-    try:
-        longest = max(range(len(dataset)), key=lambda i: len(dataset[i]["input_ids"]))
-    except (KeyError, TypeError, IndexError) as e:
-        raise ConfigError(
-            f"the worst-case batch is built from the longest sample's input_ids, and the samples have none ({e!r}): "
-            "pass make_batch=f(b) -> a batch of b of your longest samples."
-        ) from None
-    sample = dataset[longest]
-    return lambda b: collate([sample] * b)
+    sample: Any
+    collate: Callable[[List[Any]], Any]
+
+    def __call__(self, batch_size: int) -> Any:
+        return self.collate([self.sample] * batch_size)
+
+    @classmethod
+    def longest(cls, dataset: Any, collate: Callable) -> "RepeatedSample":
+        """The dataset's longest sample (by ``input_ids``): no batch the collator pads is longer.
+
+        Raises:
+            ConfigError: when the samples have no ``input_ids`` to measure (pass ``make_batch``).
+        """
+        try:
+            longest = max(range(len(dataset)), key=lambda i: len(dataset[i]["input_ids"]))
+        except (KeyError, TypeError, IndexError) as e:
+            raise ConfigError(
+                f"the worst-case batch is built from the longest sample's input_ids, and the samples have none ({e!r}): "
+                "pass make_batch=f(b) -> a batch of b of your longest samples."
+            ) from None
+        return cls(dataset[longest], collate)

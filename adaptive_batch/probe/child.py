@@ -37,6 +37,11 @@ class ChildOutOfMemoryError(MemoryError):
     (:func:`~adaptive_batch.memory.oom.is_oom_error`) knows it."""
 
 
+class TrialProcessNotStartedError(RuntimeError):
+    """A trial process ended before its trial ran: the caller's main module, which every trial
+    process imports, could not be imported there (an unguarded script runs itself again)."""
+
+
 @dataclass(frozen=True)
 class _ParentProcess:
     """What makes a child's steps cost what the caller's own would: its threads and allocator."""
@@ -121,7 +126,8 @@ def child_trial(
     Raises:
         ChildOutOfMemoryError: (from ``run``) when the child ran out of memory or died.
         RuntimeError: (from ``run``) any other error of the child, with its traceback; a child
-            that gave no answer in ``timeout_s``; or one that exited before its trial ran (an
+            that gave no answer in ``timeout_s``.
+        TrialProcessNotStartedError: (from ``run``) a child that exited before its trial ran (an
             unguarded script re-run as the main module).
     """
     context = multiprocessing.get_context("forkserver")
@@ -183,7 +189,7 @@ def _answer(
             "that hangs (a deadlock, a collective with no peer) in build's target; run it once at that batch by hand."
         )
     if not started:  # it ended while importing the main module, as an unguarded script does
-        raise RuntimeError(
+        raise TrialProcessNotStartedError(
             f"the trial process at batch {batch_size} exited with code {exitcode} before its trial ran "
             "(its traceback is above). Trial processes import the main module, as multiprocessing does: in a "
             "script, call find_max_batch_size(build=...) under `if __name__ == \"__main__\":`."

@@ -101,7 +101,7 @@ def test_the_micro_batched_run_trains_what_the_whole_batch_run_trains(tmp_path):
     assert losses(probed) == pytest.approx(losses(plain), rel=1e-4)
 
 
-def _fixed_length_trainer(cls, out, per_device, accumulation, **kwargs):
+def _fixed_length_trainer(cls, out, per_device, accumulation, training=None, **kwargs):
     """Every sample 64 tokens long, so the Trainer's own batches are the probe's worst case."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -110,7 +110,8 @@ def _fixed_length_trainer(cls, out, per_device, accumulation, **kwargs):
     samples = [{"input_ids": torch.randint(1, 512, (64,), generator=generator).tolist()} for _ in range(64)]
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=per_device,
                              gradient_accumulation_steps=accumulation, max_steps=2, learning_rate=1e-3, report_to=[],
-                             use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
+                             use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no",
+                             **(training or {}))
     return cls(model=LlamaForCausalLM(config), args=args, train_dataset=samples, data_collator=ByteCollator(), **kwargs)
 
 
@@ -147,6 +148,28 @@ def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(t
     assert len(trials) <= 6 and sum(" fits" not in line for line in trials) <= 1, trials
     budget = int(24 * 2**20 * 0.99)
     assert trainer_peak(found) <= budget < trainer_peak(found + 1)
+
+
+def test_the_trials_train_the_model_train_prepares(tmp_path):
+    """train() turns activation checkpointing on before its loop. The probe ran before train() and
+    measured the model without it: 11, where the checkpointed step fits 23. (MemTracker cannot be
+    the truth here: a checkpointed module's forward runs again in backward, which it refuses.)"""
+    checkpointed_in_trials = []
+
+    class Recording(AdaptiveBatchTrainer):
+        def _train_step(self, batch):
+            checkpointed_in_trials.append(self.model.is_gradient_checkpointing)
+            return super()._train_step(batch)
+
+    def found(cls, out, training=None):
+        trainer = _fixed_length_trainer(cls, tmp_path / out, 16, 2, training, max_memory="24MiB", probe_eval=False)
+        trainer.train()
+        return trainer.adaptive_batch["max_micro_batch_size"]
+
+    plain = found(AdaptiveBatchTrainer, "plain")
+    checkpointed = found(Recording, "checkpointed", {"activation_checkpointing": True})
+    assert checkpointed_in_trials and all(checkpointed_in_trials)
+    assert checkpointed > 1.5 * plain, (plain, checkpointed)
 
 
 def test_in_mixed_precision_the_trials_forward_runs_as_the_trainers_own(tmp_path):
@@ -259,32 +282,34 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from adaptive_batch.hf import AdaptiveBatchTrainer
 from adaptive_batch.memory.device import proc_status_bytes, return_freed_memory_to_os
 
-mode, batch, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
-samples = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 8192, (64, 256))]
-args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=1 if mode == "probe" else 3,
-                         report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
-resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + 256 * 2**20, resource.RLIM_INFINITY))
-if mode == "probe":
-    lines = []
-    trainer = AdaptiveBatchTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples, log=lines.append)
-    trainer.train()
-    trials = [line for line in lines if line.startswith("probe trial")]
-    print("RESULT", json.dumps({"found": trainer.adaptive_batch["max_micro_batch_size"],
-                                "oom_trials": sum("out of memory" in line for line in trials)}))
-else:
-    # what the probed run trains: the effective batch of 16 in accumulated micro-batches
-    args.gradient_accumulation_steps = 2
-    trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples)
-    return_freed_memory_to_os()  # the allocator the probed run trains with, set where it sets it
-    try:
+if __name__ == "__main__":  # the probe's trial processes import this script
+    mode, batch, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    samples = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 8192, (64, 256))]
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=1 if mode == "probe" else 3,
+                             report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
+    resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + 256 * 2**20, resource.RLIM_INFINITY))
+    if mode == "probe":
+        lines = []
+        trainer = AdaptiveBatchTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples, log=lines.append)
         trainer.train()
-        print("RESULT", json.dumps({"trains": True}))
-    except RuntimeError as e:
-        assert "can't allocate memory" in str(e), e
-        print("RESULT", json.dumps({"trains": False}))
+        trials = [line for line in lines if line.startswith("probe trial")]
+        print("RESULT", json.dumps({"found": trainer.adaptive_batch["max_micro_batch_size"],
+                                    "in_fresh_processes": any("in a fresh process" in line for line in lines),
+                                    "oom_trials": sum("out of memory" in line for line in trials)}))
+    else:
+        # what the probed run trains: the effective batch of 16 in accumulated micro-batches
+        args.gradient_accumulation_steps = 2
+        trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples)
+        return_freed_memory_to_os()  # the allocator the probed run trains with, set where it sets it
+        try:
+            trainer.train()
+            print("RESULT", json.dumps({"trains": True}))
+        except RuntimeError as e:
+            assert "can't allocate memory" in str(e), e
+            print("RESULT", json.dumps({"trains": False}))
 '''
 
 
@@ -309,6 +334,7 @@ def test_under_a_real_limit_it_finds_the_true_maximum(tmp_path):
 
     probed = run("probe", 16)
     found = probed["found"]
+    assert probed["in_fresh_processes"], probed
     assert 1 < found < 16 and probed["oom_trials"] <= 1, probed
     assert run("fresh", found)["trains"] and not run("fresh", found + 1)["trains"], found
 

@@ -1,0 +1,81 @@
+"""TrainerTrialBuild: the Trainer's step made again from its parts, as a trial process makes it."""
+
+import logging
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import adaptive_batch.hf.trainer as trainer_module
+from adaptive_batch.hf import AdaptiveBatchTrainer
+from adaptive_batch.hf.trainer import RepeatedSample
+from adaptive_batch.hf.trainer_build import TrainerTrialBuild
+from adaptive_batch.memory.tracker import measure_peak_bytes
+from adaptive_batch.probe.child import TrialProcessNotStartedError
+from tests.adaptive_batch.hf.test_trainer import _trainer
+
+
+@pytest.fixture
+def in_this_process():
+    """A build silences logging and warnings for the trial process's life: here, for the test's."""
+    with warnings.catch_warnings():
+        yield
+    logging.disable(logging.NOTSET)
+
+
+def _warm_step_peak(target, batch_size):
+    """The tensor peak of a step after one warm step (the optimizer's state exists)."""
+    target.train_step(target.make_batch(batch_size))
+    state = [*target.model.parameters(), *(v for s in target.optimizer.state.values() for v in s.values()
+                                           if isinstance(v, torch.Tensor))]
+    return measure_peak_bytes(lambda: target.train_step(target.make_batch(batch_size)), torch.device("cpu"), state)
+
+
+def test_the_build_makes_a_step_that_costs_what_the_trainers_own_costs(tmp_path, in_this_process):
+    trainer = _trainer(tmp_path, per_device=8, accumulation=2)
+    trainer.model.model.embed_tokens.weight.requires_grad_(False)  # frozen parts stay frozen
+    make_batch = RepeatedSample.longest(trainer.train_dataset, trainer.data_collator)
+    build = TrainerTrialBuild.of(trainer, make_batch)
+    assert isinstance(build, TrainerTrialBuild), build
+    built = pickle.loads(pickle.dumps(build))()  # what a trial process does
+    own = trainer.trial_target(make_batch)
+    trainer.model.train()
+    assert type(built.model) is type(trainer.model) and built.model is not trainer.model
+    assert [n for n, p in built.model.named_parameters() if not p.requires_grad] == ["model.embed_tokens.weight"]
+    assert _warm_step_peak(built, 4) == pytest.approx(_warm_step_peak(own, 4), rel=0.01)
+
+
+def test_what_a_trial_process_cannot_make_again_keeps_the_trials_here_and_says_why(tmp_path):
+    make_batch = RepeatedSample.longest(_trainer(tmp_path / "a").train_dataset, lambda samples: samples)
+    passed_optimizer = _trainer(tmp_path / "b")
+    passed_optimizer.optimizer = torch.optim.SGD(passed_optimizer.model.parameters(), lr=0.1)
+    assert "optimizers=" in TrainerTrialBuild.of(passed_optimizer, make_batch)
+
+    class OwnInit(AdaptiveBatchTrainer):
+        def __init__(self, *args, extra, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    own_init = _trainer(tmp_path / "c")
+    own_init.__class__ = OwnInit
+    assert "__init__ of its own" in TrainerTrialBuild.of(own_init, make_batch)
+    # a lambda collator cannot be pickled
+    assert "cannot be sent to a trial process" in TrainerTrialBuild.of(_trainer(tmp_path / "d"), make_batch)
+
+
+def test_trial_processes_that_cannot_import_the_script_leave_the_trials_here_with_a_line(tmp_path, monkeypatch):
+    real = trainer_module.find_max_batch_size
+    builds = []
+
+    def unguarded_script(*args, build=None, **kwargs):
+        builds.append(build)
+        if build is not None:
+            raise TrialProcessNotStartedError("the trial process at batch 1 exited with code 1 before its trial ran")
+        return real(*args, build=None, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "find_max_batch_size", unguarded_script)
+    trainer = _trainer(tmp_path, max_memory="20MiB", probe_eval=False)
+    trainer.train()
+    assert isinstance(builds[0], TrainerTrialBuild) and builds[1] is None
+    assert any("could not import this script" in line and 'if __name__ == "__main__":' in line for line in trainer.lines)
+    assert 1 < trainer.adaptive_batch["max_micro_batch_size"] < 16 and trainer.state.global_step == 2
