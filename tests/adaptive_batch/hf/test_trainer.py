@@ -288,13 +288,13 @@ if __name__ == "__main__":  # the probe's trial processes import this script
     config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
     samples = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 8192, (64, 256))]
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=1 if mode == "probe" else 3,
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=3,
                              report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
     resource.setrlimit(resource.RLIMIT_AS, (proc_status_bytes("VmSize") + 256 * 2**20, resource.RLIM_INFINITY))
     if mode == "probe":
         lines = []
         trainer = AdaptiveBatchTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples, log=lines.append)
-        trainer.train()
+        trainer.train()  # the probe, then 3 steps at its answer in the process that probed
         trials = [line for line in lines if line.startswith("probe trial")]
         print("RESULT", json.dumps({"found": trainer.adaptive_batch["max_micro_batch_size"],
                                     "in_fresh_processes": any("in a fresh process" in line for line in lines),
@@ -315,10 +315,12 @@ if __name__ == "__main__":  # the probe's trial processes import this script
 
 @pytest.mark.slow
 def test_under_a_real_limit_it_finds_the_true_maximum(tmp_path):
-    """Under 256 MiB of address space over the process (as ``prlimit --as`` gives), the probed
-    micro-batch trains 3 accumulated steps (as the effective batch of 16 is trained) in a fresh
-    process and one more does not, found with at most one out-of-memory trial. The truth was a
-    step of one micro-batch until the trial became the Trainer's accumulated step."""
+    """Under 256 MiB of address space over the process (as ``prlimit --as`` gives), trials in
+    fresh processes find the micro-batch that trains 3 accumulated steps (as the effective batch
+    of 16 is trained) in the process that probed and in a fresh one, and one more does not, with at
+    most one out-of-memory trial. The truth was a step of one micro-batch until the trial became
+    the Trainer's accumulated step; on a larger model the probing process, its heap grown by the
+    probe, once failed in training the answer fresh processes train."""
     import subprocess
     import sys
 
