@@ -38,7 +38,7 @@ import adaptive_batch.logs as logs
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
-from adaptive_batch.probe.child import TrialProcessNotStartedError
+from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.schedule.global_batch import micro_batches_per_trial
@@ -129,6 +129,10 @@ class AdaptiveBatchTrainer(Trainer):
                 logs.info("adaptive-batch: the trial processes could not import this script (run again as their main "
                           "module, it does not stop at `if __name__ == \"__main__\":`); the trials run in this process. "
                           "Call trainer.train() under that guard for trials in fresh processes.")
+                found = probe(build=None)
+            except TrialBuildError as e:
+                logs.info(f"adaptive-batch: a trial process could not build this Trainer ({str(e).strip().splitlines()[-1]}); the trials "
+                          "run in this process.")
                 found = probe(build=None)
         # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
         found = -self._ranks.max(-found)

@@ -42,6 +42,11 @@ class TrialProcessNotStartedError(RuntimeError):
     process imports, could not be imported there (an unguarded script runs itself again)."""
 
 
+class TrialBuildError(RuntimeError):
+    """``build()`` raised in a trial process, before any step: what the caller trains could not
+    be made again there (the error's traceback is in the message)."""
+
+
 @dataclass(frozen=True)
 class _ParentProcess:
     """What makes a child's steps cost what the caller's own would: its threads and allocator."""
@@ -69,7 +74,13 @@ def _child_main(
     try:
         conn.send(("started", None))  # the main module imported: from here a death is the trial's
         parent.apply()
-        target = build()
+        try:
+            target = build()
+        except Exception as exc:  # noqa: BLE001 - said to the parent as what it is: no trial ran
+            if is_oom_error(exc):  # the model does not fit beside nothing: batch 1 does not either
+                raise
+            conn.send(("build_error", traceback.format_exc()))
+            return
         start, build_peak = proc_status_bytes("VmSize"), proc_status_bytes("VmPeak")
         limit = start + headroom_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
@@ -129,6 +140,7 @@ def child_trial(
             that gave no answer in ``timeout_s``.
         TrialProcessNotStartedError: (from ``run``) a child that exited before its trial ran (an
             unguarded script re-run as the main module).
+        TrialBuildError: (from ``run``) ``build()`` raised in the child.
     """
     context = multiprocessing.get_context("forkserver")
     # The server imports torch once and has run no parallel region, so its forks start clean
@@ -201,4 +213,6 @@ def _answer(
         return int(value)
     if kind == "oom":
         raise ChildOutOfMemoryError(value)
+    if kind == "build_error":
+        raise TrialBuildError(f"the trial process at batch {batch_size} could not build what it trains:\n{value}")
     raise RuntimeError(f"the trial process at batch {batch_size} failed:\n{value}")

@@ -12,7 +12,7 @@ from adaptive_batch.hf import AdaptiveBatchTrainer
 from adaptive_batch.hf.trainer import RepeatedSample
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild
 from adaptive_batch.memory.tracker import measure_peak_bytes
-from adaptive_batch.probe.child import TrialProcessNotStartedError
+from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
 from tests.adaptive_batch.hf.test_trainer import _trainer
 
 
@@ -63,19 +63,26 @@ def test_what_a_trial_process_cannot_make_again_keeps_the_trials_here_and_says_w
     assert "cannot be sent to a trial process" in TrainerTrialBuild.of(_trainer(tmp_path / "d"), make_batch)
 
 
-def test_trial_processes_that_cannot_import_the_script_leave_the_trials_here_with_a_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failure, line", [
+    (TrialProcessNotStartedError("the trial process at batch 1 exited with code 1 before its trial ran"),
+     'could not import this script (run again as their main module, it does not stop at `if __name__ == "__main__":`)'),
+    (TrialBuildError("the trial process at batch 1 could not build what it trains:\nTraceback ...\n"
+                     "OSError: Can't load tokenizer for 'tiny'\n"),
+     "a trial process could not build this Trainer (OSError: Can't load tokenizer for 'tiny')"),
+], ids=["unguarded-script", "build-fails"])
+def test_where_trial_processes_cannot_run_the_trials_stay_here_with_a_line(tmp_path, monkeypatch, failure, line):
     real = trainer_module.find_max_batch_size
     builds = []
 
-    def unguarded_script(*args, build=None, **kwargs):
+    def trials_in_processes_fail(*args, build=None, **kwargs):
         builds.append(build)
         if build is not None:
-            raise TrialProcessNotStartedError("the trial process at batch 1 exited with code 1 before its trial ran")
+            raise failure
         return real(*args, build=None, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "find_max_batch_size", unguarded_script)
+    monkeypatch.setattr(trainer_module, "find_max_batch_size", trials_in_processes_fail)
     trainer = _trainer(tmp_path, max_memory="20MiB", probe_eval=False)
     trainer.train()
     assert isinstance(builds[0], TrainerTrialBuild) and builds[1] is None
-    assert any("could not import this script" in line and 'if __name__ == "__main__":' in line for line in trainer.lines)
+    assert any(line in said for said in trainer.lines), trainer.lines
     assert 1 < trainer.adaptive_batch["max_micro_batch_size"] < 16 and trainer.state.global_step == 2

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from adaptive_batch import find_max_batch_size
-from adaptive_batch.probe.child import ChildOutOfMemoryError, child_trial
+from adaptive_batch.probe.child import ChildOutOfMemoryError, TrialBuildError, child_trial
+from adaptive_batch.probe.target import ProbeTarget
 from tests.adaptive_batch.probe import crashing_step
 
 
@@ -54,14 +55,24 @@ def test_without_an_address_space_limit_build_runs_the_trials_here_and_says_so(m
     assert not any("in a fresh process" in line for line in lines)
 
 
-def test_a_childs_other_errors_come_back_with_its_traceback():
-    run = child_trial(_wrong_build, headroom_bytes=2**30, steps=1)
-    with pytest.raises(RuntimeError, match="failed:\nTraceback"):
-        run(1)
+def test_a_childs_other_errors_come_back_with_its_traceback_a_failed_build_as_its_own_error():
+    with pytest.raises(TrialBuildError, match="could not build what it trains:\nTraceback(.|\n)*the build itself is wrong"):
+        child_trial(_wrong_build, headroom_bytes=2**30, steps=1)(1)
+    with pytest.raises(RuntimeError, match="failed:\nTraceback(.|\n)*the step itself is wrong") as raised:
+        child_trial(_build_with_a_wrong_step, headroom_bytes=2**30, steps=1)(1)
+    assert not isinstance(raised.value, TrialBuildError)
 
 
 def _wrong_build():
     raise ValueError("the build itself is wrong")
+
+
+def _wrong_step(batch):
+    raise ValueError("the step itself is wrong")
+
+
+def _build_with_a_wrong_step():
+    return ProbeTarget(_wrong_step, torch.zeros, torch.nn.Linear(1, 1))
 
 
 def test_a_python_memory_error_without_a_message_is_named():
