@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[torchtune,hf,lightning,test]"
+	$(BIN)/python -m pip install --quiet -e ".[torchtune,hf,trl,lightning,test]"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -4,9 +4,9 @@ Under a hard limit in address space the probe's trials run in fresh processes
 (:mod:`adaptive_batch.probe.children`), as the recipes' do: a trial that runs out of memory in the
 process that trains leaves its heap worse than a fresh one's (the Trainer answered 15 where 16
 trains in fresh processes). :class:`TrainerTrialBuild` holds what a trial needs to make the same
-step: the Trainer's class and arguments, the model's class, configuration, dtype and frozen
-parameters (random weights take the memory trained ones do), the collator, the loss function
-and the worst-case batch. Where one of them cannot be sent to another process the trials stay in
+step: the Trainer's class (a composition with TRL's ``SFTTrainer`` included) and arguments, the
+model's class, configuration, dtype and frozen parameters (random weights take the memory trained
+ones do), the collator, the tokenizer or processor, the loss function and the worst-case batch. Where one of them cannot be sent to another process the trials stay in
 the caller's, and a line says why.
 """
 
@@ -37,6 +37,7 @@ class TrainerTrialBuild:
     frozen: Tuple[str, ...]
     args: Any
     data_collator: Any
+    processing_class: Any
     compute_loss_func: Any
     make_batch: Callable[[int], Any]
     # Imported once in the server the trial processes are forked from, not in each of them.
@@ -60,7 +61,7 @@ class TrainerTrialBuild:
             trainer_class=type(trainer), model_class=type(model), model_config=model.config,
             model_dtype=next(model.parameters()).dtype,
             frozen=tuple(name for name, p in model.named_parameters() if not p.requires_grad),
-            args=trainer.args, data_collator=trainer.data_collator,
+            args=trainer.args, data_collator=trainer.data_collator, processing_class=trainer.processing_class,
             compute_loss_func=getattr(trainer, "compute_loss_func", None), make_batch=make_batch,
         )
         try:
@@ -78,7 +79,8 @@ class TrainerTrialBuild:
             if name in self.frozen:
                 param.requires_grad_(False)
         trainer = self.trainer_class(model=model, args=self.args, data_collator=self.data_collator,
-                                     compute_loss_func=self.compute_loss_func, probe_eval=False)
+                                     processing_class=self.processing_class, compute_loss_func=self.compute_loss_func,
+                                     probe_eval=False)
         trainer._stop_at_the_loop = True
         try:
             trainer.train()  # its preparations (activation checkpointing, NEFTune), up to its loop

@@ -1,0 +1,72 @@
+"""AdaptiveBatchTrainer composed with TRL's SFTTrainer: the probe's trial is SFT's own step (its
+loss, entropy and token accuracy), on the batch its collator makes (padded, or padding-free)."""
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from adaptive_batch.hf import AdaptiveBatchTrainer  # noqa: E402
+
+
+class AdaptiveSFTTrainer(AdaptiveBatchTrainer, trl.SFTTrainer):
+    """What the docs tell a TRL user to write."""
+
+
+def letter_tokenizer():
+    """A tokenizer of the 26 letters, made here (no download): a character a token."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{chr(ord("a") + i): 3 + i for i in range(26)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def sft_trainer(cls, out, per_device, sft, **kwargs):
+    """Every text 60 letters long, so SFT's own batches are the probe's worst case."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    texts = ["".join(chr(ord("a") + int(c)) for c in torch.randint(0, 26, (60,), generator=generator)) for _ in range(48)]
+    config = LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    args = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=per_device, gradient_accumulation_steps=2,
+                         max_steps=2, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
+                         logging_strategy="no", **sft)
+    return cls(model=LlamaForCausalLM(config), args=args, train_dataset=Dataset.from_dict({"text": texts}),
+               processing_class=letter_tokenizer(), **kwargs)
+
+
+@pytest.mark.parametrize("sft", [{"max_length": 64}, {"max_length": None, "padding_free": True}],
+                         ids=["padded", "padding-free"])
+def test_the_answer_is_memtrackers_on_sfts_own_accumulated_loop(tmp_path, sft):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = None
+
+    class Tracked(trl.SFTTrainer):
+        def training_step(self, *args, **kwargs):  # MemTracker measures one forward at a time
+            tracker.reset_mod_stats()
+            return super().training_step(*args, **kwargs)
+
+    def sft_peak(micro_batch):
+        nonlocal tracker
+        trainer = sft_trainer(Tracked, tmp_path / f"plain{micro_batch}", micro_batch, sft)
+        tracker = MemTracker()
+        tracker.track_external(trainer.model)
+        with tracker:
+            trainer.train()
+        return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+    lines = []
+    probed = sft_trainer(AdaptiveSFTTrainer, tmp_path / "probed", 16, sft, max_memory="40MiB", probe_eval=False,
+                         log=lines.append)
+    probed.train()
+    state = probed.adaptive_batch
+    found = state["max_micro_batch_size"]
+    assert state["per_device_train_batch_size"] * state["gradient_accumulation_steps"] == 32  # the user's batch
+    assert probed.state.global_step == 2
+    budget = int(40 * 2**20 * 0.99)
+    assert sft_peak(found) <= budget < sft_peak(found + 1), found
