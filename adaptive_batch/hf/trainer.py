@@ -125,14 +125,8 @@ class AdaptiveBatchTrainer(Trainer):
         with self._forward_as_trained:
             try:
                 found = probe(build=build)
-            except TrialProcessNotStartedError:
-                logs.info("adaptive-batch: the trial processes could not import this script (run again as their main "
-                          "module, it does not stop at `if __name__ == \"__main__\":`); the trials run in this process. "
-                          "Call trainer.train() under that guard for trials in fresh processes.")
-                found = probe(build=None)
-            except TrialBuildError as e:
-                logs.info(f"adaptive-batch: a trial process could not build this Trainer ({str(e).strip().splitlines()[-1]}); the trials "
-                          "run in this process.")
+            except (TrialProcessNotStartedError, TrialBuildError) as e:
+                logs.info(f"adaptive-batch: {_why_trials_stay_here(e)}; the trials run in this process.")
                 found = probe(build=None)
         # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
         found = -self._ranks.max(-found)
@@ -234,6 +228,14 @@ def forward_as_accelerate_runs_it(accelerator: Any, model: nn.Module) -> Iterato
             del model.forward
         else:
             model.forward = own
+
+
+def _why_trials_stay_here(error: RuntimeError) -> str:
+    """What kept the trials from fresh processes, for the line that says they run here."""
+    if isinstance(error, TrialProcessNotStartedError):
+        return ("the trial processes could not import this script (run again as their main module, it does not stop "
+                "at `if __name__ == \"__main__\":`; call trainer.train() under that guard for trials in fresh processes)")
+    return f"a trial process could not build this Trainer ({str(error).strip().splitlines()[-1]})"
 
 
 def refuse_what_changes_the_batch(trainer: Trainer) -> None:

@@ -65,7 +65,7 @@ def test_what_a_trial_process_cannot_make_again_keeps_the_trials_here_and_says_w
 
 @pytest.mark.parametrize("failure, line", [
     (TrialProcessNotStartedError("the trial process at batch 1 exited with code 1 before its trial ran"),
-     'could not import this script (run again as their main module, it does not stop at `if __name__ == "__main__":`)'),
+     'could not import this script (run again as their main module, it does not stop at `if __name__ == "__main__":`'),
     (TrialBuildError("the trial process at batch 1 could not build what it trains:\nTraceback ...\n"
                      "OSError: Can't load tokenizer for 'tiny'\n"),
      "a trial process could not build this Trainer (OSError: Can't load tokenizer for 'tiny')"),
