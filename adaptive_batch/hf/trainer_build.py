@@ -6,7 +6,8 @@ process that trains leaves its heap worse than a fresh one's (the Trainer answer
 trains in fresh processes). :class:`TrainerTrialBuild` holds what a trial needs to make the same
 step: the Trainer's class (a composition with TRL's ``SFTTrainer`` included) and arguments, the
 model's class, configuration, dtype and frozen parameters (random weights take the memory trained
-ones do), the collator, the tokenizer or processor, the loss function and the worst-case batch. Where one of them cannot be sent to another process the trials stay in
+ones do), the collator, the tokenizer or processor, the loss function, the optimizer's class and
+arguments where they were given, and the worst-case batch. Where one of them cannot be sent to another process the trials stay in
 the caller's, and a line says why.
 """
 
@@ -39,6 +40,7 @@ class TrainerTrialBuild:
     data_collator: Any
     processing_class: Any
     compute_loss_func: Any
+    optimizer_cls_and_kwargs: Any
     make_batch: Callable[[int], Any]
     # Imported once in the server the trial processes are forked from, not in each of them.
     preload = ("transformers", "adaptive_batch.hf.trainer")
@@ -62,7 +64,8 @@ class TrainerTrialBuild:
             model_dtype=next(model.parameters()).dtype,
             frozen=tuple(name for name, p in model.named_parameters() if not p.requires_grad),
             args=trainer.args, data_collator=trainer.data_collator, processing_class=trainer.processing_class,
-            compute_loss_func=getattr(trainer, "compute_loss_func", None), make_batch=make_batch,
+            compute_loss_func=getattr(trainer, "compute_loss_func", None),
+            optimizer_cls_and_kwargs=getattr(trainer, "optimizer_cls_and_kwargs", None), make_batch=make_batch,
         )
         try:
             pickle.dumps(build)
@@ -80,7 +83,7 @@ class TrainerTrialBuild:
                 param.requires_grad_(False)
         trainer = self.trainer_class(model=model, args=self.args, data_collator=self.data_collator,
                                      processing_class=self.processing_class, compute_loss_func=self.compute_loss_func,
-                                     probe_eval=False)
+                                     optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs, probe_eval=False)
         trainer._stop_at_the_loop = True
         try:
             trainer.train()  # its preparations (activation checkpointing, NEFTune), up to its loop

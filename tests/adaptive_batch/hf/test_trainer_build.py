@@ -33,7 +33,8 @@ def _warm_step_peak(target, batch_size):
 
 
 def test_the_build_makes_a_step_that_costs_what_the_trainers_own_costs(tmp_path, in_this_process):
-    trainer = _trainer(tmp_path, per_device=8, accumulation=2)
+    # the optimizer named by class and arguments is the one a trial process makes
+    trainer = _trainer(tmp_path, per_device=8, accumulation=2, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
     trainer.model.model.embed_tokens.weight.requires_grad_(False)  # frozen parts stay frozen
     make_batch = RepeatedSample.longest(trainer.train_dataset, trainer.data_collator)
     build = TrainerTrialBuild.of(trainer, make_batch)
@@ -43,6 +44,7 @@ def test_the_build_makes_a_step_that_costs_what_the_trainers_own_costs(tmp_path,
     trainer.model.train()
     assert type(built.model) is type(trainer.model) and built.model is not trainer.model
     assert [n for n, p in built.model.named_parameters() if not p.requires_grad] == ["model.embed_tokens.weight"]
+    assert type(built.optimizer) is type(own.optimizer) is torch.optim.SGD
     assert _warm_step_peak(built, 4) == pytest.approx(_warm_step_peak(own, 4), rel=0.01)
 
 
