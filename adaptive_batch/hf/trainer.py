@@ -17,6 +17,7 @@ expandable segments): :func:`adaptive_batch.memory.device.prepare_allocator`.
 """
 
 from contextlib import contextmanager
+import copy
 from dataclasses import dataclass
 import functools
 import json
@@ -76,6 +77,7 @@ class AdaptiveBatchTrainer(Trainer):
     ) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         super().__init__(*args, **kwargs)
+        self._optimizer_passed = self.optimizer is not None  # a trial process cannot make that one again
         refuse_what_changes_the_batch(self)
         self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, log
         self.adaptive_batch: Optional[Dict[str, int]] = None
@@ -117,22 +119,11 @@ class AdaptiveBatchTrainer(Trainer):
         batch split into the fewest equal micro-batches no larger, and the evaluation batch."""
         args = self.args
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        # The worst-case batch first: samples it cannot be made from are refused before any trial.
         make_batch = self._make_batch or RepeatedSample.longest(self.train_dataset, self.data_collator)
-        build = self._trial_build(make_batch)  # before the optimizer: one passed in cannot be made again
-        target = self.trial_target(make_batch)
-        probe = functools.partial(find_max_batch_size, target.train_step, make_batch=make_batch, model=self.model,
-                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective)
-        with self._forward_as_trained:
-            try:
-                found = probe(build=build)
-            except (TrialProcessNotStartedError, TrialBuildError) as e:
-                logs.info(f"adaptive-batch: {_why_trials_stay_here(e)}; the trials run in this process.")
-                found = probe(build=None)
-        # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
-        found = -self._ranks.max(-found)
-        accumulation = next(a for a in range(math.ceil(effective / found), effective + 1) if effective % a == 0)
-        state = {"effective_batch_size": effective, "max_micro_batch_size": found,
-                 "per_device_train_batch_size": effective // accumulation, "gradient_accumulation_steps": accumulation}
+        state: Dict[str, int] = {}
+        # Evaluation first: the training answer's check is then the last thing run on the heap
+        # training gets, and no evaluation trial that runs out of memory comes after it.
         if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
             eval_batch = RepeatedSample.longest(self.eval_dataset, self.data_collator)
             with self._forward_as_trained:
@@ -141,6 +132,21 @@ class AdaptiveBatchTrainer(Trainer):
                     max_memory=self.max_memory, max_batch_size=len(self.eval_dataset),
                 )
             state["per_device_eval_batch_size"] = -self._ranks.max(-eval_found)
+        build = self._trial_build(make_batch)
+        target = self.trial_target(make_batch)
+        probe = functools.partial(find_max_batch_size, target.train_step, make_batch=make_batch, model=self.model,
+                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective)
+        with self._forward_as_trained, _logged_metrics_kept(self):
+            try:
+                found = probe(build=build)
+            except (TrialProcessNotStartedError, TrialBuildError) as e:
+                logs.info(f"adaptive-batch: {_why_trials_stay_here(e)}; the trials run in this process.")
+                found = probe(build=None)
+        # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
+        found = -self._ranks.max(-found)
+        accumulation = next(a for a in range(math.ceil(effective / found), effective + 1) if effective % a == 0)
+        state.update(effective_batch_size=effective, max_micro_batch_size=found,
+                     per_device_train_batch_size=effective // accumulation, gradient_accumulation_steps=accumulation)
         return state
 
     def trial_target(self, make_batch: Callable[[int], Any]) -> ProbeTarget:
@@ -153,13 +159,14 @@ class AdaptiveBatchTrainer(Trainer):
         return forward_as_accelerate_runs_it(self.accelerator, self.model)
 
     def _trial_build(self, make_batch: Callable[[int], Any]) -> Optional[TrainerTrialBuild]:
-        """The build trials in fresh processes take, where this Trainer's parts can be sent to
-        one; where not, and a hard CPU limit would have used them, a line says why."""
+        """The build trials in fresh processes take (under a hard limit in address space on CPU,
+        one process), where this Trainer's parts can be sent to one; where not, a line says why."""
+        if self.args.device.type != "cpu" or address_space_limit() is None or self._ranks.distributed:
+            return None
         found = TrainerTrialBuild.of(self, make_batch)
         if isinstance(found, TrainerTrialBuild):
             return found
-        if self.args.device.type == "cpu" and address_space_limit() is not None:
-            logs.info(f"adaptive-batch: the Trainer's trials run in this process, not in fresh ones: {found}.")
+        logs.info(f"adaptive-batch: {found}; the trials run in this process.")
         return None
 
     def _apply(self, state: Dict[str, int], source: str) -> None:
@@ -228,6 +235,18 @@ def forward_as_accelerate_runs_it(accelerator: Any, model: nn.Module) -> Iterato
             del model.forward
         else:
             model.forward = own
+
+
+@contextmanager
+def _logged_metrics_kept(trainer: Trainer) -> Iterator[None]:
+    """Puts back what a trainer's own step adds to its logged metrics (TRL's trainers keep
+    entropy, token accuracy and a running token count), so the probe's steps are not logged."""
+    kept = {name: copy.deepcopy(vars(trainer)[name]) for name in ("_metrics", "_total_train_tokens")
+            if name in vars(trainer)}
+    try:
+        yield
+    finally:
+        vars(trainer).update(kept)
 
 
 def _why_trials_stay_here(error: RuntimeError) -> str:

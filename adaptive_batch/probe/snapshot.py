@@ -7,9 +7,11 @@ rank sweeping the same directory cannot take it away. Where a file system cannot
 files, it is created with its owner's process id in the name and unlinked at once.
 """
 
+import contextlib
 import errno
 import glob
 import os
+import socket
 import tempfile
 from types import TracebackType
 from typing import Any, BinaryIO, Dict, Optional, Tuple, Type
@@ -139,21 +141,27 @@ def _unnamed_or_owned_file(directory: str) -> Tuple[int, Optional[str]]:
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
-    fd, path = tempfile.mkstemp(prefix=f"{SNAPSHOT_PREFIX}{os.getpid()}_", suffix=".pt", dir=directory)
+    fd, path = tempfile.mkstemp(prefix=f"{SNAPSHOT_PREFIX}{os.getpid()}@{socket.gethostname()}_", suffix=".pt",
+                                dir=directory)
     if not os.path.isdir("/proc/self/fd"):  # pragma: no cover - Linux has /proc
         return fd, path
-    os.unlink(path)
+    with contextlib.suppress(FileNotFoundError):  # swept already: the open descriptor holds the file
+        os.unlink(path)
     return fd, None
 
 
 def _owner_lives(path: str) -> bool:
-    """Whether the process named in a snapshot file's name (``.probe_snapshot_<pid>_...``) lives;
-    names without a process id come from older versions, whose runs are over."""
+    """Whether the process named in a snapshot file's name (``.probe_snapshot_<pid>@<host>_...``)
+    may live: one of this host that runs, or one of another host (a shared file system), which
+    cannot be asked. Names without a process id come from older versions, whose runs are over."""
     owner = os.path.basename(path)[len(SNAPSHOT_PREFIX) :].split("_", 1)[0]
-    if not owner.isdigit():
+    pid, _, host = owner.partition("@")
+    if not pid.isdigit():
         return False
+    if host and host != socket.gethostname():
+        return True
     try:
-        os.kill(int(owner), 0)
+        os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process

@@ -152,13 +152,13 @@ def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(t
 
 def test_the_trials_train_the_model_train_prepares(tmp_path):
     """train() turns activation checkpointing on before its loop. The probe ran before train() and
-    measured the model without it: 11, where the checkpointed step fits 23. (MemTracker cannot be
-    the truth here: a checkpointed module's forward runs again in backward, which it refuses.)"""
+    measured the model without it: 11, where the checkpointed step fits 23. (TRL's SFTConfig turns
+    it on by default: test_trl.py holds that answer to MemTracker's on SFT's own loop.)"""
     checkpointed_in_trials = []
 
     class Recording(AdaptiveBatchTrainer):
         def _train_step(self, batch):
-            checkpointed_in_trials.append(self.model.is_gradient_checkpointing)
+            checkpointed_in_trials.append(self.model.is_activation_checkpointing)
             return super()._train_step(batch)
 
     def found(cls, out, training=None):
@@ -297,7 +297,8 @@ if __name__ == "__main__":  # the probe's trial processes import this script
         trainer.train()  # the probe, then 3 steps at its answer in the process that probed
         trials = [line for line in lines if line.startswith("probe trial")]
         print("RESULT", json.dumps({"found": trainer.adaptive_batch["max_micro_batch_size"],
-                                    "in_fresh_processes": any("in a fresh process" in line for line in lines),
+                                    "in_fresh_processes": any("in a fresh process" in line for line in lines)
+                                    and not any("the trials run in this process" in line for line in lines),
                                     "oom_trials": sum("out of memory" in line for line in trials)}))
     else:
         # what the probed run trains: the effective batch of 16 in accumulated micro-batches

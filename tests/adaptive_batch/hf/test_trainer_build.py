@@ -48,11 +48,25 @@ def test_the_build_makes_a_step_that_costs_what_the_trainers_own_costs(tmp_path,
     assert _warm_step_peak(built, 4) == pytest.approx(_warm_step_peak(own, 4), rel=0.01)
 
 
+def test_in_mixed_precision_the_built_forward_stays_wrapped_as_training_runs_it(tmp_path, in_this_process):
+    """The build entered the autocast wrap without keeping it: it was undone at once, and trials in
+    fresh processes ran a bf16 run's steps in fp32."""
+    trainer = _trainer(tmp_path, training={"bf16": True})
+    built = TrainerTrialBuild.of(trainer, RepeatedSample.longest(trainer.train_dataset, trainer.data_collator))()
+    assert "forward" in vars(built.model)  # the instance's forward: the wrap, still in place
+    with torch.no_grad():
+        out = built.model(**built.make_batch(2))
+    assert out.logits.dtype == torch.float32 and built.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+
+
 def test_what_a_trial_process_cannot_make_again_keeps_the_trials_here_and_says_why(tmp_path):
     make_batch = RepeatedSample.longest(_trainer(tmp_path / "a").train_dataset, lambda samples: samples)
-    passed_optimizer = _trainer(tmp_path / "b")
-    passed_optimizer.optimizer = torch.optim.SGD(passed_optimizer.model.parameters(), lr=0.1)
+    model = _trainer(tmp_path / "b").model
+    passed_optimizer = _trainer(tmp_path / "b", optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
     assert "optimizers=" in TrainerTrialBuild.of(passed_optimizer, make_batch)
+    mixed = _trainer(tmp_path / "m")
+    mixed.model.lm_head.to(torch.bfloat16)
+    assert "several dtypes" in TrainerTrialBuild.of(mixed, make_batch)
 
     class OwnInit(AdaptiveBatchTrainer):
         def __init__(self, *args, extra, **kwargs):
@@ -61,7 +75,7 @@ def test_what_a_trial_process_cannot_make_again_keeps_the_trials_here_and_says_w
     own_init = _trainer(tmp_path / "c")
     own_init.__class__ = OwnInit
     assert "__init__ of its own" in TrainerTrialBuild.of(own_init, make_batch)
-    # a lambda collator cannot be pickled
+    # a batch maker whose collate is a lambda cannot be pickled
     assert "cannot be sent to a trial process" in TrainerTrialBuild.of(_trainer(tmp_path / "d"), make_batch)
 
 
@@ -83,6 +97,7 @@ def test_where_trial_processes_cannot_run_the_trials_stay_here_with_a_line(tmp_p
         return real(*args, build=None, **kwargs)
 
     monkeypatch.setattr(trainer_module, "find_max_batch_size", trials_in_processes_fail)
+    monkeypatch.setattr(trainer_module, "address_space_limit", lambda: 2**40)  # a hard CPU limit
     trainer = _trainer(tmp_path, max_memory="20MiB", probe_eval=False)
     trainer.train()
     assert isinstance(builds[0], TrainerTrialBuild) and builds[1] is None

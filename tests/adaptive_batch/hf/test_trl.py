@@ -34,7 +34,7 @@ def sft_trainer(cls, out, per_device, sft, **kwargs):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     args = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=per_device, gradient_accumulation_steps=2,
                          max_steps=2, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
-                         logging_strategy="no", **sft)
+                         **{"logging_strategy": "no", **sft})
     return cls(model=LlamaForCausalLM(config), args=args, train_dataset=Dataset.from_dict({"text": texts}),
                processing_class=letter_tokenizer(), **kwargs)
 
@@ -70,3 +70,25 @@ def test_the_answer_is_memtrackers_on_sfts_own_accumulated_loop(tmp_path, sft):
     assert probed.state.global_step == 2
     budget = int(40 * 2**20 * 0.99)
     assert sft_peak(found) <= budget < sft_peak(found + 1), found
+
+
+def test_sfts_logged_token_count_and_metrics_leave_out_the_probes_steps(tmp_path):
+    """SFT counts the tokens it trained and averages entropy and token accuracy over the logged
+    steps; the probe's trials and checks went through the same compute_loss and were counted."""
+    probed = sft_trainer(AdaptiveSFTTrainer, tmp_path, 16, {"max_length": 64, "logging_steps": 1,
+                                                           "logging_strategy": "steps"},
+                         max_memory="40MiB", probe_eval=False)
+    probed.train()
+    logged = [h["num_tokens"] for h in probed.state.log_history if "num_tokens" in h]
+    # every text is 60 letters and an end-of-sequence token: 32 at the first step, the 16 left of
+    # the 48 at the second
+    assert logged == [32 * 61, 48 * 61]
+
+
+def test_sfts_own_init_keeps_the_trials_in_the_training_process_and_says_so(tmp_path):
+    from adaptive_batch.hf.trainer import RepeatedSample
+    from adaptive_batch.hf.trainer_build import TrainerTrialBuild
+
+    trainer = sft_trainer(AdaptiveSFTTrainer, tmp_path, 16, {"max_length": 64})
+    reason = TrainerTrialBuild.of(trainer, RepeatedSample.longest(trainer.train_dataset, trainer.data_collator))
+    assert reason.startswith("SFTTrainer has an __init__ of its own")

@@ -122,23 +122,29 @@ def test_a_stale_snapshot_is_removed_with_a_message(tmp_path):
     assert "snapshot a killed run left behind" in lines[0] and str(stale) in lines[0]
 
 
-def test_a_snapshot_named_by_a_live_process_is_left_and_one_by_a_dead_process_removed(tmp_path):
+def test_a_snapshot_named_by_a_live_process_or_another_host_is_left_and_one_by_a_dead_process_removed(tmp_path):
     import subprocess
     import sys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = tmp_path / f".probe_snapshot_{int(dead.stdout)}_abc.pt"
-    live = tmp_path / f".probe_snapshot_{os.getpid()}_def.pt"
-    gone.write_bytes(b"x")
-    live.write_bytes(b"x")
+    import socket
+
+    here = socket.gethostname()
+    gone = tmp_path / f".probe_snapshot_{int(dead.stdout)}@{here}_abc.pt"
+    live = tmp_path / f".probe_snapshot_{os.getpid()}@{here}_def.pt"
+    elsewhere = tmp_path / f".probe_snapshot_{int(dead.stdout)}@another-{here}_ghi.pt"  # a shared file system
+    for path in (gone, live, elsewhere):
+        path.write_bytes(b"x")
     assert remove_stale_snapshots(str(tmp_path)) == 1
-    assert not gone.exists() and live.exists()
+    assert not gone.exists() and live.exists() and elsewhere.exists()
 
 
-def test_another_ranks_sweep_between_naming_and_unlinking_takes_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("this_host", [True, False], ids=["a rank here", "a rank on another host"])
+def test_another_ranks_sweep_between_naming_and_unlinking_takes_nothing(tmp_path, monkeypatch, this_host):
     # Two ranks share an output directory; the other rank's sweep once removed this rank's file in
     # the instant it had a name, and this rank's unlink then failed. Where the file system cannot
-    # make unnamed files the name is there for that instant: the sweep runs in it here.
+    # make unnamed files the name is there for that instant: the sweep runs in it here. A rank on
+    # another host sharing the folder cannot tell this process lives, and removes the file.
     import tempfile
 
     import adaptive_batch.probe.snapshot as snapshot
@@ -149,7 +155,10 @@ def test_another_ranks_sweep_between_naming_and_unlinking_takes_nothing(tmp_path
     def mkstemp_then_the_other_ranks_sweep(**kwargs):
         made = real_mkstemp(**kwargs)
         assert os.listdir(tmp_path) != []
-        remove_stale_snapshots(str(tmp_path))
+        if this_host:
+            remove_stale_snapshots(str(tmp_path))
+        else:
+            os.remove(made[1])
         return made
 
     monkeypatch.setattr(snapshot.tempfile, "mkstemp", mkstemp_then_the_other_ranks_sweep)
