@@ -37,6 +37,7 @@ from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import atomic_write
 import adaptive_batch.logs as logs
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
+from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
@@ -134,8 +135,12 @@ class AdaptiveBatchTrainer(Trainer):
             state["per_device_eval_batch_size"] = -self._ranks.max(-eval_found)
         build = self._trial_build(make_batch)
         target = self.trial_target(make_batch)
+        # Also with trials in fresh processes, 1% (not their 0.1%): this process, which trains,
+        # probed evaluation and took two guess steps; at 0.1% an answer passed its check here with
+        # 8 MiB to spare and ran out of memory at train()'s first step.
         probe = functools.partial(find_max_batch_size, target.train_step, make_batch=make_batch, model=self.model,
-                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective)
+                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective,
+                                  safety_margin=None if build is None else IN_PROCESS_CPU_MARGIN)
         with self._forward_as_trained, _logged_metrics_kept(self):
             try:
                 found = probe(build=build)

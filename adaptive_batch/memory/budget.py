@@ -31,8 +31,7 @@ HARD: BudgetKind = "hard"
 MAX_MEMORY_SOURCE = "max_memory"
 # The default margin when every trial runs in a fresh process under an address-space limit.
 FRESH_PROCESS_MARGIN = 0.001
-# The default margin on the CPU when trials run in the process that trains, and the least the
-# answer's check there holds back (:func:`check_reserve_bytes`).
+# The default margin on the CPU when trials run in the process that trains.
 IN_PROCESS_CPU_MARGIN = 0.01
 # How far past the budget's headroom a trial may reach under a hard limit (the search's own bound).
 MAX_TRIAL_OVERSHOOT = 1.25
@@ -179,13 +178,8 @@ def trial_headroom_bytes(budget: MemoryBudget, capacity: DeviceCapacity, *, stat
 
 def check_reserve_bytes(budget: MemoryBudget, capacity: DeviceCapacity, *, device: torch.device, state_bytes: int) -> int:
     """On CPU under a hard limit, the heap the answer's consecutive-step check holds back: the
-    safety margin's share of the trials' headroom, and at least the in-process margin's
-    (:data:`IN_PROCESS_CPU_MARGIN`), which training then has to spare. The check runs in the
-    process that trains, also where the trials ran in fresh ones, and probing leaves that process's
-    heap larger than a fresh one's: a Trainer's answer from fresh processes passed a check holding
-    back 0.1% with 8 MiB to spare, and training, 17 MiB of heap later, ran out of memory at step 1.
-    0 elsewhere: on CUDA the check is held to the budget itself, and a soft budget by its tensor bytes."""
+    safety margin's share of the trials' headroom, which training then has to spare. 0 elsewhere:
+    on CUDA the check is held to the budget itself, and a soft budget by its tensor bytes."""
     if device.type != "cpu" or budget.is_soft:
         return 0
-    margin = max(budget.safety_margin, IN_PROCESS_CPU_MARGIN)
-    return int(margin * trial_headroom_bytes(budget, capacity, state_bytes=state_bytes))
+    return int(budget.safety_margin * trial_headroom_bytes(budget, capacity, state_bytes=state_bytes))

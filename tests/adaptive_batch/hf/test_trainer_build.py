@@ -91,7 +91,7 @@ def test_where_trial_processes_cannot_run_the_trials_stay_here_with_a_line(tmp_p
     builds = []
 
     def trials_in_processes_fail(*args, build=None, **kwargs):
-        builds.append(build)
+        builds.append((build, kwargs["safety_margin"]))
         if build is not None:
             raise failure
         return real(*args, build=None, **kwargs)
@@ -100,6 +100,7 @@ def test_where_trial_processes_cannot_run_the_trials_stay_here_with_a_line(tmp_p
     monkeypatch.setattr(trainer_module, "address_space_limit", lambda: 2**40)  # a hard CPU limit
     trainer = _trainer(tmp_path, max_memory="20MiB", probe_eval=False)
     trainer.train()
-    assert isinstance(builds[0], TrainerTrialBuild) and builds[1] is None
+    # the process that trains keeps the in-process margin, wherever its trials run
+    assert isinstance(builds[0][0], TrainerTrialBuild) and builds[0][1] == 0.01 and builds[1][0] is None
     assert any(line in said for said in trainer.lines), trainer.lines
     assert 1 < trainer.adaptive_batch["max_micro_batch_size"] < 16 and trainer.state.global_step == 2

@@ -50,12 +50,3 @@ def test_a_soft_budget_never_lets_the_machine_guard_decide():
     assert check_reserve_bytes(hard, CAP, device=torch.device("cpu"), state_bytes=200) == 10
     assert check_reserve_bytes(hard, CAP, device=torch.device("cuda"), state_bytes=200) == 0
 
-
-def test_the_callers_check_holds_back_the_in_process_share_where_trials_ran_in_fresh_processes():
-    """The check runs in the process that trains. A Trainer's answer from fresh processes passed a
-    check that held back their 0.1% with 8 MiB to spare, and ran out of memory in training."""
-    fresh = memory_budget(max_memory_bytes=None, capacity=CAP, live_bytes=200, fresh_process_trials=True)
-    assert fresh.safety_margin == 0.001
-    assert check_reserve_bytes(fresh, CAP, device=torch.device("cpu"), state_bytes=200) == 10  # 1% of 1000
-    larger = memory_budget(max_memory_bytes=None, capacity=CAP, live_bytes=200, safety_margin=0.05)
-    assert check_reserve_bytes(larger, CAP, device=torch.device("cpu"), state_bytes=200) == 50
