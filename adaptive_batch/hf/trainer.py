@@ -111,9 +111,26 @@ class AdaptiveBatchTrainer(Trainer):
         stop_at_the_loop(self)  # a trial process's Trainer is made ready up to here, and no further
         settle, self._settle = self._settle, None
         if settle is not None:
-            with logs.lines_to(self._log):
-                settle()
+            try:
+                with logs.lines_to(self._log):
+                    settle()
+            except BaseException:
+                self._undo_what_train_did()
+                raise
         return super()._inner_training_loop(self._train_batch_size, *args, **kwargs)
+
+    def _undo_what_train_did(self) -> None:
+        """After a probe that failed (a budget under batch 1, samples it cannot measure): what
+        ``train()`` set up before its loop and its loop would have undone, so another ``train()``
+        on this trainer starts as the first did (NEFTune's hook, attached twice, would double
+        the noise)."""
+        handle = getattr(self, "neftune_hook_handle", None)
+        if handle is not None:
+            from transformers.integrations.neftune import deactivate_neftune
+
+            deactivate_neftune(self.model, handle, self.accelerator)
+            del self.neftune_hook_handle
+        self.is_in_train = False
 
     def _probe(self) -> Dict[str, int]:
         """The per-device batches: the largest training micro-batch that fits, the effective

@@ -354,6 +354,21 @@ def test_a_budget_under_batch_one_names_the_trainers_own_fix(tmp_path):
         trainer.train()
 
 
+def test_a_failed_probe_leaves_the_trainer_as_train_found_it(tmp_path):
+    """The probe runs inside train(), after NEFTune's hook is attached: a probe that failed left
+    it attached, and the next train() on the same trainer attached a second (twice the noise)."""
+    from adaptive_batch import BatchSizeTooLargeError
+
+    trainer = _trainer(tmp_path, max_memory="1MiB", probe_eval=False, training={"neftune_noise_alpha": 5.0})
+    embeddings = trainer.model.get_input_embeddings()
+    with pytest.raises(BatchSizeTooLargeError):
+        trainer.train()
+    assert len(embeddings._forward_hooks) == 0 and not trainer.is_in_train
+    trainer.max_memory = "20MiB"
+    trainer.train()
+    assert trainer.state.global_step == 2 and len(embeddings._forward_hooks) == 0  # train() removes its one hook
+
+
 def test_what_would_change_or_shard_the_probed_batch_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="auto_find_batch_size=True with AdaptiveBatchTrainer: .* set auto_find_batch_size=False"):
         _trainer(tmp_path, training={"auto_find_batch_size": True})
