@@ -132,6 +132,16 @@ class AdaptiveBatchTrainer(Trainer):
             del self.neftune_hook_handle
         self.is_in_train = False
 
+    def log(self, logs: Dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """``Trainer.log``, with each training step's batch: the samples of its optimizer step
+        over every rank (``batch_size``) and the micro-batch each rank trains it in, so the
+        monitors that show the learning rate in force show the batch beside it."""
+        if "loss" in logs and self.adaptive_batch is not None:
+            args_ = self.args
+            logs = {**logs, "batch_size": args_.per_device_train_batch_size * args_.gradient_accumulation_steps
+                    * args_.world_size, "micro_batch_size": args_.per_device_train_batch_size}
+        super().log(logs, *args, **kwargs)
+
     def _probe(self) -> Dict[str, int]:
         """The per-device batches: the largest training micro-batch that fits, the effective
         batch split into the fewest equal micro-batches no larger, and the evaluation batch."""

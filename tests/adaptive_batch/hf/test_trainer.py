@@ -65,6 +65,10 @@ def test_the_effective_batch_trains_in_the_micro_batches_that_fit(tmp_path):
     assert state["per_device_train_batch_size"] * state["gradient_accumulation_steps"] == 16  # the user's batch
     assert trainer.args.gradient_accumulation_steps == state["gradient_accumulation_steps"]
     assert trainer.state.global_step == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+    # each logged step says the batch it trained (and the micro-batch), beside the LR in force
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 2 and all(h["batch_size"] == 16 and "learning_rate" in h for h in steps)
+    assert all(h["micro_batch_size"] == state["per_device_train_batch_size"] for h in steps)
     assert state["per_device_eval_batch_size"] >= found  # forward passes alone take less
     assert any(line.startswith("probe trial") for line in trainer.lines)
     # it trains in the process it probed, with the allocator the trials had, and says so
