@@ -79,6 +79,9 @@ class AdaptiveBatchTrainer(Trainer):
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         super().__init__(*args, **kwargs)
         self._optimizer_passed = self.optimizer is not None  # a trial process cannot make that one again
+        # The batch asked for: each train() probes for it again (a hyperparameter search sets only
+        # the arguments it searches, over the ones the last probe applied).
+        self._asked_batch = (self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps)
         refuse_what_changes_the_batch(self)
         self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, log
         self.adaptive_batch: Optional[Dict[str, int]] = None
@@ -101,6 +104,8 @@ class AdaptiveBatchTrainer(Trainer):
         # are Python warnings, as Trainer's own.
         with logs.lines_to(self._log, warnings.warn):
             prepare_allocator(self.args.device, probing=saved is None)
+        if saved is None:
+            self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps = self._asked_batch
         self._settle = (lambda: self._apply(saved, f"from the checkpoint {checkpoint}")) if saved is not None else (
             lambda: self._apply(self._probe(), "probed"))
         return super().train(resume_from_checkpoint, *args, **kwargs)

@@ -358,6 +358,27 @@ def test_a_budget_under_batch_one_names_the_trainers_own_fix(tmp_path):
         trainer.train()
 
 
+def test_a_search_that_sets_the_micro_batch_probes_its_own_effective_batch(tmp_path, monkeypatch):
+    """A hyperparameter search (a model_init, a model each trial) sets only what it searches: its
+    trial's per-device batch once met the accumulation the last probe applied (8 x 4 = 32 where
+    8 x 1 was asked)."""
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, max_steps=1, report_to=[],
+                             use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no")
+    trainer = AdaptiveBatchTrainer(model_init=lambda: LlamaForCausalLM(config), args=args, train_dataset=_samples(64),
+                                   data_collator=ByteCollator(), max_memory="20MiB", probe_eval=False)
+    trainer.train()
+    assert trainer.args.gradient_accumulation_steps > 1
+
+    def a_trial_searching_the_micro_batch(trial):
+        trainer.args.per_device_train_batch_size = 8  # as Trainer._hp_search_setup sets a searched key
+
+    monkeypatch.setattr(trainer, "_hp_search_setup", a_trial_searching_the_micro_batch)
+    trainer.train()
+    assert trainer.adaptive_batch["effective_batch_size"] == 8
+
+
 def test_a_failed_probe_leaves_the_trainer_as_train_found_it(tmp_path):
     """The probe runs inside train(), after NEFTune's hook is attached: a probe that failed left
     it attached, and the next train() on the same trainer attached a second (twice the noise)."""
