@@ -119,29 +119,36 @@ def _fixed_length_trainer(cls, out, per_device, accumulation, training=None, **k
     return cls(model=LlamaForCausalLM(config), args=args, train_dataset=samples, data_collator=ByteCollator(), **kwargs)
 
 
+def memtracker_peak(trainer_class, build):
+    """The peak torch's MemTracker measures over the training of ``build(cls)``, where ``cls`` is
+    ``trainer_class`` with MemTracker's module statistics reset at each ``training_step`` (it
+    measures one forward at a time)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+
+    class Tracked(trainer_class):
+        def training_step(self, *args, **kwargs):
+            tracker.reset_mod_stats()
+            return super().training_step(*args, **kwargs)
+
+    trainer = build(Tracked)
+    tracker.track_external(trainer.model)
+    with tracker:
+        trainer.train()
+    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
 def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(tmp_path):
     """The trial is the Trainer's step: two micro-batches through training_step with the first
     one's gradients alive, then the optimizer step. A trial that dropped the gradients after each
     micro-batch answered 12 here, which torch's MemTracker puts over the budget in the Trainer's
     own accumulated loop; the answer fits there and one more does not."""
-    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import Trainer
 
-    tracker = None
-
-    class Tracked(Trainer):
-        def training_step(self, *args, **kwargs):  # MemTracker measures one forward at a time
-            tracker.reset_mod_stats()
-            return super().training_step(*args, **kwargs)
-
     def trainer_peak(micro_batch):
-        nonlocal tracker
-        trainer = _fixed_length_trainer(Tracked, tmp_path / f"plain{micro_batch}", micro_batch, 2)
-        tracker = MemTracker()
-        tracker.track_external(trainer.model)
-        with tracker:
-            trainer.train()
-        return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+        out = tmp_path / f"plain{micro_batch}"
+        return memtracker_peak(Trainer, lambda cls: _fixed_length_trainer(cls, out, micro_batch, 2))
 
     lines = []
     probed = _fixed_length_trainer(AdaptiveBatchTrainer, tmp_path / "probed", 16, 2, max_memory="24MiB",

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from adaptive_batch.hf import AdaptiveBatchTrainer  # noqa: E402
+from tests.adaptive_batch.hf.test_trainer import memtracker_peak  # noqa: E402
 
 
 class AdaptiveSFTTrainer(AdaptiveBatchTrainer, trl.SFTTrainer):
@@ -42,23 +43,9 @@ def sft_trainer(cls, out, per_device, sft, **kwargs):
 @pytest.mark.parametrize("sft", [{"max_length": 64}, {"max_length": None, "padding_free": True}],
                          ids=["padded", "padding-free"])
 def test_the_answer_is_memtrackers_on_sfts_own_accumulated_loop(tmp_path, sft):
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = None
-
-    class Tracked(trl.SFTTrainer):
-        def training_step(self, *args, **kwargs):  # MemTracker measures one forward at a time
-            tracker.reset_mod_stats()
-            return super().training_step(*args, **kwargs)
-
     def sft_peak(micro_batch):
-        nonlocal tracker
-        trainer = sft_trainer(Tracked, tmp_path / f"plain{micro_batch}", micro_batch, sft)
-        tracker = MemTracker()
-        tracker.track_external(trainer.model)
-        with tracker:
-            trainer.train()
-        return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+        out = tmp_path / f"plain{micro_batch}"
+        return memtracker_peak(trl.SFTTrainer, lambda cls: sft_trainer(cls, out, micro_batch, sft))
 
     lines = []
     probed = sft_trainer(AdaptiveSFTTrainer, tmp_path / "probed", 16, sft, max_memory="40MiB", probe_eval=False,
