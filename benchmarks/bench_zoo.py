@@ -46,8 +46,8 @@ MARGIN = 0.01  # the CPU's default safety margin: the budget the truth is held t
 
 def _trainer_parts(model: str, max_length: int, cls, **kwargs):
     """A random-init Llama of :data:`TRAINER_MODELS` in the Trainer: ``samples`` (64) of uneven
-    lengths (the longest among them) through a padding collator (``max_length`` pins every sample
-    to it for the truth), an effective batch of 32 (16 x 2, or ``per_device`` x 2), ``steps``
+    lengths (the longest among them) through a padding collator (``max_length`` pins the samples
+    to it and one token less for the truth: every batch the longest, padded), an effective batch of 32 (16 x 2, or ``per_device`` x 2), ``steps``
     steps, on the CPU in fp32 unless ``training`` (TrainingArguments' keywords) says otherwise."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
@@ -62,7 +62,9 @@ def _trainer_parts(model: str, max_length: int, cls, **kwargs):
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(shortest, longest + 1, (kwargs.pop("samples", 64),), generator=generator).tolist()
     lengths[7] = longest
-    samples = [{"input_ids": torch.randint(1, vocab, (max_length or n,), generator=generator).tolist()} for n in lengths]
+    # Pinned: every other sample one token short, so each batch is padded as real ones are.
+    samples = [{"input_ids": torch.randint(1, vocab, (max_length - i % 2 if max_length else n,),
+                                           generator=generator).tolist()} for i, n in enumerate(lengths)]
     training = {"use_cpu": True, **kwargs.pop("training", {})}
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=kwargs.pop("per_device", 16),
                              gradient_accumulation_steps=2, max_steps=kwargs.pop("steps", 2), learning_rate=1e-3,
@@ -143,8 +145,8 @@ def soft_truth(row: int) -> int:
 
 
 def _trainer_truth(budget_bytes: int) -> int:
-    """The largest micro-batch whose Trainer loop (2 accumulated micro-batches a step, every
-    sample 64 tokens) MemTracker keeps within the budget."""
+    """The largest micro-batch whose Trainer loop (2 accumulated micro-batches a step, the
+    samples 64 and 63 tokens: every batch padded to the longest) MemTracker keeps within the budget."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import Trainer
 
@@ -193,8 +195,8 @@ def trains(row: int, batch_size: int, steps: int) -> dict:
 
 
 def _trainer_trains(model: str, headroom: float, batch_size: int, steps: int) -> dict:
-    """A plain ``Trainer`` at ``batch_size`` x 2 accumulated micro-batches, every sample at the
-    longest length, ``steps`` steps, on the glibc settings ``AdaptiveBatchTrainer`` trains with."""
+    """A plain ``Trainer`` at ``batch_size`` x 2 accumulated micro-batches, every batch padded to
+    the longest length, ``steps`` steps, on the glibc settings ``AdaptiveBatchTrainer`` trains with."""
     from transformers import Trainer
 
     from adaptive_batch import is_oom_error

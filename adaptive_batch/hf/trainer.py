@@ -18,12 +18,11 @@ expandable segments): :func:`adaptive_batch.memory.device.prepare_allocator`.
 
 from contextlib import contextmanager
 import copy
-from dataclasses import dataclass
 import functools
 import json
 import math
 import os
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 import warnings
 
 from torch import nn
@@ -32,12 +31,12 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from adaptive_batch.data.layout import BatchLayout
+from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import atomic_write
 import adaptive_batch.logs as logs
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
-from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
@@ -167,12 +166,8 @@ class AdaptiveBatchTrainer(Trainer):
             state["per_device_eval_batch_size"] = -self._ranks.max(-eval_found)
         build = self._trial_build(make_batch)
         target = self.trial_target(make_batch)
-        # Also with trials in fresh processes, 1% (not their 0.1%): this process, which trains,
-        # probed evaluation and took two guess steps; at 0.1% an answer passed its check here with
-        # 8 MiB to spare and ran out of memory at train()'s first step.
         probe = functools.partial(find_max_batch_size, target.train_step, make_batch=make_batch, model=self.model,
-                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective,
-                                  safety_margin=None if build is None else IN_PROCESS_CPU_MARGIN)
+                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective)
         with self._forward_as_trained, _logged_metrics_kept(self):
             try:
                 found = probe(build=build)
@@ -336,31 +331,3 @@ def _read_state(checkpoint: str) -> Optional[Dict[str, int]]:
         return None
     with open(path) as f:
         return json.load(f)
-
-
-@dataclass(frozen=True)
-class RepeatedSample:
-    """``f(b)``: ``sample`` ``b`` times, through ``collate``. Picklable where both are, so a
-    trial process can make the same batch."""
-
-    sample: Any
-    collate: Callable[[List[Any]], Any]
-
-    def __call__(self, batch_size: int) -> Any:
-        return self.collate([self.sample] * batch_size)
-
-    @classmethod
-    def longest(cls, dataset: Any, collate: Callable) -> "RepeatedSample":
-        """The dataset's longest sample (by ``input_ids``): no batch the collator pads is longer.
-
-        Raises:
-            ConfigError: when the samples have no ``input_ids`` to measure (pass ``make_batch``).
-        """
-        try:
-            longest = max(range(len(dataset)), key=lambda i: len(dataset[i]["input_ids"]))
-        except (KeyError, TypeError, IndexError) as e:
-            raise ConfigError(
-                f"the worst-case batch is built from the longest sample's input_ids, and the samples have none ({e!r}): "
-                "pass make_batch=f(b) -> a batch of b of your longest samples."
-            ) from None
-        return cls(dataset[longest], collate)

@@ -22,9 +22,9 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.trainer.call import _call_strategy_hook
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-from torch.utils._pytree import tree_leaves
 
 from adaptive_batch.data.layout import BatchLayout
+from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
@@ -222,10 +222,4 @@ def _worst_case_batch(loader: Any) -> Callable[[int], Any]:
             f"the training dataset is a {type(dataset).__name__}, read in order: AdaptiveBatchFinder cannot pick "
             "its largest sample; pass make_batch=f(batch_size) returning the worst-case batch."
         )
-    size = min(len(dataset), WORST_CASE_SCAN)
-
-    def elements(i: int) -> int:
-        return sum(t.numel() for t in tree_leaves(collate([dataset[i]])) if isinstance(t, torch.Tensor))
-
-    largest = dataset[max(range(size), key=elements)]
-    return lambda b: collate([largest] * b)
+    return RepeatedSample.largest(dataset, collate, scan=WORST_CASE_SCAN)

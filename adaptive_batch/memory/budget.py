@@ -30,7 +30,7 @@ HARD: BudgetKind = "hard"
 # The source of a budget set by ``max_memory``.
 MAX_MEMORY_SOURCE = "max_memory"
 # The default margin when every trial runs in a fresh process under an address-space limit.
-FRESH_PROCESS_MARGIN = 0.001
+FRESH_PROCESS_MARGIN = 0.003
 # The default margin on the CPU when trials run in the process that trains.
 IN_PROCESS_CPU_MARGIN = 0.01
 # How far past the budget's headroom a trial may reach under a hard limit (the search's own bound).
@@ -43,11 +43,11 @@ def default_safety_margin(device_type: str, *, fresh_process_trials: bool = Fals
     CUDA's caching allocator reserves more than it hands out (fragmentation), so 5%. On the CPU
     1%: under a soft budget for what kernels allocate outside tensors, under a hard limit for
     the heap an out-of-memory trial leaves the probing process (a Trainer's answer at 0% passed
-    its check and ran out of memory in training). 0.1% when every trial runs in a fresh process
+    its check and ran out of memory in training). 0.3% when every trial runs in a fresh process
     under an address-space limit: the answer is judged in the limit's own unit by a process with
-    no scars, and fresh processes agree to 0.03% on the recipes' glibc settings, while 1% cost a
-    whole sample wherever one is over 1% of the headroom (at 0 an MLP answered 10482 where 10481
-    trains).
+    no scars, while 1% cost a whole sample wherever one is over 1% of the headroom; fresh
+    processes differ by about a MiB (an MLP's 10471 trained in 2 of 3, its 10470 in every one),
+    which 0.1% of a GiB did not cover.
     """
     if device_type == "cuda":
         return 0.05

@@ -64,12 +64,28 @@ class _ParentProcess:
             return_freed_memory_to_os(self.mmap_threshold)
 
 
+@dataclass(frozen=True)
+class TrainingSteps:
+    """A child's job: training's first ``steps`` consecutive steps at ``batch_size``, each batch
+    made under the limit as the caller's loop makes it. Its answer: the address space they added."""
+
+    batch_size: int
+    steps: int
+
+    def __call__(self, target: ProbeTarget, start: int, build_peak: int) -> int:
+        for _ in range(self.steps):
+            target.train_step(target.make_batch(self.batch_size))
+        peak = proc_status_bytes("VmPeak")
+        # A peak no higher than the build's says nothing of the steps: what is mapped now does.
+        return (peak if peak > build_peak else proc_status_bytes("VmSize")) - start
+
+
 def _child_main(
-    build: Callable[[], ProbeTarget], batch_size: int, steps: int, headroom_bytes: int, parent: _ParentProcess,
-    conn: Any,
+    build: Callable[[], ProbeTarget], job: Callable[[ProbeTarget, int, int], Any], headroom_bytes: int,
+    parent: _ParentProcess, conn: Any,
 ) -> None:
-    """The child: take the parent's threads and allocator, build, hold to the headroom, run
-    ``steps`` steps, send the outcome."""
+    """The child: take the parent's threads and allocator, build, hold to the headroom, run the
+    ``job`` (it has the ``batch_size`` it runs up to), send its answer."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     try:
         conn.send(("started", None))  # the main module imported: from here a death is the trial's
@@ -84,16 +100,11 @@ def _child_main(
         start, build_peak = proc_status_bytes("VmSize"), proc_status_bytes("VmPeak")
         limit = start + headroom_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
-        for _ in range(steps):  # each batch made under the limit, as the caller's loop makes it
-            target.train_step(target.make_batch(batch_size))
-        peak = proc_status_bytes("VmPeak")
-        # A peak no higher than the build's says nothing of the steps: what is mapped now does.
-        added = (peak if peak > build_peak else proc_status_bytes("VmSize")) - start
-        conn.send(("ok", added))
+        conn.send(("ok", job(target, start, build_peak)))
     except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the parent
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # reporting the failure allocates
         # The search runs batch 1 first, so above it a smaller batch of the same step has run.
-        kind = "oom" if is_oom_error(exc, after_a_smaller_step=batch_size > 1) else "error"
+        kind = "oom" if is_oom_error(exc, after_a_smaller_step=job.batch_size > 1) else "error"
         conn.send((kind, first_line(exc) if kind == "oom" else traceback.format_exc()))
     finally:
         conn.close()
@@ -142,31 +153,41 @@ def child_trial(
             unguarded script re-run as the main module).
         TrialBuildError: (from ``run``) ``build()`` raised in the child.
     """
+    return lambda batch_size: run_in_child(build, TrainingSteps(batch_size, steps), headroom_bytes=headroom_bytes,
+                                           timeout_s=timeout_s)
+
+
+def run_in_child(
+    build: Callable[[], ProbeTarget], job: Callable[[ProbeTarget, int, int], Any], *, headroom_bytes: int,
+    timeout_s: Optional[float] = None,
+) -> Any:
+    """Runs ``job(target, start, build_peak)`` on ``build()``'s target in a fresh process held to
+    ``headroom_bytes`` of address space past its build, and returns its answer (picklable). The
+    job has the ``batch_size`` it runs up to (its lines name it; an out-of-memory error above
+    batch 1 follows a smaller step). The rest as :func:`child_trial`, which runs
+    :class:`TrainingSteps`.
+    """
     context = multiprocessing.get_context("forkserver")
     # The server imports torch once and has run no parallel region, so its forks start clean
     # (a fork of a process whose OpenMP pool ran hangs) and a trial costs its build, not an import.
     # A build may name more (a recipe's torchtune): the first trial's list holds for the process.
     context.set_forkserver_preload(["torch", __name__, *getattr(build, "preload", ())])
-
-    def run(batch_size: int) -> int:
-        keep_socket_paths_short()
-        parent, child = context.Pipe(duplex=False)
-        process = context.Process(
-            target=_child_main, args=(build, batch_size, steps, headroom_bytes, _ParentProcess.here(), child), daemon=True
-        )
-        process.start()
-        child.close()
-        started, outcome, timed_out = False, None, False
-        try:
-            started, outcome, timed_out = _receive(parent, timeout_s)
-        finally:  # also when the wait is interrupted: no child outlives its trial
-            if process.is_alive() and outcome is None:
-                process.kill()
-            process.join()
-            parent.close()
-        return _answer(batch_size, started, outcome, timed_out, timeout_s, process.exitcode)
-
-    return run
+    keep_socket_paths_short()
+    parent, child = context.Pipe(duplex=False)
+    process = context.Process(
+        target=_child_main, args=(build, job, headroom_bytes, _ParentProcess.here(), child), daemon=True
+    )
+    process.start()
+    child.close()
+    started, outcome, timed_out = False, None, False
+    try:
+        started, outcome, timed_out = _receive(parent, timeout_s)
+    finally:  # also when the wait is interrupted: no child outlives its trial
+        if process.is_alive() and outcome is None:
+            process.kill()
+        process.join()
+        parent.close()
+    return _answer(job.batch_size, started, outcome, timed_out, timeout_s, process.exitcode)
 
 
 # The longest path an AF_UNIX socket takes (sun_path, 108 bytes with its terminating zero).
@@ -193,7 +214,7 @@ def keep_socket_paths_short(base: str = "/tmp") -> None:
 def _answer(
     batch_size: int, started: bool, outcome: Optional[tuple], timed_out: bool, timeout_s: Optional[float],
     exitcode: Optional[int],
-) -> int:
+) -> Any:
     """What a trial process said, as :func:`child_trial`'s ``run`` returns or raises it."""
     if timed_out:
         raise RuntimeError(
@@ -210,7 +231,7 @@ def _answer(
         raise ChildOutOfMemoryError(f"the trial process at batch {batch_size} died (exit code {exitcode})")
     kind, value = outcome
     if kind == "ok":
-        return int(value)
+        return value
     if kind == "oom":
         raise ChildOutOfMemoryError(value)
     if kind == "build_error":

@@ -8,6 +8,7 @@ them from the config, a library user passes a function), each trial is a child p
 largest batch that runs training's first steps in a fresh process.
 """
 
+from dataclasses import dataclass
 import math
 from typing import Callable, Optional
 
@@ -17,7 +18,7 @@ from adaptive_batch.errors import BatchSizeTooLargeError
 import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import MemoryBudget, after_margin
 from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity, format_bytes
-from adaptive_batch.probe.child import child_trial
+from adaptive_batch.probe.child import ChildOutOfMemoryError, child_trial, run_in_child
 from adaptive_batch.probe.search import SearchResult, search_max_batch_size
 from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.trials import probe_max_batch_size
@@ -39,17 +40,16 @@ def trials_in_children(build: Optional[Callable[[], ProbeTarget]], budget: Memor
 
 def search_in_children(
     build: Callable[[], ProbeTarget],
-    target: ProbeTarget,
     budget: MemoryBudget,
     capacity: DeviceCapacity,
     *,
     max_batch_size: Optional[int],
     time_budget: Optional[float],
-    snapshot_dir: Optional[str],
 ) -> SearchResult:
     """The search judged in the hard limit's own unit: the address space a child's steps added,
     against this process's headroom less the safety margin. Each trial runs training's first
-    consecutive steps; the caller then checks the answer in its own process.
+    consecutive steps, and the first guess is a fresh process's too: nothing runs here (the
+    caller then checks the answer in its own process).
 
     Raises:
         BatchSizeTooLargeError: when batch 1 does not run in a fresh process.
@@ -58,7 +58,11 @@ def search_in_children(
     steps = verify_steps(torch.device("cpu"))
     logs.info(f"probe: {budget.describe()}; each trial runs {steps} steps in a fresh process held to this process's "
               f"headroom of {format_bytes(headroom)} of address space, judged by the address space it adds.")
-    guess = _tensor_guess(target, budget=budget, snapshot_dir=snapshot_dir)
+    try:
+        guess = run_in_child(build, TensorGuess(budget.budget_bytes, budget.source), headroom_bytes=headroom,
+                             timeout_s=time_budget)
+    except ChildOutOfMemoryError:  # batch 2 died: the search's trials say what fits
+        guess = None
     if guess is not None and max_batch_size is not None:
         guess = min(guess, max_batch_size)
     # The line in address space is measured at a half and three quarters of the tensor guess
@@ -82,12 +86,25 @@ def search_in_children(
         raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget.source) from None
 
 
-def _tensor_guess(target: ProbeTarget, *, budget: MemoryBudget, snapshot_dir: Optional[str]) -> Optional[int]:
-    """A first guess from steps at batch 1 and 2 in this process (nothing runs out of memory at
-    those): where the operator lines' tensor bytes meet the budget. Address space holds more
-    than tensors, so it guesses high; the children's trials measure from below it. Its two steps
-    are no trials of the search: they are not said."""
-    with logs.quiet():
-        result = probe_max_batch_size(target, budget_bytes=budget.budget_bytes, max_batch_size=2,
-                                      budget_source=budget.source, snapshot_dir=snapshot_dir)
-    return None if result.estimate is None else result.estimate.max_batch_size(budget.budget_bytes)
+@dataclass(frozen=True)
+class TensorGuess:
+    """A fresh process's first guess: where the operator lines of steps at batch 1 and 2 meet
+    the budget in tensor bytes (nothing runs out of memory at those). Address space holds more
+    than tensors, so it guesses high; the children's trials measure from below it. In a child,
+    not here: two steps in the process that trains left 11 MiB of its heap behind, and a
+    Trainer's answer that a fresh process trains failed there. Its steps are no trials of the
+    search: they are not said."""
+
+    budget_bytes: int
+    budget_source: str
+    batch_size: int = 2
+
+    def __call__(self, target: ProbeTarget, start: int, build_peak: int) -> Optional[int]:
+        try:
+            with logs.quiet():
+                result = probe_max_batch_size(target.on_its_device(), budget_bytes=self.budget_bytes,
+                                              max_batch_size=self.batch_size,
+                                              budget_source=self.budget_source, restore_state=False)
+        except BatchSizeTooLargeError:  # the search's own first trial says it, in this process's words
+            return None
+        return None if result.estimate is None else result.estimate.max_batch_size(self.budget_bytes)

@@ -61,7 +61,7 @@ class ProbeOptions:
             the device (``0.8``, ``"80%"``), or ``None`` for the device.
         memory_safety_margin: fraction of the budget held back; ``None`` for the device's
             default (:func:`default_safety_margin`: 0.05 on CUDA, for the caching allocator's
-            fragmentation; 0.01 on CPU; 0.001 under an address-space limit when the trials run in
+            fragmentation; 0.01 on CPU; 0.003 under an address-space limit when the trials run in
             fresh processes, where a process with no scars judges the answer in the limit's unit).
         batch_size_rounding: ``"none"`` keeps the found size, ``"power_of_two"`` rounds down.
         max_batch_size: the largest batch the probe may choose (and growth's bound when not
@@ -363,8 +363,7 @@ def search_and_check(
         return lockstep[-1]
 
     if build is not None:
-        result = search_in_children(build, target, budget, capacity, max_batch_size=cap,
-                                    time_budget=options.probe_time_budget, snapshot_dir=snapshot_dir)
+        result = search_in_children(build, budget, capacity, max_batch_size=cap, time_budget=options.probe_time_budget)
     else:
         with _smallest_rank_named(budget, rank_budgets, ranks):
             result = probe_max_batch_size(

@@ -60,12 +60,13 @@ def probe_max_batch_size(
     time_budget_s: Optional[float] = None,
     agree: Callable[[bool], bool] = lambda stop: stop,
     oom_scars_caller: bool = False,
+    restore_state: bool = True,
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
     Each trial runs ``target.train_step(target.make_batch(b))``, measuring each phase's peak and,
-    on CPU, the memory after each operator (:func:`measure_training_step`), and is said in a line. The target's model,
-    optimizer, LR scheduler and RNG are put back after the last trial, also when one raises.
+    on CPU, the memory after each operator (:func:`measure_training_step`), said in a line. The
+    state and RNG are put back after the last trial, also when one raises.
 
     Args:
         target: what the trials train, on its resolved device.
@@ -77,8 +78,8 @@ def probe_max_batch_size(
         budget_source: what set ``budget_bytes``, for the advice when batch 1 does not fit.
         time_budget_s: seconds the search may take (see :func:`search_max_batch_size`).
         agree: makes a rank's wish to stop for time every rank's (``RankGroup.any``).
-        oom_scars_caller: a failed trial would leave the heap the caller trains in worse (see
-            :func:`search_max_batch_size`).
+        oom_scars_caller: a failed trial would leave the caller's heap worse (:func:`search_max_batch_size`).
+        restore_state: ``False``: no snapshot (a process that ends after the trials).
 
     Returns:
         The search result with every trial.
@@ -93,7 +94,7 @@ def probe_max_batch_size(
         fault_point("probe_trial")
         return measured
 
-    with target.snapshot(snapshot_dir), (trial_limit() if trial_limit is not None else nullcontext()):
+    with (target.snapshot(snapshot_dir) if restore_state else nullcontext()), (trial_limit() if trial_limit is not None else nullcontext()):
         try:
             result = search_max_batch_size(
                 run_trial if wrap_trial is None else wrap_trial(run_trial),

@@ -10,6 +10,7 @@ import traceback
 import pytest
 import torch
 
+from adaptive_batch.memory.budget import FRESH_PROCESS_MARGIN
 from tests.recipes.conftest import FIXED, read_metric_log, run_tune
 
 BAD_INPUTS = [
@@ -325,7 +326,7 @@ def test_real_vocabulary_under_a_real_limit_trials_in_fresh_processes_find_the_t
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "batch_probe.json").read_text())
     found, trained = report["max_batch_size"], report["batch_size"]
-    assert report["trials_in_fresh_processes"] and report["budget"]["safety_margin"] == 0.001
+    assert report["trials_in_fresh_processes"] and report["budget"]["safety_margin"] == FRESH_PROCESS_MARGIN
     assert "each trial runs 3 steps in a fresh process" in proc.stderr
     # the trials' own setup says nothing: the run's setup lines appear once
     assert proc.stderr.count("Tokenizer is initialized") == 1

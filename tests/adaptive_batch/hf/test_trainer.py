@@ -105,13 +105,15 @@ def test_the_micro_batched_run_trains_what_the_whole_batch_run_trains(tmp_path):
     assert losses(probed) == pytest.approx(losses(plain), rel=1e-4)
 
 
-def _fixed_length_trainer(cls, out, per_device, accumulation, training=None, **kwargs):
-    """Every sample 64 tokens long, so the Trainer's own batches are the probe's worst case."""
+def _fixed_length_trainer(cls, out, per_device, accumulation, training=None, padded=False, **kwargs):
+    """Every sample 64 tokens long (``padded``: every other one 63), so the Trainer's own batches
+    are the probe's worst case."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     generator = torch.Generator().manual_seed(0)
-    samples = [{"input_ids": torch.randint(1, 512, (64,), generator=generator).tolist()} for _ in range(64)]
+    samples = [{"input_ids": torch.randint(1, 512, (64 - (padded and i % 2),), generator=generator).tolist()}
+               for i in range(64)]
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=per_device,
                              gradient_accumulation_steps=accumulation, max_steps=2, learning_rate=1e-3, report_to=[],
                              use_cpu=True, disable_tqdm=True, save_strategy="no", logging_strategy="no",
@@ -139,20 +141,23 @@ def memtracker_peak(trainer_class, build):
     return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
 
 
-def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(tmp_path):
+@pytest.mark.parametrize("padded", [False, True], ids=["same-length", "padded"])
+def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(tmp_path, padded):
     """The trial is the Trainer's step: two micro-batches through training_step with the first
     one's gradients alive, then the optimizer step. A trial that dropped the gradients after each
     micro-batch answered 12 here, which torch's MemTracker puts over the budget in the Trainer's
-    own accumulated loop; the answer fits there and one more does not."""
+    own accumulated loop; the answer fits there and one more does not. Where samples differ in
+    length the Trainer's batches are padded and take an attention mask: trials on the longest
+    sample repeated (never padded) answered 11, over the budget on the padded batches."""
     from transformers import Trainer
 
     def trainer_peak(micro_batch):
         out = tmp_path / f"plain{micro_batch}"
-        return memtracker_peak(Trainer, lambda cls: _fixed_length_trainer(cls, out, micro_batch, 2))
+        return memtracker_peak(Trainer, lambda cls: _fixed_length_trainer(cls, out, micro_batch, 2, padded=padded))
 
     lines = []
-    probed = _fixed_length_trainer(AdaptiveBatchTrainer, tmp_path / "probed", 16, 2, max_memory="24MiB",
-                                   probe_eval=False, log=lines.append)
+    probed = _fixed_length_trainer(AdaptiveBatchTrainer, tmp_path / "probed", 16, 2, padded=padded,
+                                   max_memory="24MiB", probe_eval=False, log=lines.append)
     probed.train()
     found = probed.adaptive_batch["max_micro_batch_size"]
     trials = [line for line in lines if line.startswith("probe trial")]

@@ -9,7 +9,7 @@ import torch
 
 import adaptive_batch.hf.trainer as trainer_module
 from adaptive_batch.hf import AdaptiveBatchTrainer
-from adaptive_batch.hf.trainer import RepeatedSample
+from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild
 from adaptive_batch.memory.tracker import measure_peak_bytes
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
@@ -91,7 +91,7 @@ def test_where_trial_processes_cannot_run_the_trials_stay_here_with_a_line(tmp_p
     builds = []
 
     def trials_in_processes_fail(*args, build=None, **kwargs):
-        builds.append((build, kwargs["safety_margin"]))
+        builds.append(build)
         if build is not None:
             raise failure
         return real(*args, build=None, **kwargs)
@@ -100,7 +100,6 @@ def test_where_trial_processes_cannot_run_the_trials_stay_here_with_a_line(tmp_p
     monkeypatch.setattr(trainer_module, "address_space_limit", lambda: 2**40)  # a hard CPU limit
     trainer = _trainer(tmp_path, max_memory="20MiB", probe_eval=False)
     trainer.train()
-    # the process that trains keeps the in-process margin, wherever its trials run
-    assert isinstance(builds[0][0], TrainerTrialBuild) and builds[0][1] == 0.01 and builds[1][0] is None
+    assert isinstance(builds[0], TrainerTrialBuild) and builds[1] is None
     assert any(line in said for said in trainer.lines), trainer.lines
     assert 1 < trainer.adaptive_batch["max_micro_batch_size"] < 16 and trainer.state.global_step == 2

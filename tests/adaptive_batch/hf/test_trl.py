@@ -73,7 +73,7 @@ def test_sfts_logged_token_count_and_metrics_leave_out_the_probes_steps(tmp_path
 
 
 def test_sfts_own_init_keeps_the_trials_in_the_training_process_and_says_so(tmp_path):
-    from adaptive_batch.hf.trainer import RepeatedSample
+    from adaptive_batch.data.worst_case import RepeatedSample
     from adaptive_batch.hf.trainer_build import TrainerTrialBuild
 
     trainer = sft_trainer(AdaptiveSFTTrainer, tmp_path, 16, {"max_length": 64})

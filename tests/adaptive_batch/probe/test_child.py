@@ -19,9 +19,14 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
     monkeypatch.setattr(device, "_mmap_threshold_set", None)  # glibc's defaults, whatever ran here before
     target = crashing_step.build()
     before = [p.detach().clone() for p in target.model.parameters()]
-    lines = []
+    lines, sizes_here = [], []
+
+    def step_here(batch):
+        sizes_here.append(batch.shape[0])
+        target.train_step(batch)
+
     with limited_address_space(2 * 2**30):
-        found = find_max_batch_size(target.train_step, make_batch=target.make_batch, model=target.model,
+        found = find_max_batch_size(step_here, make_batch=target.make_batch, model=target.model,
                                     optimizer=target.optimizer, max_memory=None, max_batch_size=16, log=lines.append,
                                     build=crashing_step.build)
     assert found == crashing_step.PRIMITIVE_ABOVE
@@ -30,7 +35,10 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
     assert sum(line.startswith("CPU allocator: glibc M_MMAP_THRESHOLD") for line in lines) == 1
     assert device.glibc_mmap_threshold_set() is not None
     assert any("out of memory" in line for line in lines if line.startswith("probe trial"))
-    assert all(torch.equal(a, b) for a, b in zip(before, target.model.parameters()))  # never stepped here
+    assert all(torch.equal(a, b) for a, b in zip(before, target.model.parameters()))  # put back after the check
+    # the first guess's steps ran in a fresh process too: here only the answer's check (two guess
+    # steps here once left a Trainer's heap 11 MiB larger than a fresh process's)
+    assert set(sizes_here) == {found}, sizes_here
 
 
 def test_without_an_address_space_limit_build_runs_the_trials_here_and_says_so(monkeypatch):
