@@ -10,7 +10,7 @@ largest batch that runs training's first steps in a fresh process.
 
 from dataclasses import dataclass
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -69,8 +69,10 @@ def search_in_children(
     # (tensors are part of address space, so the guess is high): at batch 1-2 glibc's heap absorbs
     # a step (a conv net's slope came out a quarter of the true one), and from a quarter and a half
     # the line still bent (4 out-of-memory trials); from here the conv net took 4 trials, none out
-    # of memory.
-    sizes = (1, 2) if guess is None or guess < 8 else (guess // 2, 3 * guess // 4)
+    # of memory. Under 8 a sample is over an eighth of the headroom, which no heap absorbs: the
+    # line is measured at the guess and one below it, where the answer most likely is (a 152K
+    # vocabulary's guess of 5 took trials at 1, 2, 5 and 6).
+    sizes = _estimate_sizes(guess)
     logs.info(f"probe: the tensor bytes of steps at batch 1 and 2 put the answer at most at {guess}; "
               f"the line in address space is measured at {sizes[0]} and {sizes[1]}.")
     try:
@@ -108,3 +110,10 @@ class TensorGuess:
         except BatchSizeTooLargeError:  # the search's own first trial says it, in this process's words
             return None
         return None if result.estimate is None else result.estimate.max_batch_size(self.budget_bytes)
+
+
+def _estimate_sizes(guess: Optional[int]) -> Tuple[int, int]:
+    """Where the children's line in address space is measured, from the tensor guess."""
+    if guess is None or guess <= 2:
+        return (1, 2)
+    return (guess - 1, guess) if guess < 8 else (guess // 2, 3 * guess // 4)

@@ -32,3 +32,13 @@ def test_trials_go_to_fresh_processes_only_under_an_address_space_limit_with_a_b
         assert not trials_in_children(build, _budget(shared), shared, device=CPU, distributed=False)
     card = DeviceCapacity(device="cuda:0", headroom_bytes=2**30, source="cudaMemGetInfo", hard_limit=True)
     assert not trials_in_children(build, _budget(card), card, device=torch.device("cuda", 0), distributed=False)
+
+
+def test_the_childrens_line_is_measured_where_the_answer_likely_is():
+    """Under 8 a sample is over an eighth of the headroom: the guess and one below it (a 152K
+    vocabulary's guess of 5 took trials at 1, 2, 5 and 6, now 4, 5 and 6). From 8, half and three
+    quarters of the guess, where glibc's heap no longer absorbs a step."""
+    from adaptive_batch.probe.children import _estimate_sizes
+
+    assert [_estimate_sizes(g) for g in (None, 1, 2, 3, 5, 7)] == [(1, 2), (1, 2), (1, 2), (2, 3), (4, 5), (6, 7)]
+    assert _estimate_sizes(8) == (4, 6) and _estimate_sizes(63) == (31, 47)
