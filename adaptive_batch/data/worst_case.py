@@ -45,6 +45,7 @@ class RepeatedSample:
                 f"the worst-case batch is built from the longest sample's input_ids, and the samples have none ({e!r}): "
                 "pass make_batch=f(b) -> a batch of b of your longest samples."
             ) from None
+        _refuse_empty(lengths)
         longest = max(range(len(lengths)), key=lengths.__getitem__)
         sample = dataset[longest]
         return cls(sample, collate, None if min(lengths) == lengths[longest] else _one_token_shorter(sample))
@@ -57,19 +58,37 @@ class RepeatedSample:
             return sum(t.numel() for t in tree_leaves(collate([dataset[i]])) if isinstance(t, torch.Tensor))
 
         counts = {i: elements(i) for i in range(min(len(dataset), scan))}
+        _refuse_empty(counts)
         largest = max(counts, key=counts.__getitem__)
         smaller = [i for i in counts if counts[i] < counts[largest]]
-        return cls(dataset[largest], collate, dataset[max(smaller, key=counts.__getitem__)] if smaller else None)
+        shorter = dataset[max(smaller, key=counts.__getitem__)] if smaller else None
+        if shorter is not None:
+            try:  # a collate_fn that stacks (equal sizes only) never pads: its batches are the largest repeated
+                collate([dataset[largest], shorter])
+            except Exception:  # noqa: BLE001 - whatever a collate_fn raises for mismatched sizes
+                shorter = None
+        return cls(dataset[largest], collate, shorter)
 
 
-def _one_token_shorter(sample: Dict[str, Any]) -> Dict[str, Any]:
-    """``sample`` without its last token: every per-token field (a sequence as long as its
-    ``input_ids``: labels, masks, positions) loses its last element, the rest is kept."""
+def _refuse_empty(sizes: Any) -> None:
+    if not sizes:
+        raise ConfigError("the training dataset is empty: there is no sample to build the worst-case batch from; "
+                          "give the trainer samples, or pass make_batch=f(b) -> a batch of b of your longest samples.")
+
+
+def _one_token_shorter(sample: Any) -> Optional[Dict[str, Any]]:
+    """``sample`` without its last token: every per-token field (a 1-D sequence as long as its
+    ``input_ids``: labels, masks, positions; lists, tensors or NumPy arrays) loses its last
+    element, the rest is kept. ``None`` where the sample cannot be cut so (no padded trial, as
+    before)."""
     length = len(sample["input_ids"])
 
     def per_token(value: Any) -> bool:
-        if isinstance(value, torch.Tensor):
-            return value.dim() == 1 and len(value) == length
-        return isinstance(value, (list, tuple)) and len(value) == length
+        return (hasattr(value, "__len__") and not isinstance(value, (str, bytes, dict))
+                and getattr(value, "ndim", 1) == 1 and len(value) == length)
 
-    return {key: value[:-1] if per_token(value) else value for key, value in sample.items()}
+    try:
+        shorter = {key: sample[key][:-1] if per_token(sample[key]) else sample[key] for key in sample.keys()}
+    except (AttributeError, TypeError, KeyError):
+        return None
+    return shorter if len(shorter["input_ids"]) < length else None

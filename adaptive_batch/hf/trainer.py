@@ -37,6 +37,7 @@ from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import atomic_write
 import adaptive_batch.logs as logs
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
+from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
@@ -55,7 +56,8 @@ class AdaptiveBatchTrainer(Trainer):
         max_memory: the budget for a step's peak (bytes, ``"6GiB"``, a fraction of the device),
             or ``None`` for what the device has.
         make_batch: ``f(b) -> `` a worst-case batch of ``b`` samples; by default the longest
-            training sample, ``b`` times, through the data collator.
+            training sample, ``b`` times, through the data collator (one a token shorter, so the
+            batch is padded, where the samples differ in length).
         probe_eval: also probe ``per_device_eval_batch_size`` with forward passes alone.
         log: where the batches are reported (``None``: the ``adaptive_batch`` logger).
         **kwargs: ``Trainer``'s.
@@ -166,8 +168,11 @@ class AdaptiveBatchTrainer(Trainer):
             state["per_device_eval_batch_size"] = -self._ranks.max(-eval_found)
         build = self._trial_build(make_batch)
         target = self.trial_target(make_batch)
+        # The evaluation probe's trials ran here: the in-process margin for the heap they leave.
+        margin = IN_PROCESS_CPU_MARGIN if state and build is not None else None
         probe = functools.partial(find_max_batch_size, target.train_step, make_batch=make_batch, model=self.model,
-                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective)
+                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective,
+                                  safety_margin=margin)
         with self._forward_as_trained, _logged_metrics_kept(self):
             try:
                 found = probe(build=build)

@@ -30,3 +30,20 @@ def test_by_collated_elements_the_next_largest_sample_is_the_padded_one():
     assert worst(1).sum() == 9
     images = [torch.ones(3, 4, 4)] * 3
     assert RepeatedSample.largest(images, torch.stack, scan=256).shorter is None
+
+
+def test_numpy_fields_are_cut_a_stacking_collate_is_never_padded_and_no_samples_is_one_line():
+    import numpy as np
+    import pytest
+
+    from adaptive_batch import ConfigError
+
+    longest = {"input_ids": np.arange(4), "labels": np.arange(4)}
+    shorter = RepeatedSample.longest([{"input_ids": np.arange(2)}, longest], list)(2)[1]
+    assert shorter["input_ids"].tolist() == [0, 1, 2] and shorter["labels"].tolist() == [0, 1, 2]
+    # torch.stack takes equal sizes only: its batches are never padded, the largest repeated is the worst
+    samples = [torch.ones(3), torch.ones(5)]
+    assert RepeatedSample.largest(samples, torch.stack, scan=256).shorter is None
+    for make in (lambda: RepeatedSample.longest([], list), lambda: RepeatedSample.largest([], list, scan=256)):
+        with pytest.raises(ConfigError, match="the training dataset is empty.*make_batch"):
+            make()

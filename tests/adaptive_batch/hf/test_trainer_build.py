@@ -88,10 +88,11 @@ def test_what_a_trial_process_cannot_make_again_keeps_the_trials_here_and_says_w
 ], ids=["unguarded-script", "build-fails"])
 def test_where_trial_processes_cannot_run_the_trials_stay_here_with_a_line(tmp_path, monkeypatch, failure, line):
     real = trainer_module.find_max_batch_size
-    builds = []
+    builds, margins = [], []
 
     def trials_in_processes_fail(*args, build=None, **kwargs):
         builds.append(build)
+        margins.append(kwargs.get("safety_margin"))
         if build is not None:
             raise failure
         return real(*args, build=None, **kwargs)
@@ -101,5 +102,22 @@ def test_where_trial_processes_cannot_run_the_trials_stay_here_with_a_line(tmp_p
     trainer = _trainer(tmp_path, max_memory="20MiB", probe_eval=False)
     trainer.train()
     assert isinstance(builds[0], TrainerTrialBuild) and builds[1] is None
+    assert margins == [None, None]  # the margins of where each ran: nothing else ran here
     assert any(line in said for said in trainer.lines), trainer.lines
     assert 1 < trainer.adaptive_batch["max_micro_batch_size"] < 16 and trainer.state.global_step == 2
+
+
+def test_after_evaluation_trials_here_the_training_check_keeps_the_in_process_margin(tmp_path, monkeypatch):
+    """The evaluation probe has no build: its trials (out-of-memory ones too) run in the process
+    that trains, whose heap the training answer's check then holds 1% back for."""
+    real = trainer_module.find_max_batch_size
+    margins = []
+
+    def recording(step, *args, build=None, **kwargs):
+        margins.append((step.__name__, build is not None, kwargs.get("safety_margin")))
+        return real(step, *args, build=None, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "find_max_batch_size", recording)
+    monkeypatch.setattr(trainer_module, "address_space_limit", lambda: 2**40)  # a hard CPU limit
+    _trainer(tmp_path, max_memory="20MiB").train()
+    assert margins == [("_eval_step", False, None), ("_train_step", True, 0.01)]
