@@ -91,10 +91,10 @@ def search_in_children(
 @dataclass(frozen=True)
 class TensorGuess:
     """A fresh process's first guess: where the operator lines of steps at batch 1 and 2 meet
-    the budget in tensor bytes (a process that dies at those gives no guess). Address space holds more
-    than tensors, so it guesses high; the children's trials measure from below it. In a child,
-    not here: two steps in the process that trains left 11 MiB of its heap behind, and a
-    Trainer's answer that a fresh process trains failed there. Its steps are no trials of the
+    the budget in tensor bytes (a process that dies at those gives no guess). Address space holds
+    more than tensors, so it guesses high; the children's trials measure from below it. In a
+    child, not here: two steps in the process that trains left 11 MiB of a Trainer's heap behind,
+    which the answer's check there then had to find room for. Its steps are no trials of the
     search: they are not said."""
 
     budget_bytes: int
