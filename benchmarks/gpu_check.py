@@ -134,11 +134,39 @@ def card_or_none(device_name: str, script: str):
     return device
 
 
+# What a fresh process makes before its first step at the batch (``train``'s ``warm``): the
+# layouts that tell which kept block splits the room step 2 needs.
+WARM = {
+    "step": "one training step at batch 1 (cuBLAS's workspaces and the optimizer state)",
+    "workspace": "one forward at batch 1 without gradients (cuBLAS's workspaces only)",
+    "optimizer": "the optimizer state, from zero gradients (no product, so no cuBLAS workspace)",
+}
+
+
+def warm_up(kind: str, model, optimizer, step, make_batch) -> None:
+    """Makes what :data:`WARM` names for ``kind`` before training's first step."""
+    import torch
+
+    if kind == "step":
+        step(make_batch(1))
+    elif kind == "workspace":
+        with torch.no_grad():
+            model(make_batch(1)["tokens"])
+    elif kind == "optimizer":
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        raise ValueError(f"warm={kind!r}: expected one of {', '.join(WARM)}")
+
+
 def train(name: str, batch_size: int, steps: int, limit_bytes: Optional[int], device_name: str,
-          warm_state: bool = False) -> Dict[str, Any]:
+          warm: Optional[str] = None) -> Dict[str, Any]:
     """``steps`` training steps at ``batch_size`` (in the calling process), held to ``limit_bytes``;
-    with ``warm_state``, after one step at batch 1 (the optimizer state made before any large
-    activation, as a step-1 layout the probe's trials never see)."""
+    with ``warm``, after what :data:`WARM` names for it (a layout made before any large
+    activation)."""
     import torch
 
     import adaptive_batch as ab
@@ -147,8 +175,8 @@ def train(name: str, batch_size: int, steps: int, limit_bytes: Optional[int], de
     cfg = load_config(name)
     model, optimizer, step = build(cfg, device)
     make_batch = make_batch_fn(cfg, model, device)
-    if warm_state:
-        step(make_batch(1))
+    if warm is not None:
+        warm_up(warm, model, optimizer, step, make_batch)
     hold_card_to(device, limit_bytes)
     cuda = device.type == "cuda"
     if cuda:
@@ -300,11 +328,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--train", help=argparse.SUPPRESS)  # the fresh-process training run
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--warm-state", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--warm", choices=sorted(WARM), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.train:
-        print(json.dumps(train(args.train, args.batch, args.steps, args.limit_bytes, args.device, args.warm_state)))
+        print(json.dumps(train(args.train, args.batch, args.steps, args.limit_bytes, args.device, args.warm)))
         return 0
     if args.table_from:
         rows = [json.loads(p.read_text()) for p in sorted(Path(args.table_from).glob("*.json"))]

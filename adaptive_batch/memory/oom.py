@@ -80,15 +80,24 @@ def first_line(exc: BaseException) -> str:
     return (str(exc) or type(exc).__name__).splitlines()[0]
 
 
-def release_memory(device: Optional[torch.device] = None) -> None:
+def release_memory(device: Optional[torch.device] = None, *, cublas_workspaces: bool = False) -> None:
     """Frees what an abandoned or measured step left: cyclic garbage, the buffers MKL keeps for
     the step's product shapes (:func:`~adaptive_batch.memory.device.free_mkl_buffers`) and, on
     CUDA, the allocator's cache.
 
     Call it after the exception (and its traceback, which holds the step's frames) is gone.
+
+    Args:
+        device: where the step ran.
+        cublas_workspaces: on CUDA, also free cuBLAS's workspaces (one per thread that ran a
+            product: the forward's and autograd's), so the next step makes them where a fresh
+            process's first step does (see :func:`~adaptive_batch.probe.verify.runs_consecutive_steps`).
     """
     gc.collect()
     free_mkl_buffers()
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds only
+        if cublas_workspaces and clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()

@@ -6,6 +6,15 @@ what a found batch that fails at step 2 or 7 ran into on the card. So the answer
 consecutive real steps with the training state put back afterwards, on CUDA held to the budget
 (``set_per_process_memory_fraction``, so the reserved memory counts, not only the allocated),
 and the largest size that passes is the answer.
+
+On CUDA the check starts as a fresh process's training does: the optimizer state is put back
+(empty, before a run's first step) and cuBLAS's workspaces are freed. cuBLAS takes one from the
+caching allocator per thread at its first product and keeps it; kept from the probe's first
+small trial they sit below everything, while a fresh process makes them among step 1's
+activations, where they split the room step 2's large blocks need. On an H200 the tiny model's
+answer, 87 under 2 GiB, passed a check with them kept and failed at step 2 in a fresh process;
+with cuBLAS's workspaces at size 0 the fresh process trained it (``benchmarks/gpu_fragmentation.py``).
+They are freed after the check too, so training in the probing process starts as the check did.
 """
 
 from contextlib import contextmanager
@@ -124,11 +133,12 @@ def runs_consecutive_steps(
                     return f"step {step + 1}'s live tensors peaked at {peak} bytes, over the budget's {budget_bytes}"
         return None
 
+    release_memory(device, cublas_workspaces=True)
     # The state goes back after the cap is lifted: restoring is not training's to pay for.
     with target.snapshot(snapshot_dir), cuda_memory_cap(device, budget_bytes):
         # The check runs a size the search saw fit, or one below it.
         over_budget, failure = catch_oom(run, after_a_smaller_step=True)
-    release_memory(device)
+    release_memory(device, cublas_workspaces=True)
     failure = failure or over_budget
     failed = agree(failure is not None)
     if failed:

@@ -130,3 +130,22 @@ def test_backend_failures_are_out_of_memory_only_once_a_smaller_batch_ran(messag
     with pytest.raises(RuntimeError):
         catch_oom(fail)
     assert catch_oom(fail, after_a_smaller_step=True) == (None, message.splitlines()[0])
+
+
+def test_on_cuda_release_memory_clears_cublas_workspaces_when_asked_before_it_empties_the_cache(monkeypatch):
+    """cuBLAS's workspaces come from the caching allocator and stay: they must be gone before the
+    cache is emptied, or their blocks stay reserved; between the search's trials they stay."""
+    from adaptive_batch.memory.oom import release_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear"), raising=False)
+    release_memory(torch.device("cuda", 0), cublas_workspaces=True)
+    assert calls == ["synchronize", "clear", "empty_cache"]
+    calls.clear()
+    release_memory(torch.device("cuda", 0))
+    assert calls == ["synchronize", "empty_cache"]
+    calls.clear()
+    release_memory(torch.device("cpu"), cublas_workspaces=True)
+    assert calls == []

@@ -44,7 +44,7 @@ def test_steps_down_then_back_up_to_the_largest_that_trains(monkeypatch):
     model, sizes, target = _parts(second_step_fails_above=90)
     target.device = torch.device("cuda", 0)  # bisects back up there; nothing here touches CUDA
     monkeypatch.setattr(verify, "cuda_memory_cap", lambda device, limit: contextlib.nullcontext())
-    monkeypatch.setattr(verify, "release_memory", lambda device: None)
+    monkeypatch.setattr(verify, "release_memory", lambda device, **kwargs: None)
     before = [p.detach().clone() for p in model.parameters()]
     lines = []
     with lines_to(lines.append):
@@ -55,6 +55,23 @@ def test_steps_down_then_back_up_to_the_largest_that_trains(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # put back after every check
     assert f"probe: batch 100 did not run {steps} consecutive steps within the budget" in lines[0]
     assert lines[-1] == f"probe: the answer is 90, which runs {steps} consecutive steps; 91 did not."
+
+
+def test_on_cuda_each_check_starts_and_ends_with_cublas_workspaces_freed(monkeypatch):
+    """Kept from the probe's first trial, cuBLAS's workspaces gave the check a layout a fresh
+    process's training never has: on an H200 the tiny model's 87 passed the check and failed at
+    step 2 in a fresh process. The check must begin as training's first step does."""
+    _, sizes, target = _parts(second_step_fails_above=1000)
+    target.device = torch.device("cuda", 0)
+    monkeypatch.setattr(verify, "cuda_memory_cap", lambda device, limit: contextlib.nullcontext())
+    events = []
+    monkeypatch.setattr(verify, "release_memory", lambda device, **kwargs: events.append(("release", kwargs)))
+    step = target.train_step
+    target.train_step = lambda batch: (events.append(("step", {})), step(batch))
+    assert runs_consecutive_steps(8, target)
+    steps = verify.VERIFY_STEPS["cuda"]
+    freed = ("release", {"cublas_workspaces": True})
+    assert events == [freed] + [("step", {})] * steps + [freed]
 
 
 def test_on_cpu_only_steps_down():
@@ -69,7 +86,7 @@ def test_bisects_between_a_passing_and_a_failing_size_on_cuda(monkeypatch):
     _, sizes, target = _parts(second_step_fails_above=97)
     target.device = torch.device("cuda", 0)
     monkeypatch.setattr(verify, "cuda_memory_cap", lambda device, limit: contextlib.nullcontext())
-    monkeypatch.setattr(verify, "release_memory", lambda device: None)
+    monkeypatch.setattr(verify, "release_memory", lambda device, **kwargs: None)
     assert largest_that_trains(100, target) == 97
     assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [100, 98, 96, 97]
 
