@@ -1,8 +1,10 @@
-"""The sampler that follows a batch size changing during training.
+"""Batch samplers: one that follows a batch size changing during training, one that splits
+each batch of another into the micro-batches that fit.
 
 :class:`ResizableBatchSampler` yields an epoch's indices in batches of whatever size it is set
 to (the run's :class:`~adaptive_batch.run.progress.BatchProgress` decides it), and resumes in
-the middle of an epoch whatever sizes the batches before had.
+the middle of an epoch whatever sizes the batches before had. :class:`MicroBatchSampler` yields
+each batch of a framework's own batch sampler as the fewest micro-batches no larger than a limit.
 """
 
 import itertools
@@ -10,6 +12,8 @@ import math
 from typing import Any, Dict, Iterator, List, Optional, Sized
 
 from torch.utils.data import Sampler
+
+from adaptive_batch.schedule.global_batch import micro_batch_sizes
 
 
 class ResizableBatchSampler(Sampler[List[int]]):
@@ -93,3 +97,49 @@ class ResizableBatchSampler(Sampler[List[int]]):
         elif state["taken"]:
             raise ValueError("a mid-epoch batch-sampler state needs a stateful sampler to resume from.")
         self._resume_at = self._taken = int(state["taken"])
+
+
+class MicroBatchSampler(Sampler[List[int]]):
+    """Each batch of ``batch_sampler`` (its order, shuffling and grouping kept) as the fewest
+    micro-batches of at most ``limit`` indices, sizes differing by at most one
+    (:func:`~adaptive_batch.run.step.micro_batch_sizes`): 64 with 7 fitting trains as
+    4 x 7 + 6 x 6, where equal micro-batches would take 16 x 4.
+
+    Args:
+        batch_sampler: yields the effective batches (``batch_size`` indices, the last of an
+            epoch smaller unless it drops it), e.g. a ``DataLoader``'s.
+        limit: the largest micro-batch.
+
+    Raises:
+        ValueError: for a limit under 1, or a batch sampler without ``batch_size`` and ``sampler``.
+    """
+
+    def __init__(self, batch_sampler: Any, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit={limit} must be at least 1.")
+        if getattr(batch_sampler, "batch_size", None) is None or not hasattr(batch_sampler, "sampler"):
+            raise ValueError(f"{type(batch_sampler).__name__} has no batch_size and sampler to split.")
+        self.batch_sampler = batch_sampler
+        self.batch_size = limit  # what a DataLoader's users read as its batch
+        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+
+    def set_epoch(self, epoch: int) -> None:
+        for inner in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            if hasattr(inner, "set_epoch"):
+                inner.set_epoch(epoch)
+                return
+
+    def micro_batches_per_batch(self, rows: int) -> int:
+        return len(micro_batch_sizes(rows, self.batch_size))
+
+    def __len__(self) -> int:
+        whole, rest = divmod(len(self.batch_sampler.sampler), self.batch_sampler.batch_size)
+        last = self.micro_batches_per_batch(rest) if rest and not self.drop_last else 0
+        return whole * self.micro_batches_per_batch(self.batch_sampler.batch_size) + last
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for batch in self.batch_sampler:
+            start = 0
+            for size in micro_batch_sizes(len(batch), self.batch_size):
+                yield list(batch[start:start + size])
+                start += size

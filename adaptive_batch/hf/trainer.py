@@ -4,7 +4,8 @@
 and changes the effective batch as it goes. Here one probe (:func:`find_max_batch_size`) finds
 the largest per-device batch before the first step, and the user's effective batch
 (``per_device_train_batch_size x gradient_accumulation_steps``) is kept exactly: it is trained
-in the fewest equal micro-batches that fit, so the LR the user chose stays right. The evaluation
+in the fewest micro-batches that fit, uneven in one process where it must be
+(:mod:`adaptive_batch.hf.micro_batches`), so the LR the user chose stays right. The evaluation
 batch gets a forward-only probe. Under several processes (``torchrun``, ``accelerate launch``) each
 rank probes its own device before the model is wrapped for data parallelism, and every rank takes
 the smallest answer. The answer goes into every checkpoint and a resumed run takes
@@ -20,7 +21,6 @@ from contextlib import contextmanager
 import copy
 import functools
 import json
-import math
 import os
 from typing import Any, Callable, Dict, Iterator, Optional
 import warnings
@@ -36,6 +36,14 @@ from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import atomic_write
 import adaptive_batch.logs as logs
+from adaptive_batch.hf.micro_batches import (
+    describe_micro_batches,
+    effective_batch_args,
+    rows_weight,
+    split_effective_batch,
+    split_into_micro_batches,
+    uneven_allowed,
+)
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
 from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator
@@ -44,6 +52,7 @@ from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedEr
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.schedule.global_batch import micro_batches_per_trial
+from adaptive_batch.validation import check_positive_int
 
 STATE_FILE = "adaptive_batch.json"
 
@@ -58,12 +67,15 @@ class AdaptiveBatchTrainer(Trainer):
         make_batch: ``f(b) -> `` a worst-case batch of ``b`` samples; by default the longest
             training sample, ``b`` times, through the data collator (one a token shorter, so the
             batch is padded, where the samples differ in length).
+        max_batch_size: the largest training micro-batch worth trying (``None``: the effective
+            batch); the effective batch is kept, in more micro-batches where it is lower.
         probe_eval: also probe ``per_device_eval_batch_size`` with forward passes alone.
         log: where the batches are reported (``None``: the ``adaptive_batch`` logger).
         **kwargs: ``Trainer``'s.
 
     Raises:
-        ConfigError: for a ``max_memory`` that cannot be parsed, before the model is touched;
+        ConfigError: for a ``max_memory`` that cannot be parsed or a ``max_batch_size`` under 1,
+            before the model is touched;
             for ``auto_find_batch_size=True`` or DeepSpeed or FSDP, which change or shard the
             batch the probe measures, before any step.
     """
@@ -73,11 +85,13 @@ class AdaptiveBatchTrainer(Trainer):
         *args: Any,
         max_memory: Any = None,
         make_batch: Optional[Callable[[int], Any]] = None,
+        max_batch_size: Optional[int] = None,
         probe_eval: bool = True,
         log: Optional[Callable[[str], None]] = None,
         **kwargs: Any,
     ) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
+        self.max_batch_size = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
         super().__init__(*args, **kwargs)
         self._optimizer_passed = self.optimizer is not None  # a trial process cannot make that one again
         # The batch asked for: each train() probes for it again (a hyperparameter search sets only
@@ -88,6 +102,7 @@ class AdaptiveBatchTrainer(Trainer):
         self.adaptive_batch: Optional[Dict[str, int]] = None
         self._settle: Optional[Callable[[], None]] = None  # the probe or the checkpoint's batches, at the loop's start
         self._ranks = RankGroup(self.args.device)
+        self._update_rows: list = []  # the rows of each micro-batch of the step being trained
         self.add_callback(_SaveTheBatch(self))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -143,14 +158,14 @@ class AdaptiveBatchTrainer(Trainer):
         over every rank (``batch_size``) and the micro-batch each rank trains it in, so the
         monitors that show the learning rate in force show the batch beside it."""
         if "loss" in logs and self.adaptive_batch is not None:
-            args_ = self.args
-            logs = {**logs, "batch_size": args_.per_device_train_batch_size * args_.gradient_accumulation_steps
-                    * args_.world_size, "micro_batch_size": args_.per_device_train_batch_size}
+            logs = {**logs, "batch_size": self.adaptive_batch["effective_batch_size"] * self.args.world_size,
+                    "micro_batch_size": self.args.per_device_train_batch_size}
         super().log(logs, *args, **kwargs)
 
     def _probe(self) -> Dict[str, int]:
         """The per-device batches: the largest training micro-batch that fits, the effective
-        batch split into the fewest equal micro-batches no larger, and the evaluation batch."""
+        batch split into the fewest micro-batches no larger (equal ones under several
+        processes), and the evaluation batch."""
         args = self.args
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
         # The worst-case batch first: samples it cannot be made from are refused before any trial.
@@ -171,7 +186,8 @@ class AdaptiveBatchTrainer(Trainer):
         # The evaluation probe's trials ran here: the in-process margin for the heap they leave.
         margin = IN_PROCESS_CPU_MARGIN if state and build is not None else None
         probe = functools.partial(find_max_batch_size, target.train_step, make_batch=make_batch, model=self.model,
-                                  optimizer=target.optimizer, max_memory=self.max_memory, max_batch_size=effective,
+                                  optimizer=target.optimizer, max_memory=self.max_memory,
+                                  max_batch_size=min(effective, self.max_batch_size or effective),
                                   safety_margin=margin)
         with self._forward_as_trained, _logged_metrics_kept(self):
             try:
@@ -181,10 +197,59 @@ class AdaptiveBatchTrainer(Trainer):
                 found = probe(build=None)
         # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
         found = -self._ranks.max(-found)
-        accumulation = next(a for a in range(math.ceil(effective / found), effective + 1) if effective % a == 0)
+        per_device, accumulation = split_effective_batch(effective, found, uneven_allowed=uneven_allowed(self))
         state.update(effective_batch_size=effective, max_micro_batch_size=found,
-                     per_device_train_batch_size=effective // accumulation, gradient_accumulation_steps=accumulation)
+                     per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation)
         return state
+
+    def _uneven(self) -> bool:
+        """Whether the applied micro-batches differ in size (``per_device_train_batch_size`` is
+        then the largest of them)."""
+        state = self.adaptive_batch
+        return state is not None and (
+            state["per_device_train_batch_size"] * state["gradient_accumulation_steps"] != state["effective_batch_size"])
+
+    def get_train_dataloader(self) -> Any:
+        """``Trainer``'s loader; where the micro-batches are uneven, its batches of the effective
+        size (its sampler and grouping kept), each split into the micro-batches that fit."""
+        if not self._uneven():
+            return super().get_train_dataloader()
+        with effective_batch_args(self, self.adaptive_batch["effective_batch_size"]):
+            loader = super().get_train_dataloader()
+        return split_into_micro_batches(loader, self.adaptive_batch["per_device_train_batch_size"])
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """The samples of one optimizer step over every rank (the effective batch where the
+        micro-batches are uneven, not the largest of them times their count)."""
+        if not self._uneven():
+            return super().get_total_train_batch_size(args)
+        return self.adaptive_batch["effective_batch_size"] * args.world_size
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer``'s micro-batches of one optimizer step, their rows remembered for the loss."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        self._update_rows = [BatchLayout().rows(batch) for batch in batches]
+        return batches, num_items
+
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        """``Trainer``'s loss; where the micro-batches are uneven and the loss is not weighted by
+        the step's tokens, weighted by the micro-batch's rows, so every sample weighs the same."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch, **kwargs)
+        rows = self._update_rows
+        if not model.training or not self._uneven() or not rows or self._loss_weighted_by_items(num_items_in_batch):
+            return result
+        weight = rows_weight(BatchLayout().rows(inputs), sum(rows), len(rows))
+        return (result[0] * weight, *result[1:]) if isinstance(result, tuple) else result * weight
+
+    def _loss_weighted_by_items(self, num_items_in_batch: Any) -> bool:
+        """Whether ``Trainer`` divides the loss by the step's tokens, as it decides it."""
+        decided = getattr(self, "loss_is_scaled_for_ga", None)
+        if decided is not None:
+            return bool(decided)
+        return bool((getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
+                    or getattr(self, "compute_loss_func", None) is not None)
 
     def trial_target(self, make_batch: Callable[[int], Any]) -> ProbeTarget:
         """What a trial trains: this Trainer's own step (:meth:`_train_step`) on its model, with
@@ -217,7 +282,8 @@ class AdaptiveBatchTrainer(Trainer):
         budget = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
         logs.info(
             f"adaptive-batch ({source}): the effective batch of {state['effective_batch_size']} trains as "
-            f"{state['gradient_accumulation_steps']} x {state['per_device_train_batch_size']} per device (the largest "
+            f"{describe_micro_batches(state['effective_batch_size'], state['per_device_train_batch_size'])} per "
+            f"device (the largest "
             f"that fits {budget}: {state['max_micro_batch_size']}); evaluation batch "
             f"{args.per_device_eval_batch_size}."
         )

@@ -34,7 +34,7 @@ from adaptive_batch.run.grower import Grower
 from adaptive_batch.run.options import AdaptiveBatchOptions, RunContext
 from adaptive_batch.run.progress import BATCH_STATE_KEY, BatchProgress
 from adaptive_batch.run.start import first_batch
-from adaptive_batch.run.step import micro_batch_sizes
+from adaptive_batch.schedule.global_batch import micro_batch_sizes
 from adaptive_batch.schedule.global_batch import GlobalBatchSplit, micro_batches_per_trial
 from adaptive_batch.schedule.lr_scaling import BatchScaling, LRRule
 from adaptive_batch.schedule.noise_scale import NOISE_SCALE_STATE_KEY

@@ -10,7 +10,6 @@ twice, and the lowered limit is returned for the steps after.
 
 from dataclasses import dataclass, field
 from functools import partial
-import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -19,24 +18,10 @@ from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.errors import MicroBatchOutOfMemoryError, PeerOutOfMemoryError
 import adaptive_batch.logs as logs
 from adaptive_batch.memory.oom import catch_oom, release_memory
+from adaptive_batch.schedule.global_batch import micro_batch_sizes
 
 Batch = Any  # any structure of tensors (see adaptive_batch.data.layout)
 ForwardBackward = Callable[[Batch], Tuple[torch.Tensor, torch.Tensor]]
-
-
-def micro_batch_sizes(batch_size: int, micro_batch_limit: int, min_micro_batches: int = 1) -> List[int]:
-    """Splits ``batch_size`` rows into the fewest micro-batches of at most ``micro_batch_limit``
-    (and at least ``min_micro_batches`` where there are rows enough), sizes differing by at
-    most one (largest first).
-
-    Raises:
-        ValueError: if either is under 1.
-    """
-    if batch_size < 1 or micro_batch_limit < 1:
-        raise ValueError(f"cannot split a batch of {batch_size} into micro-batches of at most {micro_batch_limit}.")
-    count = max(math.ceil(batch_size / micro_batch_limit), min(min_micro_batches, batch_size))
-    base, extra = divmod(batch_size, count)
-    return [base + 1] * extra + [base] * (count - extra)
 
 
 @dataclass

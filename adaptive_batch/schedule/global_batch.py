@@ -14,12 +14,27 @@ seed's rule) when it is within the tolerance of the fastest.
 
 from dataclasses import asdict, dataclass
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.validation import check_positive_int
 
 KEY = "global_batch_size"
+
+
+def micro_batch_sizes(batch_size: int, micro_batch_limit: int, min_micro_batches: int = 1) -> List[int]:
+    """Splits ``batch_size`` rows into the fewest micro-batches of at most ``micro_batch_limit``
+    (and at least ``min_micro_batches`` where there are rows enough), sizes differing by at
+    most one (largest first).
+
+    Raises:
+        ValueError: if either is under 1.
+    """
+    if batch_size < 1 or micro_batch_limit < 1:
+        raise ValueError(f"cannot split a batch of {batch_size} into micro-batches of at most {micro_batch_limit}.")
+    count = max(math.ceil(batch_size / micro_batch_limit), min(min_micro_batches, batch_size))
+    base, extra = divmod(batch_size, count)
+    return [base + 1] * extra + [base] * (count - extra)
 
 
 def micro_batches_per_trial(

@@ -4,7 +4,9 @@ import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from adaptive_batch.data.samplers import ResizableBatchSampler
+from torch.utils.data import BatchSampler, DataLoader
+
+from adaptive_batch.data.samplers import MicroBatchSampler, ResizableBatchSampler
 
 
 class Data:
@@ -86,3 +88,26 @@ def test_an_epoch_resumed_at_its_end_leaves_the_next_epoch_whole(samples_per_epo
     assert list(loader2) == list(fresh_loader) and len(list(fresh_loader)) == 3
 
 
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_micro_batches_split_each_batch_in_order_into_the_fewest_that_fit(drop_last):
+    """64 with 7 fitting trains as 4 x 7 + 6 x 6 (equal micro-batches would take 16 x 4); the
+    wrapped sampler's order, epochs and last batch are kept, and the loader's length is right."""
+    inner = StatefulDistributedSampler(Data(150), num_replicas=1, rank=0, shuffle=True, seed=0)
+    batches = BatchSampler(inner, 64, drop_last)
+    micro = MicroBatchSampler(batches, 7)
+    loader = DataLoader(Data(150), batch_sampler=micro, collate_fn=list)
+    micro.set_epoch(1)
+    pieces = list(loader)
+    inner.set_epoch(1)
+    whole = list(batches)
+    assert len(loader) == len(pieces)
+    assert [i for p in pieces for i in p] == [i for b in whole for i in b]  # the same samples, in order
+    assert [len(p) for p in pieces[:10]] == [7] * 4 + [6] * 6
+    # the last batch of 22: 4 micro-batches (6, 6, 5, 5), or dropped with the wrapped sampler's drop_last
+    assert [len(p) for p in pieces[20:]] == ([] if drop_last else [6, 6, 5, 5])
+    micro.set_epoch(2)
+    assert list(loader) != pieces  # set_epoch reaches the shuffling sampler
+    with pytest.raises(ValueError, match="limit=0"):
+        MicroBatchSampler(batches, 0)

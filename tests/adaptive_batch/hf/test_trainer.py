@@ -12,6 +12,7 @@ from adaptive_batch import ConfigError
 from adaptive_batch.hf import AdaptiveBatchTrainer
 from adaptive_batch.hf.trainer import STATE_FILE, refuse_what_changes_the_batch
 from adaptive_batch.memory import device
+from adaptive_batch.schedule.global_batch import micro_batch_sizes
 
 
 class ByteCollator(DataCollatorForLanguageModeling):
@@ -61,8 +62,10 @@ def test_the_effective_batch_trains_in_the_micro_batches_that_fit(tmp_path):
     state = trainer.adaptive_batch
     found = state["max_micro_batch_size"]
     assert 1 < found < 16  # the budget holds less than the configured 16
-    assert state["per_device_train_batch_size"] <= found
-    assert state["per_device_train_batch_size"] * state["gradient_accumulation_steps"] == 16  # the user's batch
+    assert state["per_device_train_batch_size"] <= found and state["effective_batch_size"] == 16  # the user's batch
+    # in the fewest micro-batches that fit, sizes differing by at most one
+    assert state["gradient_accumulation_steps"] == -(-16 // found)
+    assert trainer._update_rows == micro_batch_sizes(16, found) and sum(trainer._update_rows) == 16
     assert trainer.args.gradient_accumulation_steps == state["gradient_accumulation_steps"]
     assert trainer.state.global_step == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
     # each logged step says the batch it trained (and the micro-batch), beside the LR in force
@@ -103,6 +106,83 @@ def test_the_micro_batched_run_trains_what_the_whole_batch_run_trains(tmp_path):
     plain.train()
     losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
     assert losses(probed) == pytest.approx(losses(plain), rel=1e-4)
+
+
+class MeanLossLM(torch.nn.Module):
+    """A causal LM whose forward takes no loss keyword arguments: ``Trainer`` then divides each
+    micro-batch's mean loss by the micro-batches of its step, weighing every micro-batch the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(512, 32), torch.nn.Linear(32, 512)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.head(torch.tanh(self.embed(input_ids)))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 512), labels[:, 1:].reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("model", ["weighted by tokens", "mean loss"])
+def test_uneven_micro_batches_train_what_the_whole_batch_trains(tmp_path, model):
+    """16 samples a step where 6 fit: 6 + 5 + 5 (equal micro-batches would take 8 x 2), the same
+    samples in the same order as a plain Trainer's batch of 16, and the same training. With a
+    model that takes no loss keywords each micro-batch's loss is weighted by its rows (unweighted,
+    a sample of a micro-batch of 5 weighed 6/5 of one in the micro-batch of 6)."""
+    from transformers import Trainer
+
+    def build(cls, out, **kwargs):
+        torch.manual_seed(0)
+        if model == "mean loss":
+            net = MeanLossLM()
+            samples = [{"input_ids": s["input_ids"][:8]} for s in _samples(64)]  # one length: a token mean is a sample mean
+        else:
+            net = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+            samples = _samples(64)
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=16, max_steps=3, learning_rate=1e-2,
+                                 report_to=[], use_cpu=True, seed=0, data_seed=0, logging_steps=1, disable_tqdm=True,
+                                 save_strategy="no")
+        return cls(model=net, args=args, train_dataset=samples, data_collator=ByteCollator(), **kwargs)
+
+    uneven = build(AdaptiveBatchTrainer, tmp_path / "a", max_batch_size=6, probe_eval=False)
+    uneven.train()
+    state = uneven.adaptive_batch
+    assert (state["per_device_train_batch_size"], state["gradient_accumulation_steps"]) == (6, 3)
+    assert uneven._update_rows == [6, 5, 5]
+    steps = [h for h in uneven.state.log_history if "loss" in h]
+    assert [(h["batch_size"], h["micro_batch_size"]) for h in steps] == [(16, 6)] * 3
+    whole = build(Trainer, tmp_path / "b")
+    whole.train()
+    losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
+    assert losses(uneven) == pytest.approx(losses(whole), rel=1e-5)
+    for a, b in zip(uneven.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-4)  # Adam magnifies a rounding in a rare token's row
+
+
+CONSTANT_LR = {"lr_scheduler_type": "constant"}  # a run of 2 steps and one of 3 share their LRs
+
+
+def test_uneven_micro_batches_resume_where_the_stopped_run_was(tmp_path):
+    """Resuming, the Trainer skips the steps' micro-batches by count: they must be the same
+    micro-batches, so step 3 after a resume trains what step 3 of the whole run trained."""
+    whole = _trainer(tmp_path / "whole", max_batch_size=6, probe_eval=False, training=CONSTANT_LR)
+    whole.args.max_steps = 3
+    whole.train()
+    assert whole._update_rows == [6, 5, 5]
+    _trainer(tmp_path / "stopped", max_batch_size=6, probe_eval=False, training=CONSTANT_LR).train()  # 2 steps, checkpoint-2
+    resumed = _trainer(tmp_path / "stopped", max_batch_size=6, probe_eval=False, training=CONSTANT_LR)
+    resumed.args.max_steps = 3
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3 and resumed.adaptive_batch == whole.adaptive_batch
+    last = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h][-1]  # noqa: E731
+    assert last(resumed) == pytest.approx(last(whole), rel=1e-5)
+    for a, b in zip(resumed.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-4)
+
+
+def test_a_max_batch_size_under_one_is_refused_before_the_model_is_touched(tmp_path):
+    with pytest.raises(ConfigError, match="max_batch_size=0 must be a positive integer"):
+        _trainer(tmp_path, max_batch_size=0)
 
 
 def _fixed_length_trainer(cls, out, per_device, accumulation, training=None, padded=False, **kwargs):

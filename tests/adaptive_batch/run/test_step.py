@@ -3,7 +3,8 @@ import torch
 
 from adaptive_batch import MicroBatchOutOfMemoryError
 from adaptive_batch.logs import lines_to
-from adaptive_batch.run.step import accumulate_gradients, micro_batch_sizes
+from adaptive_batch.run.step import accumulate_gradients
+from adaptive_batch.schedule.global_batch import micro_batch_sizes
 
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes."
 

@@ -1,0 +1,81 @@
+"""The Trainer's effective batch in the fewest micro-batches that fit, uneven where it must be.
+
+``Trainer`` trains ``per_device_train_batch_size x gradient_accumulation_steps`` in equal
+micro-batches, so an effective batch of 64 where 7 fit could only run as 16 x 4 (the largest
+divisor of 64 that fits). In one process the Trainer's own batches of the effective size (its
+sampler, shuffling and ``group_by_length`` kept) are split instead into the fewest micro-batches
+that fit, sizes differing by one (4 x 7 + 6 x 6), and the loss of each is weighted by its rows
+where the Trainer does not weight it by its tokens (``num_items_in_batch``). Several processes
+keep equal micro-batches: Accelerate shards the batches among ranks by count.
+"""
+
+from contextlib import contextmanager
+import math
+from typing import Any, Iterator, Tuple
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from adaptive_batch.data.samplers import MicroBatchSampler
+from adaptive_batch.schedule.global_batch import micro_batch_sizes, split_global_batch
+
+
+def split_effective_batch(effective: int, largest: int, *, uneven_allowed: bool) -> Tuple[int, int]:
+    """``(per_device_train_batch_size, gradient_accumulation_steps)`` for ``effective`` samples
+    a step in micro-batches of at most ``largest``: the fewest micro-batches, the largest of
+    them as the per-device batch where ``uneven_allowed``, else the fewest equal ones."""
+    if uneven_allowed:
+        split = split_global_batch(effective, world_size=1, largest_micro_batch=largest)
+        return split.micro_batch_size, split.gradient_accumulation_steps
+    accumulation = next(a for a in range(math.ceil(effective / largest), effective + 1) if effective % a == 0)
+    return effective // accumulation, accumulation
+
+
+def describe_micro_batches(effective: int, largest: int) -> str:
+    """``"4 x 7 + 6 x 6"``: how many micro-batches of each size one step of ``effective`` takes
+    in micro-batches of at most ``largest``."""
+    sizes = micro_batch_sizes(effective, largest)
+    return " + ".join(f"{sizes.count(size)} x {size}" for size in sorted(set(sizes), reverse=True))
+
+
+def uneven_allowed(trainer: Any) -> bool:
+    """Whether ``trainer``'s training batches can be split unevenly: one process, and a dataset
+    its own batch sampler draws from."""
+    dataset = trainer.train_dataset
+    return trainer.args.world_size == 1 and dataset is not None and not isinstance(dataset, IterableDataset)
+
+
+@contextmanager
+def effective_batch_args(trainer: Any, effective: int) -> Iterator[None]:
+    """The Trainer's arguments as for one micro-batch of ``effective`` samples a step, inside the
+    block (its loader and ``group_by_length`` sampler then batch the effective batch)."""
+    args = trainer.args
+    kept = (args.per_device_train_batch_size, args.gradient_accumulation_steps, trainer._train_batch_size)
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = effective, 1
+    trainer._train_batch_size = args.train_batch_size
+    try:
+        yield
+    finally:
+        args.per_device_train_batch_size, args.gradient_accumulation_steps, trainer._train_batch_size = kept
+
+
+def split_into_micro_batches(loader: DataLoader, limit: int) -> DataLoader:
+    """``loader`` (as the Trainer and Accelerate made it, one batch the effective batch) yielding
+    each batch as the fewest micro-batches of at most ``limit`` samples.
+
+    Raises:
+        ValueError: for a loader without a batch sampler to split.
+    """
+    # Accelerate's loader wraps a torch one (``base_dataloader``) where its version does. A
+    # DataLoader refuses a new batch sampler once made; everything else about this one (its
+    # collator, workers, Accelerate's wrapping and device placement) stays as the Trainer made it.
+    torch_loader = getattr(loader, "base_dataloader", loader)
+    if getattr(torch_loader, "batch_sampler", None) is None:
+        raise ValueError(f"{type(loader).__name__} has no batch sampler to split into micro-batches.")
+    object.__setattr__(torch_loader, "batch_sampler", MicroBatchSampler(torch_loader.batch_sampler, limit))
+    return loader
+
+
+def rows_weight(rows: int, update_rows: int, micro_batches: int) -> float:
+    """What a micro-batch's mean loss is multiplied by so that, divided by the micro-batches
+    of its step as the Trainer divides it, every sample of the step weighs the same."""
+    return rows * micro_batches / update_rows
