@@ -499,10 +499,12 @@ def test_what_would_change_or_shard_the_probed_batch_is_refused_in_one_line(tmp_
 
 
 def test_group_by_length_groups_the_effective_batch_it_trains(tmp_path):
-    trainer = _trainer(tmp_path, per_device=16, max_memory="20MiB", probe_eval=False,
+    trainer = _trainer(tmp_path, per_device=16, max_batch_size=6, probe_eval=False,
                        training={"train_sampling_strategy": "group_by_length"})
     trainer.train()
     state = trainer.adaptive_batch
-    assert state["gradient_accumulation_steps"] > 1 and trainer.state.global_step == 2
-    sampler = trainer._get_train_sampler()
-    assert type(sampler).__name__ == "LengthGroupedSampler" and sampler.batch_size == 16  # the user's batch
+    assert state["gradient_accumulation_steps"] == 3 and trainer.state.global_step == 2
+    loader = trainer.get_train_dataloader()  # as train() built it: batches of 16 split 6 + 5 + 5
+    batches = getattr(loader, "base_dataloader", loader).batch_sampler.batch_sampler
+    assert type(batches.sampler).__name__ == "LengthGroupedSampler" and batches.sampler.batch_size == 16  # the user's batch
+    assert [len(b) for b in list(getattr(loader, "base_dataloader", loader).batch_sampler)[:3]] == [6, 5, 5]
