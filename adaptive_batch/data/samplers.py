@@ -123,6 +123,15 @@ class MicroBatchSampler(Sampler[List[int]]):
         self.batch_size = limit  # what a DataLoader's users read as its batch
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
 
+    @property
+    def sampler(self) -> Any:
+        """The wrapped batch sampler's sampler (where a loader looks for ``set_epoch``)."""
+        return self.batch_sampler.sampler
+
+    @sampler.setter
+    def sampler(self, value: Any) -> None:
+        self.batch_sampler.sampler = value
+
     def set_epoch(self, epoch: int) -> None:
         for inner in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
             if hasattr(inner, "set_epoch"):

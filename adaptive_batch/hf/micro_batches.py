@@ -38,10 +38,13 @@ def describe_micro_batches(effective: int, largest: int) -> str:
 
 
 def uneven_allowed(trainer: Any) -> bool:
-    """Whether ``trainer``'s training batches can be split unevenly: one process, and a dataset
-    its own batch sampler draws from."""
-    dataset = trainer.train_dataset
-    return trainer.args.world_size == 1 and dataset is not None and not isinstance(dataset, IterableDataset)
+    """Whether ``trainer``'s training batches can be split unevenly: one process on one device
+    (``DataParallel`` splits each micro-batch among its devices), a dataset its own batch
+    sampler draws from, and a batch sampler of fixed batches (not ``batch_rebalance``'s)."""
+    args, dataset = trainer.args, trainer.train_dataset
+    return (args.world_size == 1 and args.n_gpu <= 1 and dataset is not None
+            and not isinstance(dataset, IterableDataset)
+            and str(getattr(args, "train_sampling_strategy", "random")) != "batch_rebalance")
 
 
 @contextmanager

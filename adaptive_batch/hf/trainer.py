@@ -122,6 +122,7 @@ class AdaptiveBatchTrainer(Trainer):
             prepare_allocator(self.args.device, probing=saved is None)
         if saved is None:
             self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps = self._asked_batch
+        self._update_rows = []  # a second train()'s trials are not weighted by the last run's step
         self._settle = (lambda: self._apply(saved, f"from the checkpoint {checkpoint}")) if saved is not None else (
             lambda: self._apply(self._probe(), "probed"))
         return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -228,7 +229,7 @@ class AdaptiveBatchTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> Any:
         """``Trainer``'s micro-batches of one optimizer step, their rows remembered for the loss."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
-        self._update_rows = [BatchLayout().rows(batch) for batch in batches]
+        self._update_rows = [BatchLayout().rows(batch) for batch in batches] if self._uneven() else []
         return batches, num_items
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
@@ -273,6 +274,13 @@ class AdaptiveBatchTrainer(Trainer):
 
     def _apply(self, state: Dict[str, int], source: str) -> None:
         args = self.args
+        effective = state["effective_batch_size"]
+        if state["per_device_train_batch_size"] * state["gradient_accumulation_steps"] != effective and (
+                not uneven_allowed(self)):
+            # A checkpoint of uneven micro-batches resumed where they cannot run (several processes).
+            per_device, accumulation = split_effective_batch(effective, state["max_micro_batch_size"],
+                                                             uneven_allowed=False)
+            state = {**state, "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation}
         args.per_device_train_batch_size = state["per_device_train_batch_size"]
         args.gradient_accumulation_steps = state["gradient_accumulation_steps"]
         self._train_batch_size = args.train_batch_size

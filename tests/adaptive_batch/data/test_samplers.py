@@ -109,5 +109,6 @@ def test_micro_batches_split_each_batch_in_order_into_the_fewest_that_fit(drop_l
     assert [len(p) for p in pieces[20:]] == ([] if drop_last else [6, 6, 5, 5])
     micro.set_epoch(2)
     assert list(loader) != pieces  # set_epoch reaches the shuffling sampler
+    assert micro.sampler is inner  # where an older Accelerate looks for set_epoch
     with pytest.raises(ValueError, match="limit=0"):
         MicroBatchSampler(batches, 0)

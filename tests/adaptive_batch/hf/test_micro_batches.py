@@ -23,3 +23,26 @@ def test_the_split_is_said_by_size_and_every_sample_weighs_the_same():
     # micro-batches of 6, 5, 5: each mean loss, divided by 3 as the Trainer divides it, weighs its rows
     weights = [rows_weight(rows, 16, 3) / 3 for rows in (6, 5, 5)]
     assert weights == pytest.approx([6 / 16, 5 / 16, 5 / 16])
+
+
+def test_uneven_only_in_one_process_on_one_device_with_fixed_batches():
+    """DataParallel (several devices, one process) splits each micro-batch among its devices and
+    Accelerate shards batches among ranks by count; batch_rebalance's batches have no fixed size."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import IterableDataset
+
+    from adaptive_batch.hf.micro_batches import uneven_allowed
+
+    def trainer(dataset=(1, 2, 3), **args):
+        settings = {"world_size": 1, "n_gpu": 1, "train_sampling_strategy": "random", **args}
+        return SimpleNamespace(args=SimpleNamespace(**settings), train_dataset=dataset)
+
+    assert uneven_allowed(trainer()) and uneven_allowed(trainer(n_gpu=0))
+    assert not uneven_allowed(trainer(world_size=2)) and not uneven_allowed(trainer(n_gpu=2))
+    assert not uneven_allowed(trainer(train_sampling_strategy="batch_rebalance"))
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    assert not uneven_allowed(trainer(dataset=Stream())) and not uneven_allowed(trainer(dataset=None))

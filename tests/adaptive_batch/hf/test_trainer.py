@@ -180,6 +180,41 @@ def test_uneven_micro_batches_resume_where_the_stopped_run_was(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-4)
 
 
+def test_uneven_micro_batches_resumed_where_they_cannot_run_train_as_equal_ones(tmp_path, monkeypatch):
+    """A checkpoint of 6 + 5 + 5 resumed under several processes, whose batches Accelerate shards
+    by count: the same effective batch in the fewest equal micro-batches that fit."""
+    import adaptive_batch.hf.trainer as hf_trainer
+
+    trainer = _trainer(tmp_path)
+    monkeypatch.setattr(hf_trainer, "uneven_allowed", lambda t: False)
+    from adaptive_batch.logs import lines_to
+
+    with lines_to(trainer.lines.append):
+        trainer._apply({"effective_batch_size": 16, "max_micro_batch_size": 6, "per_device_train_batch_size": 6,
+                        "gradient_accumulation_steps": 3}, "from a checkpoint")
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 4)
+    assert not trainer._uneven() and "trains as 4 x 4 per device" in trainer.lines[-1]
+
+
+def test_a_second_train_does_not_weigh_its_trials_by_the_last_runs_step(tmp_path):
+    """The rows of the last run's last step were read by the next train()'s trials: a trial's
+    loss scaled by up to 40x (and, under fp16, a skipped optimizer step the probe did not measure)."""
+    trainer = _trainer(tmp_path)
+    trainer.adaptive_batch = {"effective_batch_size": 16, "max_micro_batch_size": 6, "per_device_train_batch_size": 6,
+                              "gradient_accumulation_steps": 3}
+    trainer._update_rows = [6, 5, 1]
+    seen = []
+
+    def probe():
+        seen.append(list(trainer._update_rows))
+        raise RuntimeError("stop after the probe started")
+
+    trainer._probe = probe
+    with pytest.raises(RuntimeError, match="stop after"):
+        trainer.train()
+    assert seen == [[]]
+
+
 def test_a_max_batch_size_under_one_is_refused_before_the_model_is_touched(tmp_path):
     with pytest.raises(ConfigError, match="max_batch_size=0 must be a positive integer"):
         _trainer(tmp_path, max_batch_size=0)
