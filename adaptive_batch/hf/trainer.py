@@ -51,7 +51,7 @@ from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import ProbeTarget
-from adaptive_batch.schedule.global_batch import micro_batches_per_trial
+from adaptive_batch.schedule.global_batch import check_global_batch, micro_batches_per_trial
 from adaptive_batch.validation import check_positive_int
 
 STATE_FILE = "adaptive_batch.json"
@@ -69,13 +69,18 @@ class AdaptiveBatchTrainer(Trainer):
             batch is padded, where the samples differ in length).
         max_batch_size: the largest training micro-batch worth trying (``None``: the effective
             batch); the effective batch is kept, in more micro-batches where it is lower.
+        global_batch_size: the samples of one optimizer step over every rank, in place of
+            ``per_device_train_batch_size x gradient_accumulation_steps x world_size``: each rank's
+            share trains in the fewest micro-batches that fit (``gradient_accumulation_steps``
+            must then be 1).
         probe_eval: also probe ``per_device_eval_batch_size`` with forward passes alone.
         log: where the batches are reported (``None``: the ``adaptive_batch`` logger).
         **kwargs: ``Trainer``'s.
 
     Raises:
-        ConfigError: for a ``max_memory`` that cannot be parsed or a ``max_batch_size`` under 1,
-            before the model is touched;
+        ConfigError: for a ``max_memory`` that cannot be parsed, a ``max_batch_size`` under 1, or
+            a ``global_batch_size`` under 1, beside an accumulation or not shared evenly among the
+            ranks, before any step;
             for ``auto_find_batch_size=True`` or DeepSpeed or FSDP, which change or shard the
             batch the probe measures, before any step.
     """
@@ -86,17 +91,22 @@ class AdaptiveBatchTrainer(Trainer):
         max_memory: Any = None,
         make_batch: Optional[Callable[[int], Any]] = None,
         max_batch_size: Optional[int] = None,
+        global_batch_size: Optional[int] = None,
         probe_eval: bool = True,
         log: Optional[Callable[[str], None]] = None,
         **kwargs: Any,
     ) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
+        check_positive_int("global_batch_size", global_batch_size, allow_none=True)
         super().__init__(*args, **kwargs)
         self._optimizer_passed = self.optimizer is not None  # a trial process cannot make that one again
         # The batch asked for: each train() probes for it again (a hyperparameter search sets only
         # the arguments it searches, over the ones the last probe applied).
         self._asked_batch = (self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps)
+        if global_batch_size is not None:  # each rank's share, in micro-batches the probe sizes
+            self._asked_batch = (check_global_batch(global_batch_size, world_size=self.args.world_size,
+                                                    gradient_accumulation_steps=self.args.gradient_accumulation_steps), 1)
         refuse_what_changes_the_batch(self)
         self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, log
         self.adaptive_batch: Optional[Dict[str, int]] = None

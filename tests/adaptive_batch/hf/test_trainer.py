@@ -220,6 +220,21 @@ def test_a_max_batch_size_under_one_is_refused_before_the_model_is_touched(tmp_p
         _trainer(tmp_path, max_batch_size=0)
 
 
+def test_a_global_batch_sets_the_step_whatever_the_per_device_batch(tmp_path):
+    """global_batch_size=16 with per_device_train_batch_size=4 (the Trainer's default is 8): the
+    step trains 16 samples, in the fewest micro-batches that fit."""
+    trainer = _trainer(tmp_path, per_device=4, global_batch_size=16, max_batch_size=6, probe_eval=False)
+    trainer.train()
+    state = trainer.adaptive_batch
+    assert state["effective_batch_size"] == 16 and trainer._update_rows == [6, 5, 5]
+    assert [h["batch_size"] for h in trainer.state.log_history if "loss" in h] == [16, 16]
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 with global_batch_size=16: .* set "
+                       "gradient_accumulation_steps=1"):
+        _trainer(tmp_path, accumulation=2, global_batch_size=16)
+    with pytest.raises(ConfigError, match="global_batch_size=0 must be a positive integer"):
+        _trainer(tmp_path, global_batch_size=0)
+
+
 def _fixed_length_trainer(cls, out, per_device, accumulation, training=None, padded=False, **kwargs):
     """Every sample 64 tokens long (``padded``: every other one 63), so the Trainer's own batches
     are the probe's worst case."""
