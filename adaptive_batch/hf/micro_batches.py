@@ -10,13 +10,12 @@ keep equal micro-batches: Accelerate shards the batches among ranks by count.
 """
 
 from contextlib import contextmanager
-import math
 from typing import Any, Iterator, Tuple
 
 from torch.utils.data import DataLoader, IterableDataset
 
 from adaptive_batch.data.samplers import MicroBatchSampler
-from adaptive_batch.schedule.global_batch import micro_batch_sizes, split_global_batch
+from adaptive_batch.schedule.global_batch import equal_micro_batches, micro_batch_sizes, split_global_batch
 
 
 def split_effective_batch(effective: int, largest: int, *, uneven_allowed: bool) -> Tuple[int, int]:
@@ -26,8 +25,7 @@ def split_effective_batch(effective: int, largest: int, *, uneven_allowed: bool)
     if uneven_allowed:
         split = split_global_batch(effective, world_size=1, largest_micro_batch=largest)
         return split.micro_batch_size, split.gradient_accumulation_steps
-    accumulation = next(a for a in range(math.ceil(effective / largest), effective + 1) if effective % a == 0)
-    return effective // accumulation, accumulation
+    return equal_micro_batches(effective, largest)
 
 
 def describe_micro_batches(effective: int, largest: int) -> str:

@@ -30,7 +30,8 @@ import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.rng import rng_state, set_rng_state
-from adaptive_batch.schedule.global_batch import micro_batches_per_trial
+from adaptive_batch.schedule.global_batch import equal_micro_batches, micro_batches_per_trial
+from adaptive_batch.validation import check_positive_int
 
 # Samples looked at for the worst case when no make_batch is given: the largest of them,
 # by the elements of its collated tensors, stands for every batch (padding collators pad to it).
@@ -48,6 +49,9 @@ class AdaptiveBatchFinder(Callback):
         make_batch: ``f(batch_size)`` returning the worst-case batch, collated, on the CPU;
             ``None``: the largest of the first :data:`WORST_CASE_SCAN` training samples repeated.
         max_batch_size: the largest size worth trying; ``None``: the training set's size.
+        global_batch_size: the samples of one optimizer step: trained as the fewest equal
+            micro-batches that fit (``batch_arg_name`` set to the micro-batch, the trainer's
+            ``accumulate_grad_batches`` to their count), so the step and its LR stay yours.
         stop_after: stop the fit once the batch is found (the tuner function sets it).
 
     Attributes:
@@ -56,6 +60,7 @@ class AdaptiveBatchFinder(Callback):
     Raises:
         ConfigError: for a ``max_memory`` that cannot be parsed, here; at fit start, before any
             trial, for a batch size Lightning cannot find, several devices, several optimizers or
+            an ``accumulate_grad_batches`` beside ``global_batch_size``, several
             training dataloaders, an iterable dataset without ``make_batch``, or
             ``BatchSizeFinder`` beside it; after the probe, for a ``train_dataloader`` that does
             not build its batches at the batch size set.
@@ -63,8 +68,10 @@ class AdaptiveBatchFinder(Callback):
 
     def __init__(self, *, max_memory: Any = None, batch_arg_name: str = "batch_size",
                  make_batch: Optional[Callable[[int], Any]] = None, max_batch_size: Optional[int] = None,
-                 stop_after: bool = False, log: Optional[Callable[[str], None]] = None) -> None:
+                 global_batch_size: Optional[int] = None, stop_after: bool = False,
+                 log: Optional[Callable[[str], None]] = None) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
+        self.global_batch_size = check_positive_int("global_batch_size", global_batch_size, allow_none=True)
         self.max_memory, self.batch_arg_name, self.make_batch = max_memory, batch_arg_name, make_batch
         self.max_batch_size, self.stop_after, self._log = max_batch_size, stop_after, log
         self.optimal_batch_size: Optional[int] = None
@@ -87,27 +94,50 @@ class AdaptiveBatchFinder(Callback):
             schedulers = trainer.lr_scheduler_configs
             with _trials_leave_no_trace(trainer):
                 found = find_max_batch_size(
-                    _training_step(trainer, pl_module, optimizer),
+                    _training_step(trainer, pl_module, optimizer, self.global_batch_size),
                     # As the loop hands a batch over: the precision's input dtype, then the device.
                     make_batch=lambda b: trainer.strategy.batch_to_device(
                         trainer.precision_plugin.convert_input(make_batch(b))),
                     model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
                     lr_scheduler=schedulers[0].scheduler if schedulers else None,
-                    max_batch_size=self.max_batch_size or _dataset_size(loader),
+                    max_batch_size=_smallest(self.max_batch_size or _dataset_size(loader), self.global_batch_size),
                 )
             previous = lightning_getattr(pl_module, self.batch_arg_name)
-            lightning_setattr(pl_module, self.batch_arg_name, found)
+            batch_size = self._accumulate(trainer, found)
+            lightning_setattr(pl_module, self.batch_arg_name, batch_size)
             set_rng_state(before)
-            _rebuild_train_loader(trainer, self.batch_arg_name, found)
+            _rebuild_train_loader(trainer, self.batch_arg_name, batch_size)
             trainer._logger_connector.reset_results()  # what the trials' self.log() said is no epoch's
             self.optimal_batch_size = found
-            logs.info(f"adaptive-batch: {self.batch_arg_name}={found} (was {previous}), the largest that trains within "
-                      f"{'the device' if self.max_memory is None else f'max_memory={self.max_memory}'}.")
+            within = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
+            if self.global_batch_size is None:
+                logs.info(f"adaptive-batch: {self.batch_arg_name}={found} (was {previous}), the largest that trains "
+                          f"within {within}.")
+            else:
+                logs.info(f"adaptive-batch: global_batch_size={self.global_batch_size} trains as "
+                          f"{trainer.accumulate_grad_batches} x {batch_size} ({self.batch_arg_name}={batch_size}, was "
+                          f"{previous}; accumulate_grad_batches={trainer.accumulate_grad_batches}); the largest "
+                          f"that trains within {within} is {found}.")
         if self.stop_after:
             raise _TunerExitException()
 
+    def _accumulate(self, trainer: Trainer, found: int) -> int:
+        """The batch size the loader takes: ``found``, or with a global batch its fewest equal
+        micro-batches that fit, their count set as the trainer's accumulation."""
+        if self.global_batch_size is None:
+            return found
+        micro_batch, count = equal_micro_batches(self.global_batch_size, found)
+        trainer.accumulate_grad_batches = count
+        return micro_batch
+
     def _refuse_what_it_cannot_probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
         name = self.batch_arg_name
+        accumulate = int(trainer.accumulate_grad_batches)
+        if self.global_batch_size is not None and accumulate != 1:
+            raise ConfigError(
+                f"accumulate_grad_batches={accumulate} with global_batch_size={self.global_batch_size}: the accumulation "
+                "follows from the global batch and the micro-batch that fits; set accumulate_grad_batches=1 (the default)."
+            )
         if not lightning_hasattr(pl_module, name):
             raise ConfigError(
                 f"batch_arg_name={name!r}: neither the LightningModule, its hparams nor the datamodule has it; "
@@ -142,11 +172,12 @@ def _trials_leave_no_trace(trainer: Trainer) -> Iterator[None]:
         trainer.precision_plugin.load_state_dict(precision)
 
 
-def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optional[torch.optim.Optimizer]):
+def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optional[torch.optim.Optimizer],
+                   global_batch_size: Optional[int] = None):
     """One optimizer step as the fit loop runs it: the trainer's precision context around the
     module's ``training_step``, its ``backward`` through the strategy, clipping, the step and
-    ``zero_grad``; two micro-batches first where the trainer accumulates. Under manual
-    optimization the module's ``training_step`` is the whole step."""
+    ``zero_grad``; two micro-batches first where the trainer accumulates (or the global batch
+    will be accumulated). Under manual optimization the module's ``training_step`` is the whole step."""
     accumulate = int(trainer.accumulate_grad_batches)
 
     def step(batch: Any) -> None:
@@ -155,7 +186,8 @@ def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optiona
         if not module.automatic_optimization:
             _call_strategy_hook(trainer, "training_step", batch, 0)
             return
-        pieces = micro_batches_per_trial(BatchLayout().rows(batch), gradient_accumulation_steps=accumulate)
+        pieces = micro_batches_per_trial(BatchLayout().rows(batch), gradient_accumulation_steps=accumulate,
+                                         global_batch_size=global_batch_size)
         for _ in range(pieces):
             out = _call_strategy_hook(trainer, "training_step", batch, 0)
             loss = out["loss"] if isinstance(out, dict) else out
@@ -201,6 +233,11 @@ def _rebuild_train_loader(trainer: Trainer, batch_arg_name: str, batch_size: int
             f"batch_arg_name={batch_arg_name!r} is now {batch_size}, but train_dataloader() still builds batches of "
             f"{built}: build its DataLoader with batch_size=self.{batch_arg_name}."
         )
+
+
+def _smallest(*sizes: Optional[int]) -> Optional[int]:
+    given = [size for size in sizes if size is not None]
+    return min(given) if given else None
 
 
 def _dataset_size(loader: Any) -> Optional[int]:

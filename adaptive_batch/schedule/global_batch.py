@@ -37,6 +37,19 @@ def micro_batch_sizes(batch_size: int, micro_batch_limit: int, min_micro_batches
     return [base + 1] * extra + [base] * (count - extra)
 
 
+def equal_micro_batches(batch_size: int, largest: int) -> Tuple[int, int]:
+    """``(micro_batch_size, micro_batches)``: ``batch_size`` in the fewest equal micro-batches of
+    at most ``largest`` (for a loop that accumulates by count: 64 where 7 fit, 16 x 4).
+
+    Raises:
+        ValueError: if either is under 1.
+    """
+    if batch_size < 1 or largest < 1:
+        raise ValueError(f"cannot split a batch of {batch_size} into micro-batches of at most {largest}.")
+    count = next(c for c in range(math.ceil(batch_size / largest), batch_size + 1) if batch_size % c == 0)
+    return batch_size // count, count
+
+
 def micro_batches_per_trial(
     micro_batch_size: int,
     *,

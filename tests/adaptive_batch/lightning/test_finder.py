@@ -184,3 +184,28 @@ def test_trials_take_the_precisions_inputs_and_leave_the_runs_logger_alone(tmp_p
     assert model.batch_size == finder.optimal_batch_size > 2 and model.trained[0] == model.batch_size
     loggers = [name for _, name in seen]
     assert loggers[-2:] == ["CSVLogger", "CSVLogger"] and set(loggers[:-2]) == {"DummyLogger"}, loggers
+
+
+def test_a_global_batch_trains_as_the_equal_micro_batches_that_fit_and_fits_as_the_whole_batch():
+    """global_batch_size=16 where 6 fit: batch_size=4 and accumulate_grad_batches=4, the trials
+    two micro-batches with the first one's gradients alive, and the fit the one a batch of 16
+    makes, parameter for parameter."""
+    pl.seed_everything(0)
+    probed, lines = Regression(), []
+    finder = AdaptiveBatchFinder(max_memory=BUDGET, global_batch_size=16, max_batch_size=6, log=lines.append)
+    trainer = _trainer(finder)
+    trainer.fit(probed)
+    assert finder.optimal_batch_size == 6 and probed.batch_size == 4 and trainer.accumulate_grad_batches == 4
+    assert probed.trained == [4] * 8  # 2 optimizer steps of 4 micro-batches
+    assert lines[-1].startswith("adaptive-batch: global_batch_size=16 trains as 4 x 4 (batch_size=4, was 2; "
+                                "accumulate_grad_batches=4); the largest that trains within max_memory=24MiB is 6.")
+    pl.seed_everything(0)
+    whole = Regression(batch_size=16)
+    _trainer().fit(whole)
+    for a, b in zip(probed.parameters(), whole.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ConfigError, match="accumulate_grad_batches=2 with global_batch_size=16: .* set "
+                       "accumulate_grad_batches=1"):
+        _trainer(AdaptiveBatchFinder(global_batch_size=16), accumulate_grad_batches=2).fit(Regression())
+    with pytest.raises(ConfigError, match="global_batch_size=0 must be a positive integer"):
+        AdaptiveBatchFinder(global_batch_size=0)
