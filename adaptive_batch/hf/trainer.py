@@ -125,6 +125,8 @@ class AdaptiveBatchTrainer(Trainer):
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
         saved = _read_state(checkpoint) if isinstance(checkpoint, str) else None
+        if saved is not None:
+            self._refuse_what_changed_since(saved, checkpoint)
         # Before the probe, so the trials see the allocator training will have; a resumed run
         # trains the saved batch on the same allocator as the run that probed it. Its warnings
         # are Python warnings, as Trainer's own.
@@ -210,8 +212,31 @@ class AdaptiveBatchTrainer(Trainer):
         found = -self._ranks.max(-found)
         per_device, accumulation = split_effective_batch(effective, found, uneven_allowed=uneven_allowed(self))
         state.update(effective_batch_size=effective, max_micro_batch_size=found,
-                     per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation)
+                     per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+                     **self._settings())
         return state
+
+    def _settings(self) -> Dict[str, Any]:
+        """What decided the batches besides the device: kept in the checkpoint, compared on resume."""
+        return {"max_memory": self.max_memory, "max_batch_size": self.max_batch_size}
+
+    def _refuse_what_changed_since(self, saved: Dict[str, Any], checkpoint: str) -> None:
+        """A resumed run trains the checkpoint's batches: one asked for otherwise would train, and
+        restore the data position and schedule of, a batch the user no longer asks for.
+
+        Raises:
+            ConfigError: naming the setting, its value in the checkpoint and now, before any step.
+        """
+        asked = {"effective batch (per_device_train_batch_size x gradient_accumulation_steps, or global_batch_size "
+                 "over the ranks)": self._asked_batch[0] * self._asked_batch[1], **self._settings()}
+        was = {**{key: saved[key] for key in self._settings() if key in saved},
+               next(iter(asked)): saved["effective_batch_size"]}
+        for key, value in asked.items():
+            if key in was and was[key] != value:
+                raise ConfigError(
+                    f"resume_from_checkpoint={checkpoint}: it trained {key}={was[key]!r}, this Trainer asks for "
+                    f"{value!r}; put it back to resume that run, or train from the start in another output_dir."
+                )
 
     def _uneven(self) -> bool:
         """Whether the applied micro-batches differ in size (``per_device_train_batch_size`` is

@@ -94,6 +94,14 @@ def test_a_resumed_run_takes_the_checkpoints_batches_without_probing(tmp_path, m
     assert resumed.adaptive_batch == first.adaptive_batch and resumed.state.global_step == 3
     assert resumed.lines[0].startswith("CPU allocator: glibc M_MMAP_THRESHOLD")
     assert resumed.lines[1].startswith("adaptive-batch (from the checkpoint")
+    # asked for another batch or budget, a resume would train the checkpoint's: refused before any step
+    for changed, key in (({"per_device": 8}, "effective batch"), ({"max_memory": "24MiB"}, "max_memory"),
+                         ({"max_batch_size": 4}, "max_batch_size")):
+        other = _trainer(tmp_path, **{"max_memory": "20MiB", **changed})
+        with pytest.raises(ConfigError, match=rf"resume_from_checkpoint=.*checkpoint-3: it trained {key}.* this Trainer "
+                           r"asks for .*put it back to resume that run, or train from the start in another output_dir"):
+            other.train(resume_from_checkpoint=True)
+        assert other.state.global_step == 0
 
 
 def test_the_micro_batched_run_trains_what_the_whole_batch_run_trains(tmp_path):
