@@ -217,8 +217,12 @@ class AdaptiveBatchTrainer(Trainer):
         return state
 
     def _settings(self) -> Dict[str, Any]:
-        """What decided the batches besides the device: kept in the checkpoint, compared on resume."""
-        return {"max_memory": self.max_memory, "max_batch_size": self.max_batch_size}
+        """What decided the batches besides the device: kept in the checkpoint, compared on resume
+        (``max_memory`` in one process: ranks may each have their own, and rank 0 saves)."""
+        settings: Dict[str, Any] = {"max_batch_size": self.max_batch_size}
+        if self.args.world_size == 1:
+            settings["max_memory"] = self.max_memory
+        return settings
 
     def _refuse_what_changed_since(self, saved: Dict[str, Any], checkpoint: str) -> None:
         """A resumed run trains the checkpoint's batches: one asked for otherwise would train, and
