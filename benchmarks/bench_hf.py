@@ -5,7 +5,7 @@ transformers Llama (4 layers, dim 512, the given vocabulary, sequence 512, AdamW
 RLIMIT_AS to the process's size plus the headroom (as ``prlimit --as`` would):
 
 - ``ours``: :class:`adaptive_batch.hf.AdaptiveBatchTrainer` (one probe, then the effective
-  batch of 64 in the fewest equal micro-batches that fit);
+  batch of 64 in the fewest micro-batches that fit, uneven where it must be);
 - ``trainer_auto``: ``TrainingArguments(auto_find_batch_size=True)`` (Accelerate's
   ``find_executable_batch_size`` around the whole training loop; it keeps the accumulation
   steps, so the effective batch falls with the batch);
@@ -124,9 +124,12 @@ def _trainers(kind: str, vocab: int, out: str) -> dict:
     if kind == "ours":
         trials = [line for line in lines if line.startswith("probe trial")]
         state = trainer.adaptive_batch
-        return {"found": state["max_micro_batch_size"], "trial_steps": len(trials),
+        # Trials in fresh processes: the first guess's steps at batch 1 and 2 run in one, said in a line of its own.
+        guess_steps = 2 if any("tensor bytes of steps at batch 1 and 2" in line for line in lines) else 0
+        return {"found": state["max_micro_batch_size"], "trial_steps": len(trials) + guess_steps,
                 "oom_trials": sum("out of memory" in line for line in trials),
                 "micro": state["per_device_train_batch_size"], "accumulation": state["gradient_accumulation_steps"],
+                "effective": state["effective_batch_size"],
                 "search_s": float(next(line for line in lines if line.startswith("search_s")).split()[1])}
     # auto_find_batch_size lowers the per-device batch and keeps the accumulation steps (1 here);
     # its answer is known when the step at it has run, the end of train() here
@@ -278,13 +281,16 @@ def main() -> None:
         f"effective batch of {EFFECTIVE}. True maximum micro-batch (the largest that trains 10 steps in a fresh "
         f"process, as the method then trains it): {said}.",
         "",
-        "| method | found | trains as (micro-batch x steps) | effective batch trained | true max for that step | found/true "
+        "| method | found | trains as (micro-batches x size) | effective batch trained | true max for that step | found/true "
         f"| trains 10 steps (fresh) | trial steps | OOM trials | search s | search s / {first}'s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, row in rows.items():
         step, micro, accumulation = min(row["accumulation"], 2), row["micro"], row["accumulation"]
-        lines.append(f"| {kind} | {row['found']} | {micro} x {accumulation} | {micro * accumulation} | {truths[step]} | "
+        from adaptive_batch.hf.micro_batches import describe_micro_batches
+
+        effective = row.get("effective", micro * accumulation)
+        lines.append(f"| {kind} | {row['found']} | {describe_micro_batches(effective, micro)} | {effective} | {truths[step]} | "
                      f"{row['found'] / max(truths[step], 1):.3f} | {'yes' if fresh(micro, accumulation) else 'no'} | "
                      f"{row['trial_steps']} | {row['oom_trials']} | {row['search_s']:.0f} | "
                      f"{row['search_s'] / rows[first]['search_s']:.2f} |")
