@@ -102,7 +102,7 @@ class ResizableBatchSampler(Sampler[List[int]]):
 class MicroBatchSampler(Sampler[List[int]]):
     """Each batch of ``batch_sampler`` (its order, shuffling and grouping kept) as the fewest
     micro-batches of at most ``limit`` indices, sizes differing by at most one
-    (:func:`~adaptive_batch.run.step.micro_batch_sizes`): 64 with 7 fitting trains as
+    (:func:`~adaptive_batch.schedule.global_batch.micro_batch_sizes`): 64 with 7 fitting trains as
     4 x 7 + 6 x 6, where equal micro-batches would take 16 x 4.
 
     Args:

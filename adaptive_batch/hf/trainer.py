@@ -231,10 +231,11 @@ class AdaptiveBatchTrainer(Trainer):
         Raises:
             ConfigError: naming the setting, its value in the checkpoint and now, before any step.
         """
-        asked = {"effective batch (per_device_train_batch_size x gradient_accumulation_steps, or global_batch_size "
-                 "over the ranks)": self._asked_batch[0] * self._asked_batch[1], **self._settings()}
-        was = {**{key: saved[key] for key in self._settings() if key in saved},
-               next(iter(asked)): saved["effective_batch_size"]}
+        effective = ("effective batch (per_device_train_batch_size x gradient_accumulation_steps, or "
+                     "global_batch_size over the ranks)")
+        asked = {effective: self._asked_batch[0] * self._asked_batch[1], **self._settings()}
+        # Checkpoints written before the settings were kept have the effective batch alone.
+        was = {effective: saved["effective_batch_size"], **{key: saved[key] for key in asked if key in saved}}
         for key, value in asked.items():
             if key in was and was[key] != value:
                 raise ConfigError(
