@@ -304,9 +304,12 @@ def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     assert not (tmp_path / "batch_probe.json").exists()
 
 
-# Sequences of 64 tokens under 1.1 GiB of headroom: the tied 152K x 256 embedding, its gradient
-# and AdamW's moments take ~0.6 GiB, and each sample's logits and their gradient ~75 MiB more.
-SEQ_152K, HEADROOM_152K = "tokenizer.max_seq_len=64", int(1.1 * 2**30)
+# Sequences of 64 tokens under 0.65 GiB of headroom, the config's embedding at width 64 (a step
+# costs a quarter of width 256's, and its chunked loss runs other operators at batch 1, which
+# once made the first guess 13 where 6 fit): the tied 152K x 64 embedding, its gradient and AdamW's
+# moments take ~150 MiB, and each sample's logits and their gradient ~75 MiB more.
+SEQ_152K = ("tokenizer.max_seq_len=64", "model.embed_dim=64", "model.intermediate_dim=192")
+HEADROOM_152K = int(0.65 * 2**30)
 
 
 @pytest.mark.slow
@@ -320,7 +323,7 @@ def test_real_vocabulary_under_a_real_limit_trials_in_fresh_processes_find_the_t
     scratch = tmp_path / "tmp"  # where the trials' scratch folders go, and are removed from
     scratch.mkdir()
     proc = run_tune(
-        tmp_path / "run", "use_maximum_batch_size=True", "retry_on_oom=False", "probe_cache=False", SEQ_152K,
+        tmp_path / "run", "use_maximum_batch_size=True", "retry_on_oom=False", "probe_cache=False", *SEQ_152K,
         "max_steps_per_epoch=2", config=config, headroom_bytes=HEADROOM_152K, env={"TMPDIR": str(scratch)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -340,6 +343,6 @@ def test_real_vocabulary_under_a_real_limit_trials_in_fresh_processes_find_the_t
     assert not list(scratch.glob("adaptive-batch-trial-*")), "a trial left its scratch folder"
     # ...and is the true maximum: one more does not train in a fresh process under that limit
     over = run_tune(
-        tmp_path / "over", f"batch_size={found + 1}", "retry_on_oom=False", SEQ_152K, config=config, headroom_bytes=HEADROOM_152K
+        tmp_path / "over", f"batch_size={found + 1}", "retry_on_oom=False", *SEQ_152K, config=config, headroom_bytes=HEADROOM_152K
     )
     assert over.returncode != 0 and "DefaultCPUAllocator: can't allocate memory" in over.stderr

@@ -42,3 +42,34 @@ def test_the_childrens_line_is_measured_where_the_answer_likely_is():
 
     assert [_estimate_sizes(g) for g in (None, 1, 2, 3, 5, 7)] == [(1, 2), (1, 2), (1, 2), (2, 3), (4, 5), (6, 7)]
     assert _estimate_sizes(8) == (4, 6) and _estimate_sizes(63) == (31, 47)
+
+
+MIB = 2**20
+
+
+class _FixedThenGrowingStep:
+    """A step whose memory is a fixed 10 MiB buffer, then 2 MiB a sample: the fixed part sets the
+    peak at batch 1 and 2, and batch 1 runs one more operator (a view where larger batches copy,
+    a chunked loss's branch), so no operator line can be drawn through batch 1 and 2."""
+
+    def __call__(self, batch: torch.Tensor) -> None:
+        if batch.shape[0] == 1:
+            batch.clone()
+        fixed = torch.empty(10 * MIB, dtype=torch.uint8)
+        del fixed
+        growing = torch.empty(2 * MIB * batch.shape[0], dtype=torch.uint8)
+        del growing
+
+
+def test_the_first_guess_draws_its_line_through_2_and_3_where_batch_1_runs_other_operators():
+    """A 152K x 64 model's chunked loss ran 996 operators at batch 1 and 1012 from 2: the phases'
+    line through 1 and 2 guessed 13 where 6 fit, and the children's trials went out of memory 3
+    times. Here the line through 1 and 2 is flat (no guess at all); through 2 and 3 it is exact."""
+    from adaptive_batch.probe.children import TensorGuess
+    from adaptive_batch.probe.target import ProbeTarget
+
+    target = ProbeTarget(train_step=_FixedThenGrowingStep(), make_batch=lambda b: torch.zeros(b, dtype=torch.uint8),
+                         model=torch.nn.Linear(1, 1), device=CPU)
+    budget = 21 * MIB
+    # the truth: the largest b with max(10, 2 b) MiB and the model's few bytes within the budget
+    assert TensorGuess(budget, "max_memory")(target, 0, 0) == 10
