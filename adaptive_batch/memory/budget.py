@@ -8,7 +8,9 @@ Two kinds, said in the log and the report:
   glibc's arenas, MKL's and oneDNN's scratch are not tensors, and a guard at the budget made them
   decide (an MLP at 96 MiB answered anything from 2 to 747 in fresh processes).
 - **hard** (an ``RLIMIT_AS``, a cgroup, available RAM, a card's memory): judged by real allocation
-  failures under the limit's own unit (address space on CPU).
+  failures under the limit's own unit (address space on CPU). A share of an ``RLIMIT_AS``
+  (``max_memory="90%"``) is that limit less the rest: in tensor bytes a ViT's 90% of 1 GiB let
+  trials past the limit's address space (7 out of memory in the caller) and left 6% unused.
 
 The recipes, the library, the Trainer, the planner and the CLI all call this module.
 """
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from adaptive_batch.memory.device import DeviceCapacity, format_bytes
+from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity, format_bytes
 from adaptive_batch.memory.tracker import live_tensor_bytes
 from adaptive_batch.validation import check_safety_margin
 
@@ -104,12 +106,15 @@ def memory_budget(
     live_bytes: int,
     safety_margin: Optional[float] = None,
     fresh_process_trials: bool = False,
+    max_memory_fraction: Optional[float] = None,
 ) -> MemoryBudget:
     """The budget for a step's peak, from ``max_memory`` or from the device's headroom.
 
     Args:
         max_memory_bytes: the user's limit for a step's peak (parameters and optimizer state
             included), or ``None`` for the whole device.
+        max_memory_fraction: the share of the device ``max_memory`` asked for, when it was one;
+            of an ``RLIMIT_AS`` it is a hard budget, the limit less the rest as margin.
         capacity: the device's headroom, read after the model and optimizer were built.
         live_bytes: tensor bytes alive when ``capacity`` was read; they count in every peak.
         safety_margin: fraction in ``[0, 1)`` held back; ``None`` for the default of the
@@ -121,7 +126,8 @@ def memory_budget(
         ValueError: if ``safety_margin`` is outside ``[0, 1)``.
     """
     device_limit = live_bytes + capacity.headroom_bytes
-    if max_memory_bytes is not None and max_memory_bytes <= device_limit:
+    share_of_limit = max_memory_fraction is not None and capacity.source == ADDRESS_SPACE_SOURCE
+    if max_memory_bytes is not None and max_memory_bytes <= device_limit and not share_of_limit:
         limit, source, kind = max_memory_bytes, MAX_MEMORY_SOURCE, SOFT
     else:
         limit, source, kind = device_limit, capacity.source, HARD
@@ -129,6 +135,9 @@ def memory_budget(
         device_type = capacity.device.split(":")[0]
         safety_margin = default_safety_margin(device_type, fresh_process_trials=fresh_process_trials)
     check_safety_margin(safety_margin)
+    if share_of_limit:  # the rest of the limit is held back, judged in its own unit
+        source = f"{max_memory_fraction:.0%} of {capacity.source}"
+        safety_margin = 1 - max_memory_fraction * (1 - safety_margin)
     return MemoryBudget(
         budget_bytes=after_margin(limit, safety_margin),
         limit_bytes=int(limit),

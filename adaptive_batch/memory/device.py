@@ -115,6 +115,19 @@ def parse_memory(
     return result
 
 
+def memory_fraction(value: MemorySpec) -> Optional[float]:
+    """The share of the device ``value`` asks for (``0.9``, ``"90%"``), or ``None`` for a size,
+    for ``None`` and for a value :func:`parse_memory` refuses."""
+    fix = "a memory spec"
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            return None
+        return (_number_amount(value, "max_memory", fix) if isinstance(value, (int, float))
+                else _string_amount(value, "max_memory", fix))[0]
+    except ValueError:
+        return None
+
+
 # A memory spec's amount: a fraction of the device, or a number of bytes (the other None).
 _Amount = Tuple[Optional[float], Optional[float]]
 

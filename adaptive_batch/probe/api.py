@@ -69,7 +69,9 @@ def find_max_batch_size(
         model: the model ``train_step`` trains.
         optimizer: its optimizer, if the step keeps state.
         max_memory: the budget for a step's peak, parameters and optimizer state included:
-            bytes, a size (``"6GiB"``), or a fraction of the device (``0.9``, ``"90%"``).
+            bytes, a size (``"6GiB"``), or a fraction of the device (``0.9``, ``"90%"``). A size is
+            a soft budget, judged by tensor bytes; a fraction of an address-space limit
+            (``RLIMIT_AS``) is that limit less the rest, judged by real allocation failures.
         safety_margin: fraction of the budget held back; ``None``: 5% on CUDA, 1% on CPU, 0.3%
             when ``build`` takes the trials to fresh processes.
         max_batch_size: the largest size worth trying, e.g. the dataset's size.
@@ -114,6 +116,8 @@ def find_max_batch_size(
         target = ProbeTarget(train_step, make_batch, model, optimizer, device, lr_scheduler).on_its_device()
         check_make_batch(make_batch)
         budget, capacity, in_children = step_budget(options, target, build=build)
+        if build is not None and not in_children:
+            logs.info(f"probe: build= is not used: {_why_trials_stay_here(budget, capacity.source, target.device)}")
         if target.device.type == "cpu" and not budget.is_soft:
             # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
             # process to process (BERT's answer trained in one fresh process and failed in the next).
@@ -130,3 +134,12 @@ def find_max_batch_size(
             build=build if in_children else None,
         )
         return report.batch_size
+
+
+def _why_trials_stay_here(budget, capacity_source: str, device: torch.device) -> str:
+    """Why the trials run in this process although ``build`` could make fresh ones."""
+    if budget.is_soft:
+        return ("a soft budget (max_memory in bytes) is judged by tensor bytes, the same in any process; "
+                "max_memory=None, or a share such as '90%' of an address-space limit, runs the trials in fresh processes.")
+    return (f"fresh processes are for an address-space limit (RLIMIT_AS) on CPU, and this budget is {capacity_source} "
+            f"on {device.type}.")

@@ -28,6 +28,7 @@ from adaptive_batch.memory.device import (
     device_capacity,
     device_name,
     format_bytes,
+    memory_fraction,
     parse_memory,
     proc_status_bytes,
 )
@@ -162,7 +163,8 @@ def step_budget(
 
     def budget(in_children: bool) -> MemoryBudget:
         return memory_budget(max_memory_bytes=max_memory, capacity=capacity, live_bytes=live,
-                             safety_margin=options.memory_safety_margin, fresh_process_trials=in_children)
+                             safety_margin=options.memory_safety_margin, fresh_process_trials=in_children,
+                             max_memory_fraction=memory_fraction(options.max_memory))
 
     in_children = trials_in_children(build, budget(False), capacity, device=device, distributed=distributed)
     return budget(in_children), capacity, in_children

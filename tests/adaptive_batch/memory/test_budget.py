@@ -51,3 +51,25 @@ def test_a_soft_budget_never_lets_the_machine_guard_decide():
     assert check_reserve_bytes(hard, CAP, device=torch.device("cpu"), state_bytes=200) == 10
     assert check_reserve_bytes(hard, CAP, device=torch.device("cuda"), state_bytes=200) == 0
 
+
+
+def test_a_share_of_an_address_space_limit_is_that_limit_less_the_rest():
+    """find_max_batch_size's default, max_memory="90%", under an outside RLIMIT_AS was a soft
+    budget in tensor bytes: a ViT's trials went past the limit's address space (7 out of memory in
+    the caller, build= unused) and the answer left 6% unused. A share of the limit is hard, judged
+    in its own unit, the rest held back; of available RAM or a card it stays soft."""
+    from adaptive_batch.memory.device import memory_fraction
+    from adaptive_batch.probe.children import trials_in_children
+
+    assert [memory_fraction(v) for v in ("90%", 0.9, "0.5", "6GiB", 2**30, None, "lots", True)] == [
+        0.9, 0.9, 0.5, None, None, None, None, None]
+    share = memory_budget(max_memory_bytes=900, capacity=CAP, live_bytes=0, safety_margin=0.01, max_memory_fraction=0.9)
+    assert (share.kind, share.source, share.limit_bytes) == ("hard", "90% of RLIMIT_AS", 1_000)
+    assert share.safety_margin == pytest.approx(1 - 0.9 * 0.99) and share.budget_bytes == 891
+    assert "hard budget" in share.describe() and "90% of RLIMIT_AS" in share.describe()
+    assert trials_in_children(lambda: None, share, CAP, device=torch.device("cpu"), distributed=False)
+    for capacity in (DeviceCapacity(device="cpu", headroom_bytes=1_000, source="MemAvailable less a reserve", hard_limit=False),
+                     DeviceCapacity(device="cuda:0", headroom_bytes=1_000, source="cudaMemGetInfo", hard_limit=True)):
+        other = memory_budget(max_memory_bytes=900, capacity=capacity, live_bytes=0, safety_margin=0.01,
+                              max_memory_fraction=0.9)
+        assert (other.kind, other.source, other.budget_bytes) == ("soft", "max_memory", 891)

@@ -298,3 +298,18 @@ def test_the_recipes_allocator_settings_are_said_in_one_line(monkeypatch):
     with lines_to(lines.append):
         device.prepare_allocator(torch.device("cpu"), probing=True)
     assert len(lines) == 1 and "glibc M_MMAP_THRESHOLD=256KiB and M_ARENA_MAX=1 for this run" in lines[0]
+
+
+def _never_called_build():
+    raise AssertionError("a soft budget's trials run in this process")
+
+
+def test_a_build_the_budget_does_not_use_is_said_in_one_line():
+    """A soft budget is judged by tensor bytes in this process: the build is not called, and
+    the user who passed it is told so, with what runs the trials in fresh processes."""
+    model, optimizer, step, make_batch = parts(64)
+    lines = []
+    find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory="16MiB",
+                        max_batch_size=4, log=lines.append, build=_never_called_build)
+    (said,) = [line for line in lines if "build=" in line]
+    assert said.startswith("probe: build= is not used: a soft budget") and "max_memory=None" in said
