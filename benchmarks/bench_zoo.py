@@ -38,6 +38,15 @@ ROWS = [
     ("bert", "find_max_batch_size", "hard", 1.5),
     ("hf-llama", "AdaptiveBatchTrainer", "soft", "24MiB"),
     ("hf-llama8k", "AdaptiveBatchTrainer", "hard", 1.5),
+    # Added on 2026-11-26 (first measured by hand, the table's protocol not yet run on them).
+    ("lstm", "find_max_batch_size", "soft", "256MiB"),
+    ("lstm", "find_max_batch_size", "hard", 1.0),
+    ("vit", "find_max_batch_size", "soft", "256MiB"),
+    ("vit", "find_max_batch_size", "hard", 1.0),
+    ("t5", "find_max_batch_size", "soft", "512MiB"),
+    ("t5", "find_max_batch_size", "hard", 1.0),
+    ("audio-conv", "find_max_batch_size", "soft", "256MiB"),
+    ("audio-conv", "find_max_batch_size", "hard", 1.0),
 ]
 # The Trainer's models: (vocabulary, hidden, intermediate, layers, heads, shortest and longest sample).
 TRAINER_MODELS = {"hf-llama": (512, 128, 256, 2, 4, 32, 64), "hf-llama8k": (8192, 256, 688, 4, 4, 32, 512)}

@@ -70,4 +70,66 @@ def build_bert() -> ProbeTarget:
     return _target(model, lambda b: model(**b).loss, make_batch)
 
 
-BUILDERS = {"mlp": build_mlp, "convnet": build_convnet, "llama128k": build_llama128k, "bert": build_bert}
+def build_lstm() -> ProbeTarget:
+    """A 2-layer LSTM language model (vocabulary 10,000, hidden 512) on 64-token sequences."""
+    torch.manual_seed(0)
+
+    class LSTMLanguageModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(10_000, 256)
+            self.lstm = nn.LSTM(256, 512, num_layers=2, batch_first=True)
+            self.head = nn.Linear(512, 10_000)
+
+        def forward(self, tokens):
+            return self.head(self.lstm(self.embedding(tokens))[0])
+
+    model = LSTMLanguageModel()
+    return _target(model, lambda t: F.cross_entropy(model(t).view(-1, 10_000), t.view(-1)),
+                   lambda n: torch.randint(0, 10_000, (n, 64), generator=torch.Generator().manual_seed(n)))
+
+
+def build_vit() -> ProbeTarget:
+    """A transformers ViT (96x96 images in 8x8 patches, 4 layers, hidden 192), 100 classes."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    model = ViTForImageClassification(ViTConfig(image_size=96, patch_size=8, hidden_size=192, num_hidden_layers=4,
+                                                num_attention_heads=3, intermediate_size=768, num_labels=100))
+    return _target(model, lambda b: model(pixel_values=b["x"], labels=b["y"]).loss,
+                   lambda n: {"x": torch.randn(n, 3, 96, 96), "y": torch.randint(0, 100, (n,))})
+
+
+def build_t5() -> ProbeTarget:
+    """A transformers T5 encoder-decoder (2 + 2 layers, d_model 256, vocabulary 32,128): 128
+    tokens in, 32 out."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=32_128, d_model=256, d_kv=32, d_ff=1024, num_layers=2,
+                                                num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
+                                                pad_token_id=0))
+
+    def make_batch(n):
+        generator = torch.Generator().manual_seed(n)
+        return {"input_ids": torch.randint(0, 32_128, (n, SEQ_LEN), generator=generator),
+                "labels": torch.randint(0, 32_128, (n, 32), generator=generator)}
+
+    return _target(model, lambda b: model(**b).loss, make_batch)
+
+
+def build_audio_conv() -> ProbeTarget:
+    """1-D convolutions with GroupNorm and dropout on a second of 16 kHz audio, 35 classes."""
+    torch.manual_seed(0)
+
+    def block(i, o):
+        return [nn.Conv1d(i, o, 9, padding=4), nn.GroupNorm(8, o), nn.GELU(), nn.Dropout(0.1)]
+
+    model = nn.Sequential(*block(1, 64), *block(64, 128), nn.MaxPool1d(4), *block(128, 128), nn.AdaptiveAvgPool1d(1),
+                          nn.Flatten(), nn.Linear(128, 35))
+    return _target(model, lambda b: F.cross_entropy(model(b["x"]), b["y"]),
+                   lambda n: {"x": torch.randn(n, 1, 16_000), "y": torch.randint(0, 35, (n,))})
+
+
+BUILDERS = {"mlp": build_mlp, "convnet": build_convnet, "llama128k": build_llama128k, "bert": build_bert,
+            "lstm": build_lstm, "vit": build_vit, "t5": build_t5, "audio-conv": build_audio_conv}

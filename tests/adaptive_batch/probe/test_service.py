@@ -183,3 +183,20 @@ def test_an_answer_from_fresh_processes_is_checked_in_the_probing_process(monkey
     )
     assert report.trials_in_fresh_processes and report.max_batch_size == 20
     assert report.batch_size == report.verified_batch_size == 19 and 20 in ran
+
+
+def test_a_share_of_an_address_space_limit_sends_the_trials_to_fresh_processes(monkeypatch):
+    """find_max_batch_size's default of "90%" under an outside RLIMIT_AS kept the trials here,
+    judged in tensor bytes, its build= unused; the budget is now the limit's, less the rest."""
+    from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity
+    from adaptive_batch.probe import service
+
+    capacity = DeviceCapacity(device="cpu", headroom_bytes=2**30, source=ADDRESS_SPACE_SOURCE, hard_limit=True)
+    monkeypatch.setattr(service, "device_capacity", lambda device: capacity)
+    model = nn.Linear(4, 1)
+    target = ProbeTarget(lambda b: None, lambda b: torch.randn(b, 4), model, None, torch.device("cpu"))
+    budget, _, in_children = service.step_budget(ProbeOptions(max_memory="90%"), target, build=lambda: target)
+    assert in_children and not budget.is_soft and budget.source == "90% of RLIMIT_AS"
+    assert budget.budget_bytes <= 0.9 * (2**30 + 20)  # the rest of the limit (and the parameters' 20 bytes)
+    budget, _, in_children = service.step_budget(ProbeOptions(max_memory="512MiB"), target, build=lambda: target)
+    assert budget.is_soft and not in_children
