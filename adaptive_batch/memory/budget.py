@@ -66,6 +66,8 @@ class MemoryBudget:
         safety_margin: the fraction of ``limit_bytes`` held back for fragmentation.
         source: where ``limit_bytes`` came from (``"max_memory"`` or the device's limit).
         kind: ``"soft"`` (judged by tensor bytes) or ``"hard"`` (judged by allocation failures).
+        share: the share of an address-space limit ``max_memory`` asked for (``0.9``), whose
+            rest is part of ``safety_margin``; ``None`` otherwise.
     """
 
     budget_bytes: int
@@ -73,6 +75,7 @@ class MemoryBudget:
     safety_margin: float
     source: str
     kind: BudgetKind = HARD
+    share: Optional[float] = None
 
     @property
     def is_soft(self) -> bool:
@@ -81,7 +84,18 @@ class MemoryBudget:
     def describe(self) -> str:
         """The budget in words, for the log: its size, where it came from and how it is judged."""
         judged = "live tensor bytes" if self.is_soft else "real allocation failures"
-        return f"a {self.kind} budget of {format_bytes(self.budget_bytes)} ({self.source}; judged by {judged})"
+        return f"a {self.kind} budget of {format_bytes(self.budget_bytes)} ({self._source_words()}; judged by {judged})"
+
+    def limit_words(self) -> str:
+        """Where the budget comes from, for the report's line: the limit, its share, the margin."""
+        if self.share is None:
+            return f"{format_bytes(self.limit_bytes)} from {self.source} less a {self.safety_margin:.0%} safety margin"
+        margin = 1 - (1 - self.safety_margin) / self.share
+        return (f"{self.share:.0%} of {format_bytes(self.limit_bytes)} ({ADDRESS_SPACE_SOURCE}) from {self.source} "
+                f"less a {margin:.1%} safety margin")
+
+    def _source_words(self) -> str:
+        return self.source if self.share is None else f"{self.source}: {self.share:.0%} of {ADDRESS_SPACE_SOURCE}"
 
     def to_dict(self) -> dict:
         return {
@@ -90,6 +104,7 @@ class MemoryBudget:
             "safety_margin": self.safety_margin,
             "source": self.source,
             "kind": self.kind,
+            "share": self.share,
         }
 
 
@@ -135,15 +150,17 @@ def memory_budget(
         device_type = capacity.device.split(":")[0]
         safety_margin = default_safety_margin(device_type, fresh_process_trials=fresh_process_trials)
     check_safety_margin(safety_margin)
-    if share_of_limit:  # the rest of the limit is held back, judged in its own unit
-        source = f"{max_memory_fraction:.0%} of {capacity.source}"
-        safety_margin = 1 - max_memory_fraction * (1 - safety_margin)
+    share = None
+    if share_of_limit:  # max_memory set it; the rest of the limit is held back, judged in its own unit
+        source, share = MAX_MEMORY_SOURCE, max_memory_fraction
+        safety_margin = 1 - share * (1 - safety_margin)
     return MemoryBudget(
         budget_bytes=after_margin(limit, safety_margin),
         limit_bytes=int(limit),
         safety_margin=float(safety_margin),
         source=source,
         kind=kind,
+        share=share,
     )
 
 

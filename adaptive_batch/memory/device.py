@@ -116,8 +116,15 @@ def parse_memory(
 
 
 def memory_fraction(value: MemorySpec) -> Optional[float]:
-    """The share of the device ``value`` asks for (``0.9``, ``"90%"``), or ``None`` for a size,
-    for ``None`` and for a value :func:`parse_memory` refuses."""
+    """The share of the device a memory spec asks for.
+
+    Args:
+        value: a spec as :func:`parse_memory` takes it.
+
+    Returns:
+        The fraction (``0.9`` for ``0.9`` or ``"90%"``); ``None`` for a size, for ``None`` and
+        for a value :func:`parse_memory` refuses (it says why).
+    """
     fix = "a memory spec"
     try:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):

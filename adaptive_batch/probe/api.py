@@ -38,7 +38,8 @@ from torch import nn
 
 from adaptive_batch.distributed import RankGroup
 import adaptive_batch.logs as logs
-from adaptive_batch.memory.device import glibc_mmap_threshold_set, prepare_allocator
+from adaptive_batch.memory.budget import MemoryBudget
+from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, glibc_mmap_threshold_set, prepare_allocator
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
@@ -85,7 +86,7 @@ def find_max_batch_size(
             means here (``None``: the ``adaptive_batch`` logger).
         build: a picklable top-level function returning a :class:`ProbeTarget` (the same
             step, batch maker, model and optimizer, built afresh). Under an outside ``RLIMIT_AS``
-            on CPU with ``max_memory`` not below it (a hard budget), each trial then runs in a
+            on CPU with ``max_memory`` not a size below it (a hard budget), each trial then runs in a
             fresh process (:mod:`adaptive_batch.probe.child`) held to this process's headroom, so
             an out-of-memory trial or a crash cannot scar or end this one, and the answer is the
             largest batch that runs the first steps in a fresh process. Without it the trials run
@@ -117,13 +118,13 @@ def find_max_batch_size(
         check_make_batch(make_batch)
         budget, capacity, in_children = step_budget(options, target, build=build)
         if build is not None and not in_children:
-            logs.info(f"probe: build= is not used: {_why_trials_stay_here(budget, capacity.source, target.device)}")
+            logs.info(f"probe: build= is not used: {_why_build_is_not_used(budget, capacity.source, target.device)}")
         if target.device.type == "cpu" and not budget.is_soft:
             # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
             # process to process (BERT's answer trained in one fresh process and failed in the next).
             if glibc_mmap_threshold_set() is None:  # the Trainer and AdaptiveBatch have set and said it
                 prepare_allocator(target.device, probing=True)
-            if not in_children:
+            if not in_children and build is None:
                 logs.info(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
                           "leaves worse than a fresh one's: under an address-space limit (RLIMIT_AS), pass build=f() -> "
                           "ProbeTarget to run them in fresh processes.")
@@ -136,10 +137,10 @@ def find_max_batch_size(
         return report.batch_size
 
 
-def _why_trials_stay_here(budget, capacity_source: str, device: torch.device) -> str:
+def _why_build_is_not_used(budget: MemoryBudget, capacity_source: str, device: torch.device) -> str:
     """Why the trials run in this process although ``build`` could make fresh ones."""
-    if budget.is_soft:
-        return ("a soft budget (max_memory in bytes) is judged by tensor bytes, the same in any process; "
-                "max_memory=None, or a share such as '90%' of an address-space limit, runs the trials in fresh processes.")
-    return (f"fresh processes are for an address-space limit (RLIMIT_AS) on CPU, and this budget is {capacity_source} "
-            f"on {device.type}.")
+    if device.type != "cpu" or capacity_source != ADDRESS_SPACE_SOURCE:
+        return (f"fresh processes are for an address-space limit (RLIMIT_AS) on CPU; this process's limit is "
+                f"{capacity_source} on {device.type}.")
+    return ("a soft budget (max_memory as a size) is judged by tensor bytes, the same in any process; "
+            "max_memory=None, or a share such as '90%', runs the trials in fresh processes.")

@@ -99,8 +99,9 @@ class TensorGuess:
 
     budget_bytes: int
     budget_source: str
-    # Up to 3: where batch 1 runs other operators than 2 (a 152K x 64 model's chunked loss), the
-    # line is drawn through 2 and 3; through 1 and 2 its phases guessed 13 where 6 fit.
+    # Up to 3, estimate steps only: where batch 1 runs other operators than 2 (a 152K x 64
+    # model's chunked loss) the line is drawn through 2 and 3; through 1 and 2 its phases
+    # guessed 13 where 6 fit. Where they run the same, no step at 3 is taken.
     batch_size: int = 3
 
     def __call__(self, target: ProbeTarget, start: int, build_peak: int) -> Optional[int]:
@@ -108,7 +109,8 @@ class TensorGuess:
             with logs.quiet():
                 result = probe_max_batch_size(target.on_its_device(), budget_bytes=self.budget_bytes,
                                               max_batch_size=self.batch_size,
-                                              budget_source=self.budget_source, restore_state=False)
+                                              budget_source=self.budget_source, restore_state=False,
+                                              estimate_only=True)
         except BatchSizeTooLargeError:  # the search's own first trial says it, in this process's words
             return None
         return None if result.estimate is None else result.estimate.max_batch_size(self.budget_bytes)

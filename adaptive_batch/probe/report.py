@@ -158,9 +158,7 @@ class ProbeReport:
         """One line for the log: what was found, against which budget, at what cost."""
         budget = self.budget
         # This rank's own budget and where it came from (the search's is the smallest rank's).
-        source = "" if budget is None else (
-            f" = {format_bytes(budget.limit_bytes)} from {budget.source} less a {budget.safety_margin:.0%} safety margin"
-        )
+        source = "" if budget is None else f" = {budget.limit_words()}"
         return (
             f"use_maximum_batch_size: largest batch that fits is {self.max_batch_size} "
             f"(estimate predicted {self.estimate.get('predicted_max_batch_size')}), budget "

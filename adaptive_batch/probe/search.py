@@ -140,6 +140,7 @@ def search_max_batch_size(
     estimate_sizes: Tuple[int, int] = (1, 2),
     tolerance: float = 0.0,
     oom_scars_caller: bool = False,
+    estimate_only: bool = False,
 ) -> SearchResult:
     """Finds the largest batch size whose step fits in ``budget_bytes``.
 
@@ -192,6 +193,8 @@ def search_max_batch_size(
             this process under a hard CPU limit): the last trial, one past the largest fit, is
             not run where the line through the two largest fits puts it over the budget by
             more than half a sample (:meth:`_Bracket.foresees_failure`).
+        estimate_only: stop after the estimate steps (a first guess): the result's ``estimate``
+            is the line, and nothing past it is tried.
 
     Returns:
         The result, with every trial.
@@ -210,7 +213,7 @@ def search_max_batch_size(
     predicted = None if estimate is None else estimate.max_batch_size(budget_bytes)
     if predicted is not None and max_batch_size is not None:
         predicted = min(predicted, max_batch_size)
-    if estimate is not None:
+    if estimate is not None and not estimate_only:
         clock.say_eta(predicted)
         # A line per operator through two steps that ran the same operators is the step's own
         # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.

@@ -61,6 +61,7 @@ def probe_max_batch_size(
     agree: Callable[[bool], bool] = lambda stop: stop,
     oom_scars_caller: bool = False,
     restore_state: bool = True,
+    estimate_only: bool = False,
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
@@ -80,6 +81,7 @@ def probe_max_batch_size(
         agree: makes a rank's wish to stop for time every rank's (``RankGroup.any``).
         oom_scars_caller: a failed trial would leave the caller's heap worse (:func:`search_max_batch_size`).
         restore_state: ``False``: no snapshot (a process that ends after the trials).
+        estimate_only: only the estimate steps (:func:`search_max_batch_size`).
 
     Returns:
         The search result with every trial.
@@ -103,6 +105,7 @@ def probe_max_batch_size(
                 release=lambda: release_memory(device),
                 settle_slope=device.type == "cuda",  # no operator timeline there
                 time_budget_s=time_budget_s, agree=agree, oom_scars_caller=oom_scars_caller,
+                estimate_only=estimate_only,
             )
         except BatchSizeTooLargeError as e:
             raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget_source) from None

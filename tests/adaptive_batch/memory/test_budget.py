@@ -64,9 +64,11 @@ def test_a_share_of_an_address_space_limit_is_that_limit_less_the_rest():
     assert [memory_fraction(v) for v in ("90%", 0.9, "0.5", "6GiB", 2**30, None, "lots", True)] == [
         0.9, 0.9, 0.5, None, None, None, None, None]
     share = memory_budget(max_memory_bytes=900, capacity=CAP, live_bytes=0, safety_margin=0.01, max_memory_fraction=0.9)
-    assert (share.kind, share.source, share.limit_bytes) == ("hard", "90% of RLIMIT_AS", 1_000)
+    assert (share.kind, share.source, share.share, share.limit_bytes) == ("hard", "max_memory", 0.9, 1_000)
     assert share.safety_margin == pytest.approx(1 - 0.9 * 0.99) and share.budget_bytes == 891
-    assert "hard budget" in share.describe() and "90% of RLIMIT_AS" in share.describe()
+    assert "hard budget" in share.describe() and "max_memory: 90% of RLIMIT_AS" in share.describe()
+    # the report's words: the share and the margin the user set, each once
+    assert share.limit_words() == "90% of 1000 B (RLIMIT_AS) from max_memory less a 1.0% safety margin"
     assert trials_in_children(lambda: None, share, CAP, device=torch.device("cpu"), distributed=False)
     for capacity in (DeviceCapacity(device="cpu", headroom_bytes=1_000, source="MemAvailable less a reserve", hard_limit=False),
                      DeviceCapacity(device="cuda:0", headroom_bytes=1_000, source="cudaMemGetInfo", hard_limit=True)):

@@ -304,12 +304,26 @@ def _never_called_build():
     raise AssertionError("a soft budget's trials run in this process")
 
 
-def test_a_build_the_budget_does_not_use_is_said_in_one_line():
-    """A soft budget is judged by tensor bytes in this process: the build is not called, and
-    the user who passed it is told so, with what runs the trials in fresh processes."""
+def test_a_build_the_budget_does_not_use_is_said_in_one_line(monkeypatch):
+    """The trials stay in this process without an address-space limit, and under one with a
+    soft budget (a size): the build is not called, and the user who passed it is told why and
+    what would run the trials in fresh processes."""
+    from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity
+    from adaptive_batch.probe import service
+
     model, optimizer, step, make_batch = parts(64)
-    lines = []
-    find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory="16MiB",
-                        max_batch_size=4, log=lines.append, build=_never_called_build)
-    (said,) = [line for line in lines if "build=" in line]
-    assert said.startswith("probe: build= is not used: a soft budget") and "max_memory=None" in said
+
+    def said(max_memory):
+        lines = []
+        find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory=max_memory,
+                            max_batch_size=4, log=lines.append, build=_never_called_build)
+        (line,) = [line for line in lines if "build=" in line]
+        return line
+
+    machine = DeviceCapacity(device="cpu", headroom_bytes=2**34, source="MemAvailable less a reserve", hard_limit=False)
+    monkeypatch.setattr(service, "device_capacity", lambda device: machine)
+    assert said("90%").startswith("probe: build= is not used: fresh processes are for an address-space limit")
+    limit = DeviceCapacity(device="cpu", headroom_bytes=2**34, source=ADDRESS_SPACE_SOURCE, hard_limit=True)
+    monkeypatch.setattr(service, "device_capacity", lambda device: limit)
+    line = said("16MiB")
+    assert line.startswith("probe: build= is not used: a soft budget") and "max_memory=None" in line
