@@ -493,3 +493,19 @@ def test_a_stride_the_line_held_back_does_not_double_behind_it():
     peaks = {1: 50, 2: 150, 10: 950, 11: 980, 12: 990, 13: 995, 14: 995, 15: 999}
     result, calls = _search_a_table(peaks, budget_bytes=1000)
     assert result.max_batch_size == 15 and sum(t.oom for t in result.trials) == 1, calls
+
+
+def test_between_a_fit_and_a_failed_estimate_the_next_size_is_where_the_fit_grown_in_proportion_meets_the_budget():
+    """A 152K x 64 model's trial processes: the line's first size, 6, fitted and its second, 9,
+    failed; with no line the search went to 8, then 7, both out of memory, where 6 was the
+    answer. The fit's step grown in proportion to the batch puts the budget at 6.3: 7 settles it."""
+    step = LinearStep(fixed=150, per_sample=75, oom_above=6)
+    result = search_max_batch_size(step, budget_bytes=632, release=no_release, estimate_sizes=(6, 9), warmup=False,
+                                   max_overshoot=float("inf"))
+    assert result.max_batch_size == 6 and step.calls == [6, 9, 7]
+    # where the fit is far below the budget, the proportional size is tried first and fits
+    step = LinearStep(fixed=50, per_sample=10, oom_above=40)
+    result = search_max_batch_size(step, budget_bytes=500, release=no_release, estimate_sizes=(10, 60), warmup=False,
+                                   max_overshoot=float("inf"))
+    assert result.max_batch_size == 40 and step.calls[:3] == [10, 60, 33]
+    assert len(step.calls) <= 9  # from 2 x 10 = 20 it took 11
