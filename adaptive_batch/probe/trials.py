@@ -66,7 +66,7 @@ def probe_max_batch_size(
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
     Each trial runs ``target.train_step(target.make_batch(b))``, measuring each phase's peak and,
-    on CPU, the memory after each operator (:func:`measure_training_step`), said in a line. The
+    on CPU, the memory after each operator (:func:`measure_training_step`), said in a line; the
     state and RNG are put back after the last trial, also when one raises.
 
     Args:
@@ -77,11 +77,9 @@ def probe_max_batch_size(
         wrap_trial: wraps the measured trial, e.g. ``LockstepTrial`` (ranks agree on every outcome).
         trial_limit: a context the trials (not the snapshot) run in (``trial_memory_limit``).
         budget_source: what set ``budget_bytes``, for the advice when batch 1 does not fit.
-        time_budget_s: seconds the search may take (see :func:`search_max_batch_size`).
+        time_budget_s, oom_scars_caller, estimate_only: as :func:`search_max_batch_size` takes them.
         agree: makes a rank's wish to stop for time every rank's (``RankGroup.any``).
-        oom_scars_caller: a failed trial would leave the caller's heap worse (:func:`search_max_batch_size`).
         restore_state: ``False``: no snapshot (a process that ends after the trials).
-        estimate_only: only the estimate steps (:func:`search_max_batch_size`).
 
     Returns:
         The search result with every trial.
@@ -100,9 +98,7 @@ def probe_max_batch_size(
         try:
             result = search_max_batch_size(
                 run_trial if wrap_trial is None else wrap_trial(run_trial),
-                budget_bytes=budget_bytes,
-                max_batch_size=max_batch_size,
-                release=lambda: release_memory(device),
+                budget_bytes=budget_bytes, max_batch_size=max_batch_size, release=lambda: release_memory(device),
                 settle_slope=device.type == "cuda",  # no operator timeline there
                 time_budget_s=time_budget_s, agree=agree, oom_scars_caller=oom_scars_caller,
                 estimate_only=estimate_only,
