@@ -84,14 +84,7 @@ def parse_memory(
     if value is None:
         return None
     fix = f"set {key} to a positive byte count, a size such as '6GiB', a fraction such as 0.8, or null"
-    if isinstance(value, bool):
-        raise ValueError(f"{key}={value!r} is a boolean, not a memory size: {fix}.")
-    if isinstance(value, (int, float)):
-        fraction, num_bytes = _number_amount(value, key, fix)
-    elif isinstance(value, str):
-        fraction, num_bytes = _string_amount(value, key, fix)
-    else:
-        raise ValueError(f"{key}={value!r} has type {type(value).__name__}: {fix}.")
+    fraction, num_bytes = _amount(value, key, fix)
     if num_bytes is not None and num_bytes < MIN_MEMORY_BYTES:
         raise ValueError(
             f"{key}={value!r} is {int(num_bytes)} bytes, too small for any training step: set {key} "
@@ -125,18 +118,25 @@ def memory_fraction(value: MemorySpec) -> Optional[float]:
         The fraction (``0.9`` for ``0.9`` or ``"90%"``); ``None`` for a size, for ``None`` and
         for a value :func:`parse_memory` refuses (it says why).
     """
-    fix = "a memory spec"
     try:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            return None
-        return (_number_amount(value, "max_memory", fix) if isinstance(value, (int, float))
-                else _string_amount(value, "max_memory", fix))[0]
+        return None if value is None else _amount(value, "max_memory", "")[0]
     except ValueError:
         return None
 
 
 # A memory spec's amount: a fraction of the device, or a number of bytes (the other None).
 _Amount = Tuple[Optional[float], Optional[float]]
+
+
+def _amount(value: MemorySpec, key: str, fix: str) -> "_Amount":
+    """A spec's fraction of the device or number of bytes, its form checked."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} is a boolean, not a memory size: {fix}.")
+    if isinstance(value, (int, float)):
+        return _number_amount(value, key, fix)
+    if isinstance(value, str):
+        return _string_amount(value, key, fix)
+    raise ValueError(f"{key}={value!r} has type {type(value).__name__}: {fix}.")
 
 
 def _number_amount(value: Union[int, float], key: str, fix: str) -> _Amount:

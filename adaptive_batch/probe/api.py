@@ -38,7 +38,6 @@ from torch import nn
 
 from adaptive_batch.distributed import RankGroup
 import adaptive_batch.logs as logs
-from adaptive_batch.memory.budget import MemoryBudget
 from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, glibc_mmap_threshold_set, prepare_allocator
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
@@ -118,7 +117,7 @@ def find_max_batch_size(
         check_make_batch(make_batch)
         budget, capacity, in_children = step_budget(options, target, build=build)
         if build is not None and not in_children:
-            logs.info(f"probe: build= is not used: {_why_build_is_not_used(budget, capacity.source, target.device)}")
+            logs.info(f"probe: build= is not used: {_why_build_is_not_used(capacity.source, target.device)}")
         if target.device.type == "cpu" and not budget.is_soft:
             # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
             # process to process (BERT's answer trained in one fresh process and failed in the next).
@@ -137,8 +136,9 @@ def find_max_batch_size(
         return report.batch_size
 
 
-def _why_build_is_not_used(budget: MemoryBudget, capacity_source: str, device: torch.device) -> str:
-    """Why the trials run in this process although ``build`` could make fresh ones."""
+def _why_build_is_not_used(capacity_source: str, device: torch.device) -> str:
+    """Why the trials run in this process although ``build`` could make fresh ones: no
+    address-space limit on CPU, or (under one) a soft budget, the only other case."""
     if device.type != "cpu" or capacity_source != ADDRESS_SPACE_SOURCE:
         return (f"fresh processes are for an address-space limit (RLIMIT_AS) on CPU; this process's limit is "
                 f"{capacity_source} on {device.type}.")
