@@ -13,9 +13,10 @@ does) before the fit loop builds its dataloader.
 """
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.loggers.logger import DummyLogger
@@ -26,11 +27,14 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.lightning.growth import FitBatch, FitBatchGrowth, growth_settings
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.rng import rng_state, set_rng_state
-from adaptive_batch.schedule.global_batch import equal_micro_batches, micro_batches_per_trial
+from adaptive_batch.schedule.global_batch import micro_batches_per_trial
+from adaptive_batch.schedule.growth import GrowthOptions, function_name
+from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 from adaptive_batch.validation import check_positive_int
 
 # Samples looked at for the worst case when no make_batch is given: the largest of them,
@@ -39,7 +43,9 @@ WORST_CASE_SCAN = 256
 
 
 class AdaptiveBatchFinder(Callback):
-    """Finds the largest batch that trains at fit start and sets it where Lightning reads it.
+    """Finds the largest batch that trains at fit start and sets it where Lightning reads it;
+    with ``batch_increase_function``, grows the batch at each epoch's start up to it, the LR
+    following by ``lr_scaling``.
 
     Args:
         max_memory: the budget for a step's peak (bytes, ``"6GiB"``, a fraction of the device), or
@@ -52,91 +58,167 @@ class AdaptiveBatchFinder(Callback):
         global_batch_size: the samples of one optimizer step: trained as the fewest equal
             micro-batches that fit (``batch_arg_name`` set to the micro-batch, the trainer's
             ``accumulate_grad_batches`` to their count), so the step and its LR stay yours.
+        batch_increase_function: ``f(epoch, current_batch_size) -> increment`` (or its dotted
+            path), called at the start of every epoch (0-based) with the samples of one
+            optimizer step; the fit then starts at the configured batch (or
+            ``global_batch_size``) and grows, never past the answer unless it accumulates.
+        grow_with_accumulation: growth passes the answer in accumulated micro-batches.
+        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR in force is the schedule's (or
+            the configured) LR times the rule's factor for the step's batch against
+            ``lr_scaling_reference`` (default: the configured batch, ``batch_arg_name`` x
+            ``accumulate_grad_batches`` or ``global_batch_size``).
+        lr_scaling_reference: the batch, in samples, the configured LR was tuned for.
+        weight_decay_scaling: ``"timescale"`` keeps AdamW's ``B / (lr x weight_decay)``.
         stop_after: stop the fit once the batch is found (the tuner function sets it).
 
     Attributes:
         optimal_batch_size: the answer, once found (``None`` before).
 
     Raises:
-        ConfigError: for a ``max_memory`` that cannot be parsed, here; at fit start, before any
+        ConfigError: for a bad ``max_memory``, growth or LR setting, here; at fit start, before any
             trial, for a batch size Lightning cannot find, several devices, several optimizers or
-            an ``accumulate_grad_batches`` beside ``global_batch_size``, several
+            an ``accumulate_grad_batches`` beside ``global_batch_size`` or growth, several
             training dataloaders, an iterable dataset without ``make_batch``, or
-            ``BatchSizeFinder`` beside it; after the probe, for a ``train_dataloader`` that does
-            not build its batches at the batch size set.
+            ``BatchSizeFinder`` beside it; for a resumed fit whose settings differ from the
+            checkpoint's; after the probe, for a ``train_dataloader`` that does not build its
+            batches at the batch size set.
     """
 
     def __init__(self, *, max_memory: Any = None, batch_arg_name: str = "batch_size",
                  make_batch: Optional[Callable[[int], Any]] = None, max_batch_size: Optional[int] = None,
-                 global_batch_size: Optional[int] = None, stop_after: bool = False,
-                 log: Optional[Callable[[str], None]] = None) -> None:
+                 global_batch_size: Optional[int] = None, batch_increase_function: Any = None,
+                 grow_with_accumulation: bool = False, lr_scaling: str = "none",
+                 lr_scaling_reference: Optional[float] = None, weight_decay_scaling: str = "none",
+                 stop_after: bool = False, log: Optional[Callable[[str], None]] = None) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         self.global_batch_size = check_positive_int("global_batch_size", global_batch_size, allow_none=True)
         self.max_memory, self.batch_arg_name, self.make_batch = max_memory, batch_arg_name, make_batch
         self.max_batch_size, self.stop_after, self._log = max_batch_size, stop_after, log
+        self.batch = FitBatchGrowth(
+            GrowthOptions(batch_increase_function=batch_increase_function, grow_with_accumulation=grow_with_accumulation),
+            LRScalingOptions(lr_scaling=lr_scaling, lr_scaling_reference=lr_scaling_reference,
+                             weight_decay_scaling=weight_decay_scaling),
+            self.global_batch_size,
+        )
         self.optimal_batch_size: Optional[int] = None
+        self._checkpoint_state: Optional[Dict[str, Any]] = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {} if self.batch.state is None else self.batch.state.to_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._checkpoint_state = dict(state_dict) or None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":  # before any other callback's work and the model's move to its device
             self._refuse_what_it_cannot_probe(trainer, pl_module)
+            # First among the callbacks, as Lightning puts its own tuner callbacks, so the LR in
+            # force is set before a monitor reads it. Moved in place: the hook loop over the list
+            # goes on at the next index, which still holds the next callback.
+            trainer.callbacks.remove(self)
+            trainer.callbacks.insert(0, self)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         with logs.lines_to(self._log):
             if len(trainer.optimizers) > 1:
                 raise ConfigError(f"{len(trainer.optimizers)} optimizers: AdaptiveBatchFinder puts back one after its "
                                   "trials; use one optimizer, or probe with adaptive_batch.find_max_batch_size.")
-            # Building the fit loop's dataloaders draws from the RNG: the loop built once, as a
-            # run without the probe builds it, draws the same (and so shuffles the same).
-            before = rng_state()
-            loader = _train_loader(trainer)
-            make_batch = self.make_batch or _worst_case_batch(loader)
+            previous = lightning_getattr(pl_module, self.batch_arg_name)
+            if self._checkpoint_state is not None:
+                batch = self.batch.resume(self._checkpoint_state, self._settings())
+                self._checkpoint_state = None  # a later fit of this callback without a checkpoint probes
+                self.optimal_batch_size = self.batch.state.found
+                self._set_batch(trainer, pl_module, batch)
+                logs.info(f"adaptive-batch: resumed at the checkpoint's batch of {batch.effective} "
+                          f"({batch.accumulate} x {batch.micro_batch}); no probe.")
+            else:
+                self._probe_and_start(trainer, pl_module, previous)
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
             schedulers = trainer.lr_scheduler_configs
-            with _trials_leave_no_trace(trainer):
-                found = find_max_batch_size(
-                    _training_step(trainer, pl_module, optimizer, self.global_batch_size),
-                    # As the loop hands a batch over: the precision's input dtype, then the device.
-                    make_batch=lambda b: trainer.strategy.batch_to_device(
-                        trainer.precision_plugin.convert_input(make_batch(b))),
-                    model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
-                    lr_scheduler=schedulers[0].scheduler if schedulers else None,
-                    max_batch_size=_smallest(self.max_batch_size or _dataset_size(loader), self.global_batch_size),
-                )
-            previous = lightning_getattr(pl_module, self.batch_arg_name)
-            batch_size = self._accumulate(trainer, found)
-            lightning_setattr(pl_module, self.batch_arg_name, batch_size)
-            set_rng_state(before)
-            _rebuild_train_loader(trainer, self.batch_arg_name, batch_size)
-            trainer._logger_connector.reset_results()  # what the trials' self.log() said is no epoch's
-            self.optimal_batch_size = found
-            within = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
-            if self.global_batch_size is None:
-                logs.info(f"adaptive-batch: {self.batch_arg_name}={found} (was {previous}), the largest that trains "
-                          f"within {within}.")
-            else:
-                logs.info(f"adaptive-batch: global_batch_size={self.global_batch_size} trains as "
-                          f"{trainer.accumulate_grad_batches} x {batch_size} ({self.batch_arg_name}={batch_size}, was "
-                          f"{previous}; accumulate_grad_batches={trainer.accumulate_grad_batches}); the largest "
-                          f"that trains within {within} is {found}.")
+            self.batch.detach()  # a second fit's optimizer, or the same one again
+            self.batch.attach_optimizer(optimizer, schedulers[0].scheduler if schedulers else None)
+            self.batch.hold_lr()
         if self.stop_after:
             raise _TunerExitException()
 
-    def _accumulate(self, trainer: Trainer, found: int) -> int:
-        """The batch size the loader takes: ``found``, or with a global batch its fewest equal
-        micro-batches that fit, their count set as the trainer's accumulation."""
-        if self.global_batch_size is None:
-            return found
-        micro_batch, count = equal_micro_batches(self.global_batch_size, found)
-        trainer.accumulate_grad_batches = count
-        return micro_batch
+    def _probe_and_start(self, trainer: Trainer, pl_module: LightningModule, previous: int) -> None:
+        # Building the fit loop's dataloaders draws from the RNG: the loop built once, as a
+        # run without the probe builds it, draws the same (and so shuffles the same).
+        before = rng_state()
+        loader = _train_loader(trainer)
+        make_batch = self.make_batch or _worst_case_batch(loader)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        schedulers = trainer.lr_scheduler_configs
+        with _trials_leave_no_trace(trainer):
+            found = find_max_batch_size(
+                _training_step(trainer, pl_module, optimizer, self.global_batch_size,
+                               grow_with_accumulation=self.batch.grows and self.batch.accumulates),
+                # As the loop hands a batch over: the precision's input dtype, then the device.
+                make_batch=lambda b: trainer.strategy.batch_to_device(
+                    trainer.precision_plugin.convert_input(make_batch(b))),
+                model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
+                lr_scheduler=schedulers[0].scheduler if schedulers else None,
+                max_batch_size=_smallest(self.max_batch_size or _dataset_size(loader), self.global_batch_size),
+            )
+        self.optimal_batch_size = found
+        batch = self.batch.start(found, previous * int(trainer.accumulate_grad_batches), self._settings())
+        set_rng_state(before)
+        self._set_batch(trainer, pl_module, batch)
+        trainer._logger_connector.reset_results()  # what the trials' self.log() said is no epoch's
+        within = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
+        if batch.accumulate == 1 and self.global_batch_size is None:
+            logs.info(f"adaptive-batch: {self.batch_arg_name}={batch.micro_batch} (was {previous}); the largest that "
+                      f"trains within {within} is {found}.")
+        else:
+            what = "global_batch_size" if self.global_batch_size is not None else "the batch"
+            logs.info(f"adaptive-batch: {what}={batch.effective} trains as {batch.accumulate} x {batch.micro_batch} "
+                      f"({self.batch_arg_name}={batch.micro_batch}, was {previous}; accumulate_grad_batches="
+                      f"{batch.accumulate}); the largest that trains within {within} is {found}.")
+
+    def _set_batch(self, trainer: Trainer, pl_module: LightningModule, batch: FitBatch) -> None:
+        """Sets the loader's batch size and Lightning's accumulation, and rebuilds the loader."""
+        lightning_setattr(pl_module, self.batch_arg_name, batch.micro_batch)
+        if self.batch.grows or self.global_batch_size is not None:
+            trainer.accumulate_grad_batches = batch.accumulate
+        _rebuild_train_loader(trainer, self.batch_arg_name, batch.micro_batch)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        with logs.lines_to(self._log):
+            batch = self.batch.grow_at(trainer.current_epoch)
+            if batch is None:
+                return
+            self._set_batch(trainer, pl_module, batch)
+            # The loop set the epoch on the loader it built before this hook; the new one needs it too.
+            for loader in trainer.fit_loop._combined_loader.flattened:
+                _set_sampler_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batch.hold_lr()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.batch.state is not None:
+            pl_module.log("batch_size", float(self.batch.state.effective), on_step=True, on_epoch=False,
+                          batch_size=self.batch.state.effective)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.batch.detach()
+
+    def _settings(self) -> Dict[str, Any]:
+        return dict(max_memory=self.max_memory, max_batch_size=self.max_batch_size,
+                    global_batch_size=self.global_batch_size, **growth_settings(self.batch.growth, self.batch.lr))
 
     def _refuse_what_it_cannot_probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
         name = self.batch_arg_name
         accumulate = int(trainer.accumulate_grad_batches)
-        if self.global_batch_size is not None and accumulate != 1:
+        owner = ("global_batch_size" if self.global_batch_size is not None
+                 else "batch_increase_function" if self.batch.grows else None)
+        if owner is not None and accumulate != 1:
+            value = (self.global_batch_size if owner == "global_batch_size"
+                     else function_name(self.batch.growth.batch_increase_function))
             raise ConfigError(
-                f"accumulate_grad_batches={accumulate} with global_batch_size={self.global_batch_size}: the accumulation "
-                "follows from the global batch and the micro-batch that fits; set accumulate_grad_batches=1 (the default)."
+                f"accumulate_grad_batches={accumulate} with {owner}={value}: the accumulation "
+                "follows from the batch and the micro-batch that fits; set accumulate_grad_batches=1 (the default)."
             )
         if not lightning_hasattr(pl_module, name):
             raise ConfigError(
@@ -173,11 +255,12 @@ def _trials_leave_no_trace(trainer: Trainer) -> Iterator[None]:
 
 
 def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optional[torch.optim.Optimizer],
-                   global_batch_size: Optional[int] = None):
+                   global_batch_size: Optional[int] = None, *, grow_with_accumulation: bool = False):
     """One optimizer step as the fit loop runs it: the trainer's precision context around the
     module's ``training_step``, its ``backward`` through the strategy, clipping, the step and
-    ``zero_grad``; two micro-batches first where the trainer accumulates (or the global batch
-    will be accumulated). Under manual optimization the module's ``training_step`` is the whole step."""
+    ``zero_grad``; two micro-batches first where the trainer accumulates (or the global batch,
+    or growth, will be accumulated). Under manual optimization the module's ``training_step`` is
+    the whole step."""
     accumulate = int(trainer.accumulate_grad_batches)
 
     def step(batch: Any) -> None:
@@ -187,7 +270,8 @@ def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optiona
             _call_strategy_hook(trainer, "training_step", batch, 0)
             return
         pieces = micro_batches_per_trial(BatchLayout().rows(batch), gradient_accumulation_steps=accumulate,
-                                         global_batch_size=global_batch_size)
+                                         global_batch_size=global_batch_size,
+                                         grow_with_accumulation=grow_with_accumulation)
         for _ in range(pieces):
             out = _call_strategy_hook(trainer, "training_step", batch, 0)
             loss = out["loss"] if isinstance(out, dict) else out

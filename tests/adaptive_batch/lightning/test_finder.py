@@ -209,3 +209,111 @@ def test_a_global_batch_trains_as_the_equal_micro_batches_that_fit_and_fits_as_t
         _trainer(AdaptiveBatchFinder(global_batch_size=16), accumulate_grad_batches=2).fit(Regression())
     with pytest.raises(ConfigError, match="global_batch_size=0 must be a positive integer"):
         AdaptiveBatchFinder(global_batch_size=0)
+
+
+class Scheduled(Regression):
+    """A step-counted, chainable schedule (StepLR multiplies the LR it finds), the data in order,
+    and the LR each batch of the fit trains with (the probe's trials run no batch hook)."""
+
+    def __init__(self, batch_size=2):
+        super().__init__(batch_size)
+        self.lrs = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=self.batch_size)
+
+
+def double_after_the_first(epoch, current_batch_size):
+    return current_batch_size if epoch > 0 else 0
+
+
+class SeenLR(pl.Callback):
+    """A monitor's view: the LR the optimizer holds when a batch starts (LearningRateMonitor's hook)."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _growth_trainer(*callbacks, epochs=3, **kwargs):
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, limit_train_batches=4, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), **kwargs)
+
+
+def _growing(**kwargs):
+    return AdaptiveBatchFinder(max_memory=BUDGET, max_batch_size=6, batch_increase_function=double_after_the_first,
+                               lr_scaling="linear", **kwargs)
+
+
+def test_growth_follows_the_function_up_to_the_answer_with_the_lr_in_force_where_monitors_read_it():
+    """The fit starts at the configured batch of 2 and doubles from epoch 1, clamped at the answer
+    (6, the cap); each step's LR is StepLR's times batch / 2, never compounded, and a monitor
+    that comes first in the callbacks sees it."""
+    model, monitor, lines = Scheduled(), SeenLR(), []
+    finder = _growing(log=lines.append)
+    trainer = _growth_trainer(monitor, finder, enable_checkpointing=False)
+    trainer.fit(model)
+    assert finder.optimal_batch_size == 6
+    assert model.trained == [2] * 4 + [4] * 4 + [6] * 4
+    schedule = [1e-3 * 0.5 ** step for step in range(12)]  # one optimizer step a batch
+    expected = [lr * batch / 2 for lr, batch in zip(schedule, model.trained)]
+    assert model.lrs == pytest.approx(expected) and monitor.lrs == pytest.approx(expected)
+    assert "adaptive-batch: epoch 2: batch 4 -> 6 (8 asked; the largest that trains), trained as 1 x 6." in lines
+    assert trainer.callback_metrics["batch_size"] == 6
+
+
+def test_growth_with_accumulation_passes_the_answer_in_equal_micro_batches():
+    model = Scheduled()
+    trainer = _growth_trainer(_growing(grow_with_accumulation=True), enable_checkpointing=False)
+    trainer.fit(model)
+    # epoch 2: 8 as 2 x 4 (4 micro-batches, 2 optimizer steps)
+    assert model.trained == [2] * 4 + [4] * 4 + [4] * 4 and trainer.accumulate_grad_batches == 2
+    steps = [1e-3 * 0.5 ** step for step in range(10)]
+    assert model.lrs[-4:] == pytest.approx([steps[8] * 4] * 2 + [steps[9] * 4] * 2)
+
+
+def test_a_resumed_fit_trains_what_the_uninterrupted_one_trains_and_other_settings_are_refused(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(0)
+    whole = Scheduled()
+    _growth_trainer(_growing(), enable_checkpointing=False).fit(whole)
+
+    pl.seed_everything(0)
+    first = Scheduled()
+    saved = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _growth_trainer(_growing(), saved, epochs=2).fit(first)
+    resumed, lines = Scheduled(), []
+    _growth_trainer(_growing(log=lines.append), epochs=3, enable_checkpointing=False).fit(
+        resumed, ckpt_path=tmp_path / "last.ckpt")
+    assert not [line for line in lines if line.startswith("probe trial")]
+    assert resumed.batch_size == 6 and resumed.trained == whole.trained[-4:] and resumed.lrs == whole.lrs[-4:]
+    for a, b in zip(resumed.parameters(), whole.parameters()):
+        torch.testing.assert_close(a, b)
+
+    with pytest.raises(ConfigError, match=r"lr_scaling='sqrt', but the checkpoint's fit ran with lr_scaling='linear'"):
+        _growth_trainer(AdaptiveBatchFinder(max_memory=BUDGET, max_batch_size=6, lr_scaling="sqrt",
+                                            batch_increase_function=double_after_the_first),
+                        epochs=3, enable_checkpointing=False).fit(Scheduled(), ckpt_path=tmp_path / "last.ckpt")
+
+
+def test_bad_growth_settings_are_one_line_before_any_trial():
+    with pytest.raises(ConfigError, match="no_such_module"):
+        AdaptiveBatchFinder(batch_increase_function="no_such_module.grow")
+    with pytest.raises(ConfigError, match="lr_scaling='cubic'"):
+        AdaptiveBatchFinder(lr_scaling="cubic")
+    model = Regression()
+    with pytest.raises(ConfigError, match="accumulate_grad_batches=2 with batch_increase_function=.*double_after_the_first"):
+        _trainer(_growing(), accumulate_grad_batches=2).fit(model)
+    assert model.trained == []
