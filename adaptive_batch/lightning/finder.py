@@ -128,7 +128,9 @@ class AdaptiveBatchFinder(Callback):
                 batch = self.batch.resume(self._checkpoint_state, self._settings())
                 self._checkpoint_state = None  # a later fit of this callback without a checkpoint probes
                 self.optimal_batch_size = self.batch.state.found
-                self._set_batch(trainer, pl_module, batch)
+                # Set only: the loop builds the loader after restoring its state, and loads the
+                # position a resumable loader saved into it (one built here would miss it).
+                self._set_batch(trainer, pl_module, batch, build=False)
                 logs.info(f"adaptive-batch: resumed at the checkpoint's batch of {batch.effective} "
                           f"({batch.accumulate} x {batch.micro_batch}); no probe.")
             else:
@@ -175,12 +177,16 @@ class AdaptiveBatchFinder(Callback):
                       f"({self.batch_arg_name}={batch.micro_batch}, was {previous}; accumulate_grad_batches="
                       f"{batch.accumulate}); the largest that trains within {within} is {found}.")
 
-    def _set_batch(self, trainer: Trainer, pl_module: LightningModule, batch: FitBatch) -> None:
-        """Sets the loader's batch size and Lightning's accumulation, and rebuilds the loader."""
+    def _set_batch(self, trainer: Trainer, pl_module: LightningModule, batch: FitBatch, *, build: bool = True) -> None:
+        """Sets the loader's batch size and Lightning's accumulation, and rebuilds the loader
+        (or, with ``build=False``, leaves it for the loop to build)."""
         lightning_setattr(pl_module, self.batch_arg_name, batch.micro_batch)
         if self.batch.grows or self.global_batch_size is not None:
             trainer.accumulate_grad_batches = batch.accumulate
-        _rebuild_train_loader(trainer, self.batch_arg_name, batch.micro_batch)
+        if build:
+            _rebuild_train_loader(trainer, self.batch_arg_name, batch.micro_batch)
+        else:
+            trainer.fit_loop._combined_loader = None
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         with logs.lines_to(self._log):

@@ -212,8 +212,8 @@ def test_a_global_batch_trains_as_the_equal_micro_batches_that_fit_and_fits_as_t
 
 
 class Scheduled(Regression):
-    """A step-counted, chainable schedule (StepLR multiplies the LR it finds), the data in order,
-    and the LR each batch of the fit trains with (the probe's trials run no batch hook)."""
+    """A step-counted, chainable schedule (StepLR multiplies the LR it finds), the data in order
+    from a loader that resumes mid-epoch, and the LR each batch of the fit trains with (the probe's trials run no batch hook)."""
 
     def __init__(self, batch_size=2):
         super().__init__(batch_size)
@@ -228,8 +228,10 @@ class Scheduled(Regression):
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
-    def train_dataloader(self):
-        return DataLoader(_data(), batch_size=self.batch_size)
+    def train_dataloader(self):  # resumable mid-epoch: Lightning saves and restores its position
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(_data(), batch_size=self.batch_size)
 
 
 def double_after_the_first(epoch, current_batch_size):
@@ -299,6 +301,17 @@ def test_a_resumed_fit_trains_what_the_uninterrupted_one_trains_and_other_settin
         resumed, ckpt_path=tmp_path / "last.ckpt")
     assert not [line for line in lines if line.startswith("probe trial")]
     assert resumed.batch_size == 6 and resumed.trained == whole.trained[-4:] and resumed.lrs == whole.lrs[-4:]
+    for a, b in zip(resumed.parameters(), whole.parameters()):
+        torch.testing.assert_close(a, b)
+
+    # Mid-epoch: a checkpoint after step 6 (epoch 1's second batch of 4); the rest of epoch 1 at 4.
+    pl.seed_everything(0)
+    mid = ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=6, save_top_k=-1)
+    _growth_trainer(_growing(), mid, epochs=2).fit(Scheduled())
+    resumed = Scheduled()
+    _growth_trainer(_growing(), epochs=3, enable_checkpointing=False).fit(
+        resumed, ckpt_path=tmp_path / "mid" / "epoch=1-step=6.ckpt")
+    assert resumed.trained == whole.trained[-6:] and resumed.lrs == pytest.approx(whole.lrs[-6:])
     for a, b in zip(resumed.parameters(), whole.parameters()):
         torch.testing.assert_close(a, b)
 
