@@ -124,8 +124,8 @@ def _trainers(kind: str, vocab: int, out: str) -> dict:
     if kind == "ours":
         trials = [line for line in lines if line.startswith("probe trial")]
         state = trainer.adaptive_batch
-        # Trials in fresh processes: the first guess's steps at batch 1 and 2 run in one, said in a line of its own.
-        guess_steps = 2 if any("tensor bytes of steps at batch 1 and 2" in line for line in lines) else 0
+        # Trials in fresh processes: the first guess's steps run in one more, counted in a line of its own.
+        guess_steps = first_guess_steps(lines)
         return {"found": state["max_micro_batch_size"], "trial_steps": len(trials) + guess_steps,
                 "oom_trials": sum("out of memory" in line for line in trials),
                 "micro": state["per_device_train_batch_size"], "accumulation": state["gradient_accumulation_steps"],
@@ -135,6 +135,15 @@ def _trainers(kind: str, vocab: int, out: str) -> dict:
     # its answer is known when the step at it has run, the end of train() here
     return {"found": tries[-1], "trial_steps": len(tries), "oom_trials": len(tries) - 1,
             "micro": tries[-1], "accumulation": trainer.args.gradient_accumulation_steps, "search_s": _since_limit()}
+
+
+def first_guess_steps(lines) -> int:
+    """The real steps of the first guess in a fresh process, as its log line counts them."""
+    for line in lines:
+        m = re.search(r"the tensor bytes of (\d+) steps at batch", line)
+        if m:
+            return int(m.group(1))
+    return 0
 
 
 def _plain_step(model, optimizer):

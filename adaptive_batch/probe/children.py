@@ -59,10 +59,11 @@ def search_in_children(
     logs.info(f"probe: {budget.describe()}; each trial runs {steps} steps in a fresh process held to this process's "
               f"headroom of {format_bytes(headroom)} of address space, judged by the address space it adds.")
     try:
-        guess = run_in_child(build, TensorGuess(budget.budget_bytes, budget.source), headroom_bytes=headroom,
+        first = run_in_child(build, TensorGuess(budget.budget_bytes, budget.source), headroom_bytes=headroom,
                              timeout_s=time_budget)
     except ChildOutOfMemoryError:  # batch 2 died: the search's trials say what fits
-        guess = None
+        first = FirstGuess(None, ())
+    guess = first.batch_size
     if guess is not None and max_batch_size is not None:
         guess = min(guess, max_batch_size)
     # The line in address space is measured at a half and three quarters of the tensor guess
@@ -73,7 +74,7 @@ def search_in_children(
     # line is measured at the guess and one below it, where the answer most likely is (a 152K
     # vocabulary's guess of 5 took trials at 1, 2, 5 and 6).
     sizes = _estimate_sizes(guess)
-    logs.info(f"probe: the tensor bytes of steps at batch 1 to 3 put the answer at most at {guess}; "
+    logs.info(f"probe: {first.describe()} put the answer at most at {guess}; "
               f"the line in address space is measured at {sizes[0]} and {sizes[1]}.")
     try:
         return search_max_batch_size(
@@ -86,6 +87,21 @@ def search_in_children(
         )
     except BatchSizeTooLargeError as e:
         raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget.source) from None
+
+
+@dataclass(frozen=True)
+class FirstGuess:
+    """What :class:`TensorGuess` answers: its guess (``None``: none) and the batch sizes of the
+    real steps it ran, which the log and the benchmarks count."""
+
+    batch_size: Optional[int]
+    steps: Tuple[int, ...]
+
+    def describe(self) -> str:
+        if not self.steps:
+            return "no step of the first guess ran"
+        sizes = ", ".join(str(b) for b in self.steps)
+        return f"the tensor bytes of {len(self.steps)} steps at batch {sizes} in a fresh process"
 
 
 @dataclass(frozen=True)
@@ -104,7 +120,7 @@ class TensorGuess:
     # guessed 13 where 6 fit. Where they run the same, no step at 3 is taken.
     batch_size: int = 3
 
-    def __call__(self, target: ProbeTarget, start: int, build_peak: int) -> Optional[int]:
+    def __call__(self, target: ProbeTarget, start: int, build_peak: int) -> FirstGuess:
         try:
             with logs.quiet():
                 result = probe_max_batch_size(target.on_its_device(), budget_bytes=self.budget_bytes,
@@ -112,8 +128,9 @@ class TensorGuess:
                                               budget_source=self.budget_source, restore_state=False,
                                               estimate_only=True)
         except BatchSizeTooLargeError:  # the search's own first trial says it, in this process's words
-            return None
-        return None if result.estimate is None else result.estimate.max_batch_size(self.budget_bytes)
+            return FirstGuess(None, ())
+        steps = tuple(t.batch_size for t in result.trials)
+        return FirstGuess(None if result.estimate is None else result.estimate.max_batch_size(self.budget_bytes), steps)
 
 
 def _estimate_sizes(guess: Optional[int]) -> Tuple[int, int]:
