@@ -11,6 +11,8 @@ RLIMIT_AS to the process's size plus the headroom (as ``prlimit --as`` would):
   steps, so the effective batch falls with the batch);
 - ``accelerate``: ``find_executable_batch_size(starting_batch_size=64)`` around one step (-10%
   per out-of-memory error);
+- ``lightning_ours``: :func:`adaptive_batch.lightning.find_batch_size` (``AdaptiveBatchFinder``
+  in the place of ``BatchSizeFinder``; no ``build=``, so its trials run in the process);
 - ``lightning_power``, ``lightning_binsearch``: Lightning's ``Tuner.scale_batch_size`` (3 steps
   per trial, from 2).
 
@@ -45,7 +47,7 @@ from readme_table import write_readme_table
 REPO = Path(__file__).resolve().parents[1]
 SEQ, EFFECTIVE = 512, 64
 LIMITED_AT = [0.0]  # when the limit was set: each method's search is timed from there
-METHODS = ["ours", "trainer_auto", "accelerate", "lightning_power", "lightning_binsearch"]
+METHODS = ["ours", "trainer_auto", "accelerate", "lightning_ours", "lightning_power", "lightning_binsearch"]
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -210,7 +212,15 @@ def _lightning(vocab: int, mode: str, out: str) -> dict:
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
     _limit()
-    found = int(Tuner(trainer).scale_batch_size(Module(), mode=mode, init_val=2, max_trials=25))
+    if mode == "ours":  # AdaptiveBatchFinder through its Tuner-style function, with no build=
+        from adaptive_batch.lightning import find_batch_size
+
+        lines = []
+        found = find_batch_size(trainer, Module(), max_memory=None, log=lines.append)
+        trials = [line for line in lines if line.startswith("probe trial")]
+        counts["oom"] = sum("out of memory" in line for line in trials)
+    else:
+        found = int(Tuner(trainer).scale_batch_size(Module(), mode=mode, init_val=2, max_trials=25))
     return {"found": found, "trial_steps": counts["steps"], "oom_trials": counts["oom"], "micro": found,
             "accumulation": 1, "search_s": _since_limit()}
 

@@ -44,6 +44,7 @@ from adaptive_batch.hf.micro_batches import (
     split_into_micro_batches,
     uneven_allowed,
 )
+from adaptive_batch.hf.growth import RunPosition, SampleCountedSchedule, refuse_what_growth_cannot_follow, updates_in
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
 from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator
@@ -51,7 +52,10 @@ from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import ProbeTarget
+from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, micro_batches_per_trial
+from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions
+from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 from adaptive_batch.validation import check_positive_int
 
 STATE_FILE = "adaptive_batch.json"
@@ -74,6 +78,17 @@ class AdaptiveBatchTrainer(Trainer):
             share trains in the fewest micro-batches that fit (``gradient_accumulation_steps``
             must then be 1).
         probe_eval: also probe ``per_device_eval_batch_size`` with forward passes alone.
+        batch_increase_function: ``f(epoch, current_batch_size) -> increment`` (or its dotted
+            path), called at the start of every epoch (0-based) with the effective batch: the
+            effective batch grows, trained in micro-batches no larger than the probe's answer,
+            never past the answer unless it already accumulates or ``grow_with_accumulation``;
+            the LR schedule is then counted in samples (in steps of the first effective batch).
+        grow_with_accumulation: growth passes the answer in accumulated micro-batches.
+        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR in force is the schedule's LR
+            times the rule's factor for the effective batch against ``lr_scaling_reference``
+            (default: the effective batch asked for); it is the ``learning_rate`` logged.
+        lr_scaling_reference: the batch, in samples, the configured LR was tuned for.
+        weight_decay_scaling: ``"timescale"`` keeps AdamW's ``B / (lr x weight_decay)``.
         log: where the batches are reported (``None``: the ``adaptive_batch`` logger).
         **kwargs: ``Trainer``'s.
 
@@ -82,7 +97,8 @@ class AdaptiveBatchTrainer(Trainer):
             a ``global_batch_size`` under 1, beside an accumulation or not shared evenly among the
             ranks, before any step;
             for ``auto_find_batch_size=True`` or DeepSpeed or FSDP, which change or shard the
-            batch the probe measures, before any step.
+            batch the probe measures, before any step; for a bad growth or LR setting, and growth
+            beside ``max_steps``, several processes or a dataset without a length.
     """
 
     def __init__(
@@ -93,10 +109,20 @@ class AdaptiveBatchTrainer(Trainer):
         max_batch_size: Optional[int] = None,
         global_batch_size: Optional[int] = None,
         probe_eval: bool = True,
+        batch_increase_function: Any = None,
+        grow_with_accumulation: bool = False,
+        lr_scaling: str = "none",
+        lr_scaling_reference: Optional[float] = None,
+        weight_decay_scaling: str = "none",
         log: Optional[Callable[[str], None]] = None,
         **kwargs: Any,
     ) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
+        self._growth = EpochGrowth(
+            GrowthOptions(batch_increase_function=batch_increase_function, grow_with_accumulation=grow_with_accumulation),
+            LRScalingOptions(lr_scaling=lr_scaling, lr_scaling_reference=lr_scaling_reference,
+                             weight_decay_scaling=weight_decay_scaling),
+        )
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
         check_positive_int("global_batch_size", global_batch_size, allow_none=True)
         super().__init__(*args, **kwargs)
@@ -108,6 +134,11 @@ class AdaptiveBatchTrainer(Trainer):
             self._asked_batch = (check_global_batch(global_batch_size, world_size=self.args.world_size,
                                                     gradient_accumulation_steps=self.args.gradient_accumulation_steps), 1)
         refuse_what_changes_the_batch(self)
+        if self._growth.grows:
+            refuse_what_growth_cannot_follow(self.args, self.train_dataset)
+        self._position = RunPosition()  # the run's epoch and samples, for growth's schedule and resume
+        self._resumed_position: Optional[RunPosition] = None
+        self._epoch_loader: Optional[tuple] = None  # (effective batch, the loader of its epochs)
         self.max_memory, self._make_batch, self._probe_eval, self._log = max_memory, make_batch, probe_eval, log
         self.adaptive_batch: Optional[Dict[str, int]] = None
         self._settle: Optional[Callable[[], None]] = None  # the probe or the checkpoint's batches, at the loop's start
@@ -127,6 +158,8 @@ class AdaptiveBatchTrainer(Trainer):
         saved = _read_state(checkpoint) if isinstance(checkpoint, str) else None
         if saved is not None:
             self._refuse_what_changed_since(saved, checkpoint)
+        if self._growth.grows:  # a scheduler set since __init__ (a subclass, a search) too
+            refuse_what_growth_cannot_follow(self.args, self.train_dataset, self.lr_scheduler)
         # Before the probe, so the trials see the allocator training will have; a resumed run
         # trains the saved batch on the same allocator as the run that probed it. Its warnings
         # are Python warnings, as Trainer's own.
@@ -137,7 +170,10 @@ class AdaptiveBatchTrainer(Trainer):
         self._update_rows = []  # a second train()'s trials are not weighted by the last run's step
         self._settle = (lambda: self._apply(saved, f"from the checkpoint {checkpoint}")) if saved is not None else (
             lambda: self._apply(self._probe(), "probed"))
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._growth.detach()  # the optimizer's step hooks of this run
 
     def _inner_training_loop(self, batch_size: Optional[int] = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer``'s loop, on the batches settled at its start (it builds the data loader
@@ -151,6 +187,9 @@ class AdaptiveBatchTrainer(Trainer):
             except BaseException:
                 self._undo_what_train_did()
                 raise
+        # The loop builds its loader at the batch settled: growth's first epoch may keep it.
+        effective = None if self.adaptive_batch is None else self.adaptive_batch["effective_batch_size"]
+        self._epoch_loader = (effective, None)
         return super()._inner_training_loop(self._train_batch_size, *args, **kwargs)
 
     def _undo_what_train_did(self) -> None:
@@ -198,9 +237,11 @@ class AdaptiveBatchTrainer(Trainer):
         target = self.trial_target(make_batch)
         # The evaluation probe's trials ran here: the in-process margin for the heap they leave.
         margin = IN_PROCESS_CPU_MARGIN if state and build is not None else None
+        # Growing, the effective batch passes the first one: a micro-batch up to the dataset may train.
+        largest = len(self.train_dataset) if self._growth.grows else effective
         probe = functools.partial(find_max_batch_size, target.train_step, make_batch=make_batch, model=self.model,
                                   optimizer=target.optimizer, max_memory=self.max_memory,
-                                  max_batch_size=min(effective, self.max_batch_size or effective),
+                                  max_batch_size=min(largest, self.max_batch_size or largest),
                                   safety_margin=margin)
         with self._forward_as_trained, _logged_metrics_kept(self):
             try:
@@ -211,7 +252,7 @@ class AdaptiveBatchTrainer(Trainer):
         # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
         found = -self._ranks.max(-found)
         per_device, accumulation = split_effective_batch(effective, found, uneven_allowed=uneven_allowed(self))
-        state.update(effective_batch_size=effective, max_micro_batch_size=found,
+        state.update(effective_batch_size=effective, asked_effective_batch_size=effective, max_micro_batch_size=found,
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
                      **self._settings())
         return state
@@ -222,6 +263,8 @@ class AdaptiveBatchTrainer(Trainer):
         settings: Dict[str, Any] = {"max_batch_size": self.max_batch_size}
         if self.args.world_size == 1:
             settings["max_memory"] = self.max_memory
+        if self._growth.grows or self._growth.lr.scales:
+            settings.update(growth_settings(self._growth.growth, self._growth.lr))
         return settings
 
     def _refuse_what_changed_since(self, saved: Dict[str, Any], checkpoint: str) -> None:
@@ -234,8 +277,10 @@ class AdaptiveBatchTrainer(Trainer):
         effective = ("effective batch (per_device_train_batch_size x gradient_accumulation_steps, or "
                      "global_batch_size over the ranks)")
         asked = {effective: self._asked_batch[0] * self._asked_batch[1], **self._settings()}
-        # Checkpoints written before the settings were kept have the effective batch alone.
-        was = {effective: saved["effective_batch_size"], **{key: saved[key] for key in asked if key in saved}}
+        # Checkpoints written before the settings were kept have the effective batch alone (and
+        # before growth, the one asked for).
+        was = {effective: saved.get("asked_effective_batch_size", saved["effective_batch_size"]),
+               **{key: saved[key] for key in asked if key in saved}}
         for key, value in asked.items():
             if key in was and was[key] != value:
                 raise ConfigError(
@@ -270,6 +315,8 @@ class AdaptiveBatchTrainer(Trainer):
         """``Trainer``'s micro-batches of one optimizer step, their rows remembered for the loss."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
         self._update_rows = [BatchLayout().rows(batch) for batch in batches] if self._uneven() else []
+        if self._growth.grows:  # the schedule's progress: samples, not steps
+            self._position.samples_seen += sum(BatchLayout().rows(batch) for batch in batches)
         return batches, num_items
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
@@ -326,7 +373,8 @@ class AdaptiveBatchTrainer(Trainer):
         self._train_batch_size = args.train_batch_size
         if "per_device_eval_batch_size" in state:
             args.per_device_eval_batch_size = state["per_device_eval_batch_size"]
-        self.adaptive_batch = dict(state)
+        self.adaptive_batch = {k: v for k, v in state.items() if k not in ("growth", "position")}
+        self._start_growth(state)
         budget = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
         logs.info(
             f"adaptive-batch ({source}): the effective batch of {state['effective_batch_size']} trains as "
@@ -335,6 +383,103 @@ class AdaptiveBatchTrainer(Trainer):
             f"that fits {budget}: {state['max_micro_batch_size']}); evaluation batch "
             f"{args.per_device_eval_batch_size}."
         )
+
+    def _start_growth(self, state: Dict[str, Any]) -> None:
+        """The growth of the batch settled: from the checkpoint's state where it has one, else
+        from the effective batch asked for."""
+        if not (self._growth.grows or self._growth.lr.scales):
+            return
+        self._resumed_position = None
+        if "growth" in state:
+            self._growth.resume(state["growth"], self._settings())
+            self._resumed_position = RunPosition(**state["position"]) if "position" in state else None
+            return
+        effective = state["effective_batch_size"]
+        self._growth.start(state["max_micro_batch_size"], effective, self._settings(), first=effective)
+
+    def _checkpoint_state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the batches: the settled ones, and where growth has them
+        and the run is."""
+        state = dict(self.adaptive_batch)
+        if self._growth.state is not None:
+            state.update(growth=self._growth.state.to_dict(), position=self._position.to_dict())
+        return state
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer``'s epoch, growing the batch at its start: the loader, its length and the
+        epoch's optimizer steps are those of the epoch's own batch."""
+        if not self._growth.grows:
+            return super()._run_epoch(*args, **kwargs)
+        epoch = kwargs["epoch"]
+        with logs.lines_to(self._log):
+            decision = self._growth.grow_at(epoch)
+            if decision is not None:
+                self._set_effective(decision)
+        effective = self.adaptive_batch["effective_batch_size"]
+        built_at, loader = self._epoch_loader
+        if built_at != effective:
+            loader = self.get_train_dataloader()
+        elif loader is None:  # the loop's own, built at this batch
+            loader = kwargs["train_dataloader"]
+        self._epoch_loader = (effective, loader)
+        steps = len(loader)
+        kwargs.update(train_dataloader=loader, steps_in_epoch=steps,
+                      num_update_steps_per_epoch=updates_in(steps, self.args.gradient_accumulation_steps))
+        resuming = kwargs.get("resume_from_checkpoint") is not None and epoch == kwargs.get("epochs_trained")
+        if not (resuming and self._resumed_position is not None and self._resumed_position.epoch == epoch):
+            self._position.epoch, self._position.epoch_start_step = epoch, self.state.global_step
+        self._position.epoch_updates = kwargs["num_update_steps_per_epoch"]
+        return super()._run_epoch(*args, **kwargs)
+
+    def _set_effective(self, decision: GrowthDecision) -> None:
+        """The grown effective batch, in the fewest micro-batches no larger than the answer."""
+        state, args = self.adaptive_batch, self.args
+        effective = decision.batch_size
+        per_device, accumulation = split_effective_batch(effective, state["max_micro_batch_size"],
+                                                         uneven_allowed=uneven_allowed(self))
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = per_device, accumulation
+        self._train_batch_size = args.train_batch_size
+        state.update(effective_batch_size=effective, per_device_train_batch_size=per_device,
+                     gradient_accumulation_steps=accumulation)
+        clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
+        logs.info(f"adaptive-batch: epoch {decision.epoch}: the effective batch {decision.previous} -> {effective}{clamp}, "
+                  f"trained as {describe_micro_batches(effective, per_device)}; LR x {self._growth.lr_factor():.4g}.")
+
+    def _init_training_state(self, max_steps: int, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer``'s state; growing, a resumed run starts where the checkpoint's position
+        says (the Trainer would divide the global step by an epoch's steps at the first batch),
+        and the schedule keeps the length it had when the run started."""
+        epochs_trained, steps_in_epoch = super()._init_training_state(max_steps, *args, **kwargs)
+        if not self._growth.grows:
+            return epochs_trained, steps_in_epoch
+        position = self._resumed_position
+        if position is None:
+            self._position = RunPosition(schedule_steps=max_steps)
+            return epochs_trained, steps_in_epoch
+        self._position = RunPosition(**position.to_dict())
+        self.state.max_steps = position.schedule_steps
+        return position.resume_point(self.state.global_step, self.args.gradient_accumulation_steps)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """``Trainer``'s scheduler; growing, counted in samples (steps of the first effective
+        batch), over the length it had when the run started; the LR rule's hooks on the
+        optimizer, so every step trains at the LR in force."""
+        if self._growth.grows:
+            num_training_steps = self._position.schedule_steps or num_training_steps
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if self._growth.grows and not isinstance(scheduler, SampleCountedSchedule):
+            first = self._asked_batch[0] * self._asked_batch[1]
+            self.lr_scheduler = scheduler = SampleCountedSchedule(scheduler, first, lambda: self._position.samples_seen)
+        if self._growth.state is not None:
+            self._growth.detach()
+            torch_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's wrapper
+            self._growth.attach_optimizer(torch_optimizer, scheduler, hold_before_step=True)
+            self._growth.hold_lr()
+        return scheduler
+
+    def _get_learning_rate(self) -> float:
+        """The LR the step trained at: the schedule's times the rule's factor for its batch."""
+        return super()._get_learning_rate() * self._growth.lr_factor()
 
     def _train_step(self, batch: Any) -> None:
         """One optimizer step as the Trainer runs it, at the micro-batch of ``batch``: two
@@ -345,7 +490,8 @@ class AdaptiveBatchTrainer(Trainer):
         16 where a fresh Trainer failed 16 at step 1 and trained 12."""
         effective = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
         # The effective batch is per device: the rule's global batch over one rank.
-        pieces = [batch] * micro_batches_per_trial(BatchLayout().rows(batch), global_batch_size=effective)
+        pieces = [batch] * micro_batches_per_trial(BatchLayout().rows(batch), global_batch_size=effective,
+                                                   grow_with_accumulation=self._growth.grows and self._growth.accumulates)
         self.current_gradient_accumulation_steps = len(pieces)
         # No num_items_in_batch: the Trainer counts it across ranks (a collective), and ranks
         # probe their own budgets in their own number of trials. The memory is the same.
@@ -440,8 +586,8 @@ class _SaveTheBatch(TrainerCallback):
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if self.trainer.adaptive_batch is not None and os.path.isdir(folder) and state.is_world_process_zero:
             # Written whole, as the checkpoint's other files: a resume never reads half of it.
-            atomic_write(os.path.join(folder, STATE_FILE), lambda f: json.dump(self.trainer.adaptive_batch, f, indent=2),
-                         text=True)
+            state = self.trainer._checkpoint_state()
+            atomic_write(os.path.join(folder, STATE_FILE), lambda f: json.dump(state, f, indent=2), text=True)
 
 
 def _read_state(checkpoint: str) -> Optional[Dict[str, int]]:

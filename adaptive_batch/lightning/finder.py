@@ -13,6 +13,7 @@ does) before the fit loop builds its dataloader.
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
@@ -27,12 +28,12 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.lightning.growth import FitBatch, FitBatchGrowth, growth_settings
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.rng import rng_state, set_rng_state
-from adaptive_batch.schedule.global_batch import micro_batches_per_trial
+from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
+from adaptive_batch.schedule.global_batch import equal_micro_batches, micro_batches_per_trial
 from adaptive_batch.schedule.growth import GrowthOptions, function_name
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 from adaptive_batch.validation import check_positive_int
@@ -40,6 +41,29 @@ from adaptive_batch.validation import check_positive_int
 # Samples looked at for the worst case when no make_batch is given: the largest of them,
 # by the elements of its collated tensors, stands for every batch (padding collators pad to it).
 WORST_CASE_SCAN = 256
+
+
+@dataclass(frozen=True)
+class FitBatch:
+    """One optimizer step's samples as the loader's batch and Lightning's accumulation.
+
+    Attributes:
+        effective: the samples of one optimizer step (the batch that grows).
+        micro_batch: the loader's batch size.
+        accumulate: ``accumulate_grad_batches``.
+    """
+
+    effective: int
+    micro_batch: int
+    accumulate: int
+
+    @classmethod
+    def of(cls, effective: int, found: int) -> "FitBatch":
+        """Whole where it fits, else the fewest equal micro-batches that fit (Lightning
+        accumulates by count)."""
+        if effective <= found:
+            return cls(effective, effective, 1)
+        return cls(effective, *equal_micro_batches(effective, found))
 
 
 class AdaptiveBatchFinder(Callback):
@@ -94,11 +118,11 @@ class AdaptiveBatchFinder(Callback):
         self.global_batch_size = check_positive_int("global_batch_size", global_batch_size, allow_none=True)
         self.max_memory, self.batch_arg_name, self.make_batch = max_memory, batch_arg_name, make_batch
         self.max_batch_size, self.stop_after, self._log = max_batch_size, stop_after, log
-        self.batch = FitBatchGrowth(
+        self.batch = EpochGrowth(
             GrowthOptions(batch_increase_function=batch_increase_function, grow_with_accumulation=grow_with_accumulation),
             LRScalingOptions(lr_scaling=lr_scaling, lr_scaling_reference=lr_scaling_reference,
                              weight_decay_scaling=weight_decay_scaling),
-            self.global_batch_size,
+            accumulates=self.global_batch_size is not None,
         )
         self.optimal_batch_size: Optional[int] = None
         self._checkpoint_state: Optional[Dict[str, Any]] = None
@@ -125,7 +149,7 @@ class AdaptiveBatchFinder(Callback):
                                   "trials; use one optimizer, or probe with adaptive_batch.find_max_batch_size.")
             previous = lightning_getattr(pl_module, self.batch_arg_name)
             if self._checkpoint_state is not None:
-                batch = self.batch.resume(self._checkpoint_state, self._settings())
+                batch = FitBatch.of(self.batch.resume(self._checkpoint_state, self._settings()), self.batch.state.found)
                 self._checkpoint_state = None  # a later fit of this callback without a checkpoint probes
                 self.optimal_batch_size = self.batch.state.found
                 # Set only: the loop builds the loader after restoring its state, and loads the
@@ -163,7 +187,10 @@ class AdaptiveBatchFinder(Callback):
                 max_batch_size=_smallest(self.max_batch_size or _dataset_size(loader), self.global_batch_size),
             )
         self.optimal_batch_size = found
-        batch = self.batch.start(found, previous * int(trainer.accumulate_grad_batches), self._settings())
+        accumulate = int(trainer.accumulate_grad_batches)  # the user's, where neither growth nor a global batch set it
+        configured = self.global_batch_size or previous * accumulate
+        first = self.global_batch_size or (None if self.batch.grows else found * accumulate)
+        batch = FitBatch.of(self.batch.start(found, configured, self._settings(), first=first), found)
         set_rng_state(before)
         self._set_batch(trainer, pl_module, batch)
         trainer._logger_connector.reset_results()  # what the trials' self.log() said is no epoch's
@@ -190,9 +217,13 @@ class AdaptiveBatchFinder(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         with logs.lines_to(self._log):
-            batch = self.batch.grow_at(trainer.current_epoch)
-            if batch is None:
+            decision = self.batch.grow_at(trainer.current_epoch)
+            if decision is None:
                 return
+            batch = FitBatch.of(decision.batch_size, self.batch.state.found)
+            clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
+            logs.info(f"adaptive-batch: epoch {decision.epoch}: batch {decision.previous} -> {batch.effective}{clamp}, "
+                      f"trained as {batch.accumulate} x {batch.micro_batch}.")
             self._set_batch(trainer, pl_module, batch)
             # The loop set the epoch on the loader it built before this hook; the new one needs it too.
             for loader in trainer.fit_loop._combined_loader.flattened:

@@ -1,11 +1,12 @@
-"""The batch of a Lightning fit across its epochs: where it starts, how it grows, how it splits
-into the micro-batches that fit, and the LR that follows it.
+"""The batch of a framework's run across its epochs, for the adapters of loops we do not own
+(Lightning's fit loop, Hugging Face's Trainer): where it starts, how it grows at each epoch's
+start, and the LR that follows it.
 
 The decisions are the recipes' (:func:`~adaptive_batch.schedule.growth.grow_batch_size`,
-:func:`~adaptive_batch.schedule.global_batch.equal_micro_batches`,
-:class:`~adaptive_batch.schedule.lr_scaling.BatchLRScaler`); this module holds what a fit needs
-of them between Lightning's hooks, and the state a checkpoint keeps so a resumed fit trains the
-batch the stopped one would have trained.
+:class:`~adaptive_batch.schedule.lr_scaling.BatchLRScaler`); this module holds what a run needs
+of them between the framework's hooks, and the state a checkpoint keeps so a resumed run trains
+the batch the stopped one would have trained. How a batch splits into the micro-batches that fit
+is the adapter's (Lightning accumulates equal ones by count; the Trainer may split unevenly).
 """
 
 from dataclasses import asdict, dataclass
@@ -13,35 +14,20 @@ from typing import Any, Dict, Optional
 
 from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
-from adaptive_batch.schedule.global_batch import equal_micro_batches
-from adaptive_batch.schedule.growth import GrowthOptions, function_name, grow_batch_size
+from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions, function_name, grow_batch_size
 from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRScalingOptions
 
 STATE_VERSION = 1
 
 
-@dataclass(frozen=True)
-class FitBatch:
-    """One optimizer step's samples and how the loader and Lightning's accumulation train them.
-
-    Attributes:
-        effective: the samples of one optimizer step (the batch that grows).
-        micro_batch: the loader's batch size.
-        accumulate: ``accumulate_grad_batches``.
-    """
-
-    effective: int
-    micro_batch: int
-    accumulate: int
-
-
 @dataclass
-class FitBatchState:
+class EpochGrowthState:
     """What a checkpoint keeps of the batch (the callback's ``state_dict``).
 
     Attributes:
         found: the probe's answer, the largest micro-batch that trains.
-        effective: the batch of the epoch the checkpoint was taken in (or is about to start).
+        effective: the batch (samples of one optimizer step) of the epoch the checkpoint was
+            taken in (or is about to start).
         reference: the batch, in samples, the configured LR was set for.
         decided_epoch: the last epoch whose growth was decided.
         settings: the callback's settings, so a resume with other ones is refused.
@@ -57,30 +43,30 @@ class FitBatchState:
         return dict(asdict(self), version=STATE_VERSION)
 
     @classmethod
-    def from_dict(cls, state: Dict[str, Any]) -> "FitBatchState":
+    def from_dict(cls, state: Dict[str, Any]) -> "EpochGrowthState":
         fields = {key: state[key] for key in ("found", "effective", "reference", "decided_epoch", "settings")}
         return cls(**fields)
 
 
-class FitBatchGrowth:
-    """The fit's batch from the probe's answer on, epoch by epoch.
+class EpochGrowth:
+    """A run's batch (the samples of one optimizer step) from the probe's answer on, epoch by epoch.
 
     Args:
         growth: ``batch_increase_function`` (called at the start of every epoch, 0-based, as
             ``f(epoch, current_batch_size) -> increment``) and ``grow_with_accumulation``.
         lr: how the LR (and weight decay) follow the batch.
-        global_batch_size: a fixed start for the effective batch, trained in equal
-            micro-batches; ``None``: the micro-batch is the batch.
+        accumulates: the batch may pass what fits in accumulated micro-batches without
+            ``grow_with_accumulation`` (a fixed global batch, or a Trainer's accumulation).
 
     Raises:
         ConfigError: for a rule the optimizer cannot take (:meth:`attach_optimizer`).
     """
 
-    def __init__(self, growth: GrowthOptions, lr: LRScalingOptions, global_batch_size: Optional[int]) -> None:
-        self.growth, self.lr, self.global_batch_size = growth, lr, global_batch_size
-        self.state: Optional[FitBatchState] = None
+    def __init__(self, growth: GrowthOptions, lr: LRScalingOptions, *, accumulates: bool = False) -> None:
+        self.growth, self.lr, self._accumulates = growth, lr, accumulates
+        self.state: Optional[EpochGrowthState] = None
         self.scaler: Optional[BatchLRScaler] = None
-        self._after_step: Optional[Any] = None  # the optimizer's post-step hook handle
+        self._hooks: list = []  # the optimizer's step hooks of this run
 
     @property
     def grows(self) -> bool:
@@ -88,15 +74,16 @@ class FitBatchGrowth:
 
     @property
     def accumulates(self) -> bool:
-        """Whether the effective batch may pass what fits, in accumulated micro-batches."""
-        return self.global_batch_size is not None or self.growth.grow_with_accumulation
+        """Whether the batch may pass what fits, in accumulated micro-batches."""
+        return self._accumulates or self.growth.grow_with_accumulation
 
-    def start(self, found: int, configured: int, settings: Dict[str, Any]) -> FitBatch:
-        """The first epoch's batch: the global batch, the configured one where it grows (clamped
-        to what fits unless it accumulates), else the answer. The LR reference is the batch the
-        configured LR was set for (``configured``, or ``lr_scaling_reference``)."""
-        if self.global_batch_size is not None:
-            effective = self.global_batch_size
+    def start(self, found: int, configured: int, settings: Dict[str, Any], *, first: Optional[int] = None) -> int:
+        """The first epoch's batch: ``first`` where the adapter fixes it (a global batch, a
+        Trainer's effective batch), else ``configured`` where it grows (clamped to what fits
+        unless it accumulates), else the answer. The LR reference is the batch the configured LR
+        was set for (``configured``, or ``lr_scaling_reference``)."""
+        if first is not None:
+            effective = first
         elif self.grows:
             effective = configured if self.accumulates else min(configured, found)
             if effective < configured:
@@ -104,16 +91,17 @@ class FitBatchGrowth:
         else:
             effective = found
         reference = self.lr.lr_scaling_reference
-        self.state = FitBatchState(found, effective, float(configured if reference is None else reference), -1, settings)
-        return self.split(effective)
+        self.state = EpochGrowthState(found, effective, float(configured if reference is None else reference), -1,
+                                      settings)
+        return effective
 
-    def resume(self, state: Dict[str, Any], settings: Dict[str, Any]) -> FitBatch:
+    def resume(self, state: Dict[str, Any], settings: Dict[str, Any]) -> int:
         """The batch a checkpoint's fit trained, its settings checked against these.
 
         Raises:
             ConfigError: naming the first setting that differs, with both values.
         """
-        restored = FitBatchState.from_dict(state)
+        restored = EpochGrowthState.from_dict(state)
         for key, value in settings.items():
             if restored.settings.get(key) != value:
                 raise ConfigError(
@@ -121,20 +109,11 @@ class FitBatchGrowth:
                     "batch would no longer be the one it trained. Resume with the checkpoint's setting, or start a new fit."
                 )
         self.state = restored
-        return self.split(restored.effective)
+        return restored.effective
 
-    def split(self, effective: int) -> FitBatch:
-        """``effective`` as the loader's batch and Lightning's accumulation: whole where it fits,
-        else the fewest equal micro-batches that fit (Lightning accumulates by count)."""
-        found = self.state.found
-        if effective <= found:
-            return FitBatch(effective, effective, 1)
-        micro_batch, count = equal_micro_batches(effective, found)
-        return FitBatch(effective, micro_batch, count)
-
-    def grow_at(self, epoch: int) -> Optional[FitBatch]:
-        """Calls the growth function for ``epoch`` once (a resumed fit has decided its epochs);
-        returns the new batch, or ``None`` where it stays.
+    def grow_at(self, epoch: int) -> Optional[GrowthDecision]:
+        """Calls the growth function for ``epoch`` once (a resumed run has decided its epochs)
+        and takes its decision; ``None`` where it was not called, or the batch stays.
 
         Raises:
             BatchIncreaseFunctionError: when the function raises or returns a bad increment.
@@ -151,17 +130,14 @@ class FitBatchGrowth:
                           "largest that trains); grow_with_accumulation=True grows past it.")
             return None
         state.effective = decision.batch_size
-        batch = self.split(state.effective)
-        clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
-        logs.info(f"adaptive-batch: epoch {epoch}: batch {decision.previous} -> {batch.effective}{clamp}, trained as "
-                  f"{batch.accumulate} x {batch.micro_batch}.")
-        return batch
+        return decision
 
-    def attach_optimizer(self, optimizer: Any, lr_scheduler: Any) -> None:
+    def attach_optimizer(self, optimizer: Any, lr_scheduler: Any, *, hold_before_step: bool = False) -> None:
         """Scales ``optimizer``'s LR for the batch (``lr_scheduler``'s LR is the base, when given):
         set before each batch (:meth:`hold_lr`), the unscaled LR put back after each optimizer
         step, where Lightning steps its schedulers next (a chainable schedule such as ``StepLR``
-        multiplies the LR it finds, and would compound the factor).
+        multiplies the LR it finds, and would compound the factor); with ``hold_before_step`` also
+        set before each optimizer step.
 
         Raises:
             ConfigError: for a rule the optimizer cannot take (timescale weight decay without one),
@@ -176,13 +152,21 @@ class FitBatchGrowth:
                                         lr_scheduler=lr_scheduler, weight_decay_scaling=self.lr.weight_decay_scaling)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self._after_step = optimizer.register_step_post_hook(lambda *_: self.scaler.restore())
+        self._hooks = [optimizer.register_step_post_hook(lambda *_: self.scaler.restore())]
+        if hold_before_step:  # a loop that reads the LR between steps from its scheduler (the Trainer)
+            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.hold_lr()))
 
     def detach(self) -> None:
-        """Leaves the optimizer as the fit found it: no hook of this fit's."""
-        if self._after_step is not None:
-            self._after_step.remove()
-            self._after_step = None
+        """Leaves the optimizer as the run found it: no hook of this run's."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def lr_factor(self) -> float:
+        """The factor the LR in force holds for the current batch (1 where nothing scales)."""
+        if self.scaler is None or self.state is None:
+            return 1.0
+        return self.scaler.lr_rule.factors(samples=self.state.effective, tokens=0.0).lr_factor
 
     def hold_lr(self) -> None:
         """The LR in force for the current batch: the schedule's (or the configured) LR times the

@@ -1,0 +1,124 @@
+"""Growth of the Trainer's effective batch at each epoch's start, with what the Trainer cannot
+know once the batch changes: the LR schedule counted in samples, and the run's position.
+
+``Trainer`` sizes its LR schedule in optimizer steps once (``max_steps`` at the first batch), and
+on resume finds its place by dividing the global step by the steps of an epoch at the first
+batch. Once the batch grows an epoch takes fewer steps, so the schedule would not finish and a
+resume would land in the wrong epoch. Here the schedule advances by samples seen, in steps of
+the first batch (:class:`SampleCountedSchedule`), and the checkpoint keeps the epoch and the
+steps into it (:class:`RunPosition`), from which a resume starts.
+"""
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import IterableDataset
+
+from adaptive_batch.errors import ConfigError
+from adaptive_batch.schedule.lr_progress import SampleProgressLR
+
+
+@dataclass
+class RunPosition:
+    """Where the run is, in the epochs of its own batches.
+
+    Attributes:
+        epoch: the epoch being trained.
+        epoch_start_step: the global step the epoch started at.
+        epoch_updates: the optimizer steps the epoch takes at its batch.
+        samples_seen: samples trained so far (the schedule's progress).
+        schedule_steps: the schedule's length in steps of the first batch (``max_steps`` when
+            the run started), kept so a resumed run's schedule is the same.
+    """
+
+    epoch: int = 0
+    epoch_start_step: int = 0
+    epoch_updates: int = 0
+    samples_seen: int = 0
+    schedule_steps: int = 0
+
+    def to_dict(self) -> Dict[str, int]:
+        return asdict(self)
+
+    def resume_point(self, global_step: int, accumulation: int) -> Tuple[int, int]:
+        """``(epoch, micro-batches into it)`` a resumed run starts from: the next epoch's start
+        where the checkpoint's epoch had ended."""
+        done = global_step - self.epoch_start_step
+        if done >= self.epoch_updates:
+            return self.epoch + 1, 0
+        return self.epoch, done * accumulation
+
+
+class SampleCountedSchedule:
+    """The Trainer's LR scheduler, advanced by samples seen in steps of the first batch.
+
+    Args:
+        scheduler: the ``LambdaLR`` the Trainer made (its schedules are all ``LambdaLR``).
+        samples_per_step: the first batch, over every rank.
+        samples_seen: reads the samples trained so far.
+
+    Raises:
+        ConfigError: for a scheduler that is not a ``LambdaLR``.
+    """
+
+    def __init__(self, scheduler: Any, samples_per_step: int, samples_seen: Callable[[], int]) -> None:
+        try:
+            self._progress = SampleProgressLR(scheduler, samples_per_step)
+        except TypeError as e:
+            raise ConfigError(f"lr_scheduler_type with batch_increase_function: {e}") from None
+        self.scheduler, self._samples_seen = scheduler, samples_seen
+        self.optimizer = scheduler.optimizer
+
+    def step(self) -> None:
+        self._progress.set_progress(self._samples_seen())
+
+    def get_last_lr(self) -> List[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+
+def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler: Any = None) -> None:
+    """What growth per epoch cannot be decided or counted with, refused in one line.
+
+    Raises:
+        ConfigError: for ``max_steps`` (growth is decided per epoch), several processes, a
+            dataset without a length, or a schedule that cannot be counted in samples (a
+            ``LambdaLR``'s can: every ``lr_scheduler_type`` but ``reduce_lr_on_plateau``).
+    """
+    if str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == "reduce_lr_on_plateau" or (
+            lr_scheduler is not None and not isinstance(lr_scheduler, (LambdaLR, SampleCountedSchedule))):
+        name = type(lr_scheduler).__name__ if lr_scheduler is not None else "ReduceLROnPlateau"
+        raise ConfigError(
+            f"lr_scheduler_type with batch_increase_function: {name} is not a LambdaLR, so it cannot be counted in "
+            "samples as the batch grows; use one of the Trainer's LambdaLR schedules (linear, cosine, constant, ...)."
+        )
+    if args.max_steps and args.max_steps > 0:
+        raise ConfigError(
+            f"max_steps={args.max_steps} with batch_increase_function: the batch grows at each epoch's start and an "
+            "epoch then takes fewer steps; set num_train_epochs and max_steps=-1 (the default)."
+        )
+    if args.world_size > 1:
+        raise ConfigError(
+            f"batch_increase_function on {args.world_size} processes: growth with the Trainer runs in one process "
+            "for now; train without it, or in one process."
+        )
+    if isinstance(train_dataset, IterableDataset):
+        raise ConfigError(
+            "batch_increase_function with an IterableDataset: an epoch of unknown length has no start to grow at; "
+            "give the Trainer a dataset with a length."
+        )
+
+
+def updates_in(steps_in_epoch: int, accumulation: int) -> int:
+    """The optimizer steps of an epoch of ``steps_in_epoch`` micro-batches, as the Trainer counts
+    them (a last step of the micro-batches left)."""
+    return max(steps_in_epoch // accumulation + int(steps_in_epoch % accumulation > 0), 1)
+
+
+__all__ = ["RunPosition", "SampleCountedSchedule", "refuse_what_growth_cannot_follow", "updates_in"]

@@ -1,0 +1,101 @@
+"""AdaptiveBatchTrainer growing its effective batch each epoch: the batch the function asks for
+up to what fits, the LR in force logged, the schedule counted in samples, and a resumed run that
+trains what the uninterrupted one trains."""
+
+import shutil
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from adaptive_batch import ConfigError
+from adaptive_batch.hf import AdaptiveBatchTrainer
+from tests.adaptive_batch.hf.test_trainer import ByteCollator, _samples
+
+SAMPLES, EPOCHS, FIRST = 32, 3, 4
+
+
+def double_after_the_first(epoch, current_batch_size):
+    return current_batch_size if epoch > 0 else 0
+
+
+def _trainer(out, **kwargs):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    training = dict(output_dir=str(out), per_device_train_batch_size=FIRST, num_train_epochs=EPOCHS,
+                    learning_rate=1e-3, lr_scheduler_type="linear", report_to=[], use_cpu=True, seed=0, data_seed=0,
+                    logging_steps=1, disable_tqdm=True, save_strategy="steps", save_steps=2)
+    training.update(kwargs.pop("training", {}))
+    lines = []
+    trainer = AdaptiveBatchTrainer(
+        model=LlamaForCausalLM(config), args=TrainingArguments(**training), train_dataset=_samples(SAMPLES),
+        data_collator=ByteCollator(), max_memory="20MiB", max_batch_size=6, probe_eval=False, log=lines.append,
+        **{"batch_increase_function": double_after_the_first, "lr_scaling": "linear", **kwargs},
+    )
+    trainer.lines = lines
+    return trainer
+
+
+def _steps(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    trainer = _trainer(tmp_path_factory.mktemp("whole"))
+    trainer.train()
+    return trainer
+
+
+def test_each_epoch_grows_up_to_the_answer_with_the_lr_in_force_on_a_schedule_counted_in_samples(whole):
+    """4 a step, then 8, then 16 asked where 6 fit: 6. The linear schedule, sized for 3 epochs
+    at 4 (24 steps), advances by samples (steps of 4) and ends with the last sample, its LR
+    times the batch over 4 logged with each step."""
+    steps = _steps(whole)
+    batches = [h["batch_size"] for h in steps]
+    assert batches == [4] * 8 + [6] * 6 + [6] * 6  # epoch 1: 8 asked, 6 fit (32 = 5 x 6 + 2)
+    assert "adaptive-batch: epoch 1: the effective batch 4 -> 6 (8 asked; the largest that trains), trained as 1 x 6; " \
+           "LR x 1.5." in whole.lines
+    # the samples each step trained (an epoch's last step has what is left) and the LR it trained at
+    trained = [4] * 8 + [6, 6, 6, 6, 6, 2] * 2
+    seen = [sum(trained[:i]) for i in range(len(trained))]
+    expected = [1e-3 * max(0.0, 1 - s / FIRST / (EPOCHS * SAMPLES / FIRST)) * b / FIRST for s, b in zip(seen, batches)]
+    assert [h["learning_rate"] for h in steps] == pytest.approx(expected, rel=1e-6)
+    assert sum(trained) == EPOCHS * SAMPLES and whole.state.global_step == len(trained)
+
+
+@pytest.mark.parametrize("step", [10, 14], ids=["mid-epoch", "at-an-epoch-end"])
+def test_a_resumed_run_trains_what_the_uninterrupted_run_trains(whole, tmp_path, step):
+    """The Trainer would place step 10 in epoch 1 at 8 steps an epoch (right by chance) and step
+    14 in epoch 1 too (it is epoch 1's last): here the checkpoint's position says."""
+    resumed = _trainer(tmp_path)
+    resumed.train(resume_from_checkpoint=f"{whole.args.output_dir}/checkpoint-{step}")
+    assert not [line for line in resumed.lines if line.startswith("probe trial")]
+    after = [h for h in _steps(resumed) if h["step"] > step]  # the checkpoint's history comes first
+    expected = _steps(whole)[step:]
+    assert len(after) == len(expected) > 0
+    for key in ("batch_size", "learning_rate", "epoch"):
+        assert [h[key] for h in after] == pytest.approx([h[key] for h in expected], rel=1e-6), key
+    assert [h["loss"] for h in after] == pytest.approx([h["loss"] for h in expected], rel=1e-4)
+    for a, b in zip(resumed.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_resume_with_another_growth_setting_is_refused(whole, tmp_path):
+    changed = _trainer(tmp_path, training={})
+    changed._growth.lr = type(changed._growth.lr)(lr_scaling="sqrt")
+    with pytest.raises(ConfigError, match=r"it trained lr_scaling='linear', this Trainer asks for 'sqrt'"):
+        changed.train(resume_from_checkpoint=f"{whole.args.output_dir}/checkpoint-10")
+
+
+def test_what_growth_cannot_follow_is_one_line_before_any_step(tmp_path):
+    with pytest.raises(ConfigError, match=r"max_steps=5 with batch_increase_function: .* set num_train_epochs"):
+        _trainer(tmp_path, training={"max_steps": 5})
+    with pytest.raises(ConfigError, match="no_such_module"):
+        _trainer(tmp_path, batch_increase_function="no_such_module.grow")
+    stepped = _trainer(tmp_path)  # a scheduler of the user's that cannot be counted in samples
+    stepped.lr_scheduler = torch.optim.lr_scheduler.StepLR(stepped.create_optimizer(), step_size=1)
+    with pytest.raises(ConfigError, match="lr_scheduler_type with batch_increase_function: StepLR is not a LambdaLR"):
+        stepped.train()
+    assert not [line for line in stepped.lines if line.startswith("probe trial")]
