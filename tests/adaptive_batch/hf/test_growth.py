@@ -99,3 +99,12 @@ def test_what_growth_cannot_follow_is_one_line_before_any_step(tmp_path):
     with pytest.raises(ConfigError, match="lr_scheduler_type with batch_increase_function: StepLR is not a LambdaLR"):
         stepped.train()
     assert not [line for line in stepped.lines if line.startswith("probe trial")]
+
+
+def test_a_position_resumes_inside_its_epoch_or_at_the_next_ones_start():
+    from adaptive_batch.hf.growth import RunPosition, updates_in
+
+    position = RunPosition(epoch=1, epoch_start_step=8, epoch_updates=6)
+    assert position.resume_point(global_step=10, accumulation=3) == (1, 6)  # 2 steps of 3 micro-batches in
+    assert position.resume_point(global_step=14, accumulation=3) == (2, 0)
+    assert updates_in(16, 3) == 6 and updates_in(15, 3) == 5 and updates_in(0, 3) == 1

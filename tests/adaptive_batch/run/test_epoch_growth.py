@@ -1,0 +1,75 @@
+"""EpochGrowth: the batch of a framework's run across its epochs, decided once an epoch, its LR
+factor, and the state a checkpoint keeps."""
+
+import pytest
+import torch
+
+from adaptive_batch import ConfigError
+from adaptive_batch.run.epoch_growth import EpochGrowth
+from adaptive_batch.schedule.growth import GrowthOptions
+from adaptive_batch.schedule.lr_scaling import LRScalingOptions
+
+
+def double(epoch, current_batch_size):
+    return current_batch_size
+
+
+def _growth(fn=double, accumulate=False, rule="linear", **kwargs):
+    return EpochGrowth(GrowthOptions(batch_increase_function=fn, grow_with_accumulation=accumulate),
+                       LRScalingOptions(lr_scaling=rule), **kwargs)
+
+
+def test_the_first_batch_is_fixed_the_configured_clamped_to_what_fits_or_the_answer():
+    assert _growth().start(6, 4, {}) == 4
+    lines = []
+    from adaptive_batch.logs import lines_to
+
+    with lines_to(lines.append):
+        assert _growth().start(3, 4, {}) == 3
+    assert lines == ["adaptive-batch: the configured batch of 4 does not fit; growth starts at 3."]
+    assert _growth(accumulate=True).start(3, 4, {}) == 4
+    assert _growth(fn=None).start(6, 4, {}) == 6
+    assert _growth().start(6, 4, {}, first=16) == 16
+
+
+def test_growth_is_decided_once_an_epoch_up_to_the_answer_unless_it_accumulates():
+    growth = _growth()
+    growth.start(6, 2, {})
+    assert growth.grow_at(0).batch_size == 4 and growth.grow_at(0) is None  # once an epoch
+    decision = growth.grow_at(1)
+    assert (decision.requested, decision.batch_size, decision.clamped) == (8, 6, True)
+    assert growth.grow_at(2) is None and growth.state.effective == 6  # 12 asked, 6 kept
+    accumulating = _growth(accumulate=True)
+    accumulating.start(6, 2, {})
+    assert [accumulating.grow_at(e).batch_size for e in range(3)] == [4, 8, 16]
+
+
+def test_a_resume_takes_the_checkpoints_batch_and_decided_epochs_or_refuses_other_settings():
+    growth = _growth()
+    growth.start(6, 2, {"lr_scaling": "linear"})
+    growth.grow_at(0)
+    saved = growth.state.to_dict()
+    resumed = _growth()
+    assert resumed.resume(saved, {"lr_scaling": "linear"}) == 4 and resumed.grow_at(0) is None
+    with pytest.raises(ConfigError, match=r"lr_scaling='sqrt', but the checkpoint's fit ran with lr_scaling='linear'"):
+        _growth().resume(saved, {"lr_scaling": "sqrt"})
+
+
+def test_the_lr_in_force_is_the_schedules_times_the_factor_and_the_hooks_leave_with_detach():
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    growth = _growth()
+    growth.start(8, 2, {})
+    growth.grow_at(0)  # 4: twice the reference
+    growth.attach_optimizer(optimizer, schedule, hold_before_step=True)
+    assert growth.lr_factor() == 2
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()  # at 0.2, then the unscaled 0.1 back for the scheduler
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    schedule.step()
+    growth.hold_lr()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # 0.05 x 2, not compounded
+    growth.detach()
+    optimizer.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # no hook left to change it
