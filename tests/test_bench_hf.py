@@ -13,6 +13,6 @@ from adaptive_batch.probe.children import FirstGuess  # noqa: E402
 
 
 def test_the_first_guess_steps_are_counted_from_the_probes_own_line():
-    line = f"probe: {FirstGuess(6, (1, 1, 2, 3)).describe()} put the answer at most at 6; ..."
+    line = f"probe: {FirstGuess(6, (1, 1, 2, 3)).describe()}; the line in address space is measured at 5 and 6."
     assert bench_hf.first_guess_steps(["probe trial 1 (estimate): ...", line]) == 4
-    assert bench_hf.first_guess_steps([f"probe: {FirstGuess(None, ()).describe()} put ..."]) == 0
+    assert bench_hf.first_guess_steps([f"probe: {FirstGuess(None, ()).describe()}; ..."]) == 0

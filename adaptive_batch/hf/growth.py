@@ -88,7 +88,7 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
 
     Raises:
         ConfigError: for ``max_steps`` (growth is decided per epoch), several processes, a
-            dataset without a length, or a schedule that cannot be counted in samples (a
+            dataset without a length, TRL's ``padding_free`` (a row holds many samples), or a schedule that cannot be counted in samples (a
             ``LambdaLR``'s can: every ``lr_scheduler_type`` but ``reduce_lr_on_plateau``).
     """
     if str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == "reduce_lr_on_plateau" or (
@@ -102,6 +102,11 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
         raise ConfigError(
             f"max_steps={args.max_steps} with batch_increase_function: the batch grows at each epoch's start and an "
             "epoch then takes fewer steps; set num_train_epochs and max_steps=-1 (the default)."
+        )
+    if getattr(args, "padding_free", False):
+        raise ConfigError(
+            "padding_free=True with batch_increase_function: a padding-free batch is one row of many samples, so "
+            "the schedule could not count the samples it trains; set padding_free=False to grow the batch."
         )
     if args.world_size > 1:
         raise ConfigError(

@@ -72,7 +72,8 @@ class AdaptiveBatchTrainer(Trainer):
             training sample, ``b`` times, through the data collator (one a token shorter, so the
             batch is padded, where the samples differ in length).
         max_batch_size: the largest training micro-batch worth trying (``None``: the effective
-            batch); the effective batch is kept, in more micro-batches where it is lower.
+            batch, or the training set where the batch grows); the effective batch is kept, in
+            more micro-batches where it is lower.
         global_batch_size: the samples of one optimizer step over every rank, in place of
             ``per_device_train_batch_size x gradient_accumulation_steps x world_size``: each rank's
             share trains in the fewest micro-batches that fit (``gradient_accumulation_steps``
@@ -81,7 +82,8 @@ class AdaptiveBatchTrainer(Trainer):
         batch_increase_function: ``f(epoch, current_batch_size) -> increment`` (or its dotted
             path), called at the start of every epoch (0-based) with the effective batch: the
             effective batch grows, trained in micro-batches no larger than the probe's answer,
-            never past the answer unless it already accumulates or ``grow_with_accumulation``;
+            never past the answer unless the first one already accumulates (is larger than the
+            answer) or ``grow_with_accumulation``;
             the LR schedule is then counted in samples (in steps of the first effective batch).
         grow_with_accumulation: growth passes the answer in accumulated micro-batches.
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR in force is the schedule's LR
@@ -263,8 +265,7 @@ class AdaptiveBatchTrainer(Trainer):
         settings: Dict[str, Any] = {"max_batch_size": self.max_batch_size}
         if self.args.world_size == 1:
             settings["max_memory"] = self.max_memory
-        if self._growth.grows or self._growth.lr.scales:
-            settings.update(growth_settings(self._growth.growth, self._growth.lr))
+        settings.update(growth_settings(self._growth.growth, self._growth.lr))
         return settings
 
     def _refuse_what_changed_since(self, saved: Dict[str, Any], checkpoint: str) -> None:
@@ -278,8 +279,10 @@ class AdaptiveBatchTrainer(Trainer):
                      "global_batch_size over the ranks)")
         asked = {effective: self._asked_batch[0] * self._asked_batch[1], **self._settings()}
         # Checkpoints written before the settings were kept have the effective batch alone (and
-        # before growth, the one asked for).
+        # before growth, the one asked for); before growth's settings were kept, none grew.
+        unset = growth_settings(GrowthOptions(), LRScalingOptions())
         was = {effective: saved.get("asked_effective_batch_size", saved["effective_batch_size"]),
+               **{key: saved.get(key, unset[key]) for key in unset},
                **{key: saved[key] for key in asked if key in saved}}
         for key, value in asked.items():
             if key in was and was[key] != value:
@@ -391,11 +394,15 @@ class AdaptiveBatchTrainer(Trainer):
             return
         self._resumed_position = None
         if "growth" in state:
+            if state.get("asked_effective_batch_size", 0) > state["max_micro_batch_size"]:
+                self._growth.allow_accumulation()
             self._growth.resume(state["growth"], self._settings())
             self._resumed_position = RunPosition(**state["position"]) if "position" in state else None
             return
-        effective = state["effective_batch_size"]
-        self._growth.start(state["max_micro_batch_size"], effective, self._settings(), first=effective)
+        effective, found = state["effective_batch_size"], state["max_micro_batch_size"]
+        if effective > found:  # the Trainer accumulates already: growth goes on in micro-batches
+            self._growth.allow_accumulation()
+        self._growth.start(found, effective, self._settings(), first=effective)
 
     def _checkpoint_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the batches: the settled ones, and where growth has them

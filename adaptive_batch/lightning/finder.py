@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.trainer.call import _call_strategy_hook
 from lightning.pytorch.utilities.exceptions import _TunerExitException
@@ -147,6 +147,7 @@ class AdaptiveBatchFinder(Callback):
             if len(trainer.optimizers) > 1:
                 raise ConfigError(f"{len(trainer.optimizers)} optimizers: AdaptiveBatchFinder puts back one after its "
                                   "trials; use one optimizer, or probe with adaptive_batch.find_max_batch_size.")
+            self.batch.detach()  # hooks of a fit that ended in an error stay out of this one's trials
             previous = lightning_getattr(pl_module, self.batch_arg_name)
             if self._checkpoint_state is not None:
                 batch = FitBatch.of(self.batch.resume(self._checkpoint_state, self._settings()), self.batch.state.found)
@@ -161,8 +162,8 @@ class AdaptiveBatchFinder(Callback):
                 self._probe_and_start(trainer, pl_module, previous)
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
             schedulers = trainer.lr_scheduler_configs
-            self.batch.detach()  # a second fit's optimizer, or the same one again
-            self.batch.attach_optimizer(optimizer, schedulers[0].scheduler if schedulers else None)
+            self.batch.attach_optimizer(optimizer, schedulers[0].scheduler if schedulers else None,
+                                        hold_before_step=True)
             self.batch.hold_lr()
         if self.stop_after:
             raise _TunerExitException()
@@ -184,7 +185,9 @@ class AdaptiveBatchFinder(Callback):
                     trainer.precision_plugin.convert_input(make_batch(b))),
                 model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
                 lr_scheduler=schedulers[0].scheduler if schedulers else None,
-                max_batch_size=_smallest(self.max_batch_size or _dataset_size(loader), self.global_batch_size),
+                # Growing, the batch passes the first one: any micro-batch up to the dataset may train.
+                max_batch_size=_smallest(self.max_batch_size or _dataset_size(loader),
+                                         None if self.batch.grows else self.global_batch_size),
             )
         self.optimal_batch_size = found
         accumulate = int(trainer.accumulate_grad_batches)  # the user's, where neither growth nor a global batch set it
@@ -215,6 +218,12 @@ class AdaptiveBatchFinder(Callback):
         else:
             trainer.fit_loop._combined_loader = None
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A fit resumed from a checkpoint taken at an epoch's last batch starts the next epoch as a
+        # restart, without on_train_epoch_start: that epoch's growth is decided here.
+        if self.batch.state is not None and trainer.current_epoch > self.batch.state.decided_epoch:
+            self.on_train_epoch_start(trainer, pl_module)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         with logs.lines_to(self._log):
             decision = self.batch.grow_at(trainer.current_epoch)
@@ -230,7 +239,12 @@ class AdaptiveBatchFinder(Callback):
                 _set_sampler_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self.batch.hold_lr()
+        self.batch.hold_lr()  # the LR in force, where a monitor reads it
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Unscaled until the step itself (whose hooks scale it and put it back): a step a
+        # GradScaler skips leaves it unscaled for the scheduler, which a chainable one multiplies.
+        self.batch.release_lr()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -239,6 +253,11 @@ class AdaptiveBatchFinder(Callback):
                           batch_size=self.batch.state.effective)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.batch.detach()
+        self._checkpoint_state = None  # validate(ckpt_path=...) loads it too; a later fit probes
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.batch.release_lr()
         self.batch.detach()
 
     def _settings(self) -> Dict[str, Any]:
@@ -269,6 +288,9 @@ class AdaptiveBatchFinder(Callback):
             )
         if any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
             raise ConfigError("BatchSizeFinder and AdaptiveBatchFinder both set the batch size: keep one of them.")
+        if owner is not None and any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+            raise ConfigError(f"GradientAccumulationScheduler with {owner}: both set accumulate_grad_batches; keep "
+                              "one of them.")
         if not trainer.fit_loop._data_source.is_module():
             raise ConfigError(
                 "train_dataloaders passed to fit() are built already, so the batch size found cannot reach them: "

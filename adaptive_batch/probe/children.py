@@ -74,8 +74,7 @@ def search_in_children(
     # line is measured at the guess and one below it, where the answer most likely is (a 152K
     # vocabulary's guess of 5 took trials at 1, 2, 5 and 6).
     sizes = _estimate_sizes(guess)
-    logs.info(f"probe: {first.describe()} put the answer at most at {guess}; "
-              f"the line in address space is measured at {sizes[0]} and {sizes[1]}.")
+    logs.info(f"probe: {first.describe()}; the line in address space is measured at {sizes[0]} and {sizes[1]}.")
     try:
         return search_max_batch_size(
             # One trial longer than the whole probe may take is a hang.
@@ -98,10 +97,13 @@ class FirstGuess:
     steps: Tuple[int, ...]
 
     def describe(self) -> str:
-        if not self.steps:
-            return "no step of the first guess ran"
+        """What the guess ran and answered, for the probe's line."""
+        if self.batch_size is None:
+            return ("the first guess's process gave no guess (it ran out of memory, or its steps drew no line): "
+                    "the search starts from batch 1")
         sizes = ", ".join(str(b) for b in self.steps)
-        return f"the tensor bytes of {len(self.steps)} steps at batch {sizes} in a fresh process"
+        return (f"the tensor bytes of {len(self.steps)} steps at batch {sizes} in a fresh process put the answer at "
+                f"most at {self.batch_size}")
 
 
 @dataclass(frozen=True)

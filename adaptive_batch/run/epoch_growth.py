@@ -77,6 +77,11 @@ class EpochGrowth:
         """Whether the batch may pass what fits, in accumulated micro-batches."""
         return self._accumulates or self.growth.grow_with_accumulation
 
+    def allow_accumulation(self) -> None:
+        """Lets the batch pass what fits in accumulated micro-batches (a run that accumulates
+        already, as a Trainer whose first effective batch is larger than the answer)."""
+        self._accumulates = True
+
     def start(self, found: int, configured: int, settings: Dict[str, Any], *, first: Optional[int] = None) -> int:
         """The first epoch's batch: ``first`` where the adapter fixes it (a global batch, a
         Trainer's effective batch), else ``configured`` where it grows (clamped to what fits
@@ -167,6 +172,11 @@ class EpochGrowth:
         if self.scaler is None or self.state is None:
             return 1.0
         return self.scaler.lr_rule.factors(samples=self.state.effective, tokens=0.0).lr_factor
+
+    def release_lr(self) -> None:
+        """The unscaled LR back (idempotent)."""
+        if self.scaler is not None:
+            self.scaler.restore()
 
     def hold_lr(self) -> None:
         """The LR in force for the current batch: the schedule's (or the configured) LR times the

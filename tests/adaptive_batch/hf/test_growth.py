@@ -108,3 +108,29 @@ def test_a_position_resumes_inside_its_epoch_or_at_the_next_ones_start():
     assert position.resume_point(global_step=10, accumulation=3) == (1, 6)  # 2 steps of 3 micro-batches in
     assert position.resume_point(global_step=14, accumulation=3) == (2, 0)
     assert updates_in(16, 3) == 6 and updates_in(15, 3) == 5 and updates_in(0, 3) == 1
+
+
+def test_a_first_batch_that_accumulates_grows_in_micro_batches_and_resumes_inside_them(tmp_path):
+    """8 asked as 2 x 4 where 6 fit: growth goes on in micro-batches (16 as 6 + 5 + 5, 32 as
+    6 + 6 + 5 x 4), and a resume inside epoch 1 skips its steps' micro-batches by count."""
+    training = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "save_steps": 1}
+    whole = _trainer(tmp_path / "whole", training=training)
+    whole.train()
+    assert [h["batch_size"] for h in _steps(whole)] == [8] * 4 + [16] * 2 + [32]
+    assert [h["micro_batch_size"] for h in _steps(whole)] == [4] * 4 + [6] * 2 + [6]
+    resumed = _trainer(tmp_path / "resumed", training=training)
+    resumed.train(resume_from_checkpoint=f"{whole.args.output_dir}/checkpoint-5")
+    after = [h for h in _steps(resumed) if h["step"] > 5]
+    assert [h["batch_size"] for h in after] == [16, 32]
+    assert [h["loss"] for h in after] == pytest.approx([h["loss"] for h in _steps(whole)[5:]], rel=1e-4)
+    for a, b in zip(resumed.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpoint_that_did_not_grow_is_not_resumed_by_a_run_that_grows(tmp_path):
+    plain = _trainer(tmp_path / "plain", batch_increase_function=None, lr_scaling="none",
+                     training={"num_train_epochs": 1, "save_steps": 4})
+    plain.train()
+    with pytest.raises(ConfigError, match=r"it trained batch_increase_function=None, this Trainer asks for "
+                                          r"'tests.adaptive_batch.hf.test_growth.double_after_the_first'"):
+        _trainer(tmp_path / "growing").train(resume_from_checkpoint=f"{plain.args.output_dir}/checkpoint-4")

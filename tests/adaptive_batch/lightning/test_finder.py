@@ -306,7 +306,7 @@ def test_a_resumed_fit_trains_what_the_uninterrupted_one_trains_and_other_settin
 
     # Mid-epoch: a checkpoint after step 6 (epoch 1's second batch of 4); the rest of epoch 1 at 4.
     pl.seed_everything(0)
-    mid = ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=6, save_top_k=-1)
+    mid = ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=2, save_top_k=-1)
     _growth_trainer(_growing(), mid, epochs=2).fit(Scheduled())
     resumed = Scheduled()
     _growth_trainer(_growing(), epochs=3, enable_checkpointing=False).fit(
@@ -314,6 +314,13 @@ def test_a_resumed_fit_trains_what_the_uninterrupted_one_trains_and_other_settin
     assert resumed.trained == whole.trained[-6:] and resumed.lrs == pytest.approx(whole.lrs[-6:])
     for a, b in zip(resumed.parameters(), whole.parameters()):
         torch.testing.assert_close(a, b)
+
+    # At an epoch's last batch: Lightning restarts the next epoch without on_train_epoch_start,
+    # and the fit resumed there once trained epoch 1 at epoch 0's batch.
+    resumed = Scheduled()
+    _growth_trainer(_growing(), epochs=3, enable_checkpointing=False).fit(
+        resumed, ckpt_path=tmp_path / "mid" / "epoch=0-step=4.ckpt")
+    assert resumed.trained == whole.trained[4:] and resumed.lrs == pytest.approx(whole.lrs[4:])
 
     with pytest.raises(ConfigError, match=r"lr_scaling='sqrt', but the checkpoint's fit ran with lr_scaling='linear'"):
         _growth_trainer(AdaptiveBatchFinder(max_memory=BUDGET, max_batch_size=6, lr_scaling="sqrt",

@@ -74,7 +74,8 @@ def test_the_first_guess_draws_its_line_through_2_and_3_where_batch_1_runs_other
     # the truth: the largest b with max(10, 2 b) MiB and the model's few bytes within the budget
     first = TensorGuess(budget, "max_memory")(target, 0, 0)
     assert first.batch_size == 10 and first.steps == (1, 1, 2, 3)  # the warmup, then the estimate steps
-    assert first.describe() == "the tensor bytes of 4 steps at batch 1, 1, 2, 3 in a fresh process"
+    assert first.describe() == ("the tensor bytes of 4 steps at batch 1, 1, 2, 3 in a fresh process put the answer "
+                                "at most at 10")
     # where batch 1 and 2 run the same operators, the guess takes no step at 3
     ran = []
     same = ProbeTarget(train_step=lambda batch: ran.append(batch.shape[0]) or torch.empty(2 * MIB * batch.shape[0]),

@@ -73,3 +73,21 @@ def test_the_lr_in_force_is_the_schedules_times_the_factor_and_the_hooks_leave_w
     growth.detach()
     optimizer.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # no hook left to change it
+
+
+def test_a_skipped_step_leaves_the_scheduler_the_unscaled_lr():
+    """A GradScaler skips optimizer.step() on inf gradients, so no step hook runs: the adapter puts
+    the unscaled LR back before the step (Lightning's on_before_optimizer_step), and a chainable
+    schedule then multiplies that, not the scaled one."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    growth = _growth()
+    growth.start(8, 2, {})
+    growth.grow_at(0)
+    growth.attach_optimizer(optimizer, schedule, hold_before_step=True)
+    growth.hold_lr()  # the batch starts: 0.2 in force
+    growth.release_lr()  # before the step, which is skipped
+    schedule.step()
+    growth.hold_lr()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # 0.05 x 2; 0.2 compounded would be 0.2
