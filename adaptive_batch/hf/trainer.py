@@ -44,7 +44,7 @@ from adaptive_batch.hf.micro_batches import (
     split_into_micro_batches,
     uneven_allowed,
 )
-from adaptive_batch.hf.growth import RunPosition, SampleCountedSchedule, refuse_what_growth_cannot_follow, updates_in
+from adaptive_batch.hf.run_position import RunPosition, SampleCountedSchedule, refuse_what_growth_cannot_follow, updates_in
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
 from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator

@@ -102,7 +102,7 @@ def test_what_growth_cannot_follow_is_one_line_before_any_step(tmp_path):
 
 
 def test_a_position_resumes_inside_its_epoch_or_at_the_next_ones_start():
-    from adaptive_batch.hf.growth import RunPosition, updates_in
+    from adaptive_batch.hf.run_position import RunPosition, updates_in
 
     position = RunPosition(epoch=1, epoch_start_step=8, epoch_updates=6)
     assert position.resume_point(global_step=10, accumulation=3) == (1, 6)  # 2 steps of 3 micro-batches in
@@ -132,5 +132,5 @@ def test_a_checkpoint_that_did_not_grow_is_not_resumed_by_a_run_that_grows(tmp_p
                      training={"num_train_epochs": 1, "save_steps": 4})
     plain.train()
     with pytest.raises(ConfigError, match=r"it trained batch_increase_function=None, this Trainer asks for "
-                                          r"'tests.adaptive_batch.hf.test_growth.double_after_the_first'"):
+                                          r"'tests.adaptive_batch.hf.test_run_position.double_after_the_first'"):
         _trainer(tmp_path / "growing").train(resume_from_checkpoint=f"{plain.args.output_dir}/checkpoint-4")
