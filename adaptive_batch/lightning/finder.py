@@ -166,6 +166,8 @@ class AdaptiveBatchFinder(Callback):
                                         hold_before_step=True)
             self.batch.hold_lr()
         if self.stop_after:
+            self.batch.release_lr()
+            self.batch.detach()  # no fit follows in this call to run the hooks
             raise _TunerExitException()
 
     def _probe_and_start(self, trainer: Trainer, pl_module: LightningModule, previous: int) -> None:
