@@ -234,7 +234,7 @@ class AdaptiveBatchFinder(Callback):
             batch = FitBatch.of(decision.batch_size, self.batch.state.found)
             clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
             logs.info(f"adaptive-batch: epoch {decision.epoch}: batch {decision.previous} -> {batch.effective}{clamp}, "
-                      f"trained as {batch.accumulate} x {batch.micro_batch}.")
+                      f"trained as {batch.accumulate} x {batch.micro_batch}.{_small_split(batch, self.batch.state.found)}")
             self._set_batch(trainer, pl_module, batch)
             # The loop set the epoch on the loader it built before this hook; the new one needs it too.
             for loader in trainer.fit_loop._combined_loader.flattened:
@@ -378,6 +378,15 @@ def _rebuild_train_loader(trainer: Trainer, batch_arg_name: str, batch_size: int
             f"batch_arg_name={batch_arg_name!r} is now {batch_size}, but train_dataloader() still builds batches of "
             f"{built}: build its DataLoader with batch_size=self.{batch_arg_name}."
         )
+
+
+def _small_split(batch: FitBatch, found: int) -> str:
+    """A warning, where Lightning's equal micro-batches (it accumulates by count) come out under
+    half of what fits: a batch with no divisor near the answer (13 where 6 fit: 13 x 1)."""
+    if batch.micro_batch * 2 >= found or batch.accumulate == 1:
+        return ""
+    return (f" Its micro-batches are under half of the {found} that fit, since {batch.effective} has no divisor "
+            f"near it: a batch of a multiple of a size up to {found} trains faster.")
 
 
 def _smallest(*sizes: Optional[int]) -> Optional[int]:

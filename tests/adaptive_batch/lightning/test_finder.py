@@ -337,3 +337,11 @@ def test_bad_growth_settings_are_one_line_before_any_trial():
     with pytest.raises(ConfigError, match="accumulate_grad_batches=2 with batch_increase_function=.*double_after_the_first"):
         _trainer(_growing(), accumulate_grad_batches=2).fit(model)
     assert model.trained == []
+
+
+def test_a_grown_batch_with_no_divisor_near_the_answer_is_said():
+    from adaptive_batch.lightning.finder import FitBatch, _small_split
+
+    assert FitBatch.of(13, 6) == FitBatch(13, 1, 13)
+    assert "13 has no divisor near it" in _small_split(FitBatch.of(13, 6), 6)
+    assert _small_split(FitBatch.of(12, 6), 6) == "" and _small_split(FitBatch.of(5, 6), 6) == ""
