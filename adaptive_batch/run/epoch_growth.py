@@ -59,10 +59,18 @@ class EpochGrowth:
             ``grow_with_accumulation`` (a fixed global batch, or a Trainer's accumulation).
 
     Raises:
-        ConfigError: for a rule the optimizer cannot take (:meth:`attach_optimizer`).
+        ConfigError: for a growth function that needs the gradient noise scale (not measured
+            here); for a rule the optimizer cannot take (:meth:`attach_optimizer`).
     """
 
     def __init__(self, growth: GrowthOptions, lr: LRScalingOptions, *, accumulates: bool = False) -> None:
+        fn = growth.batch_increase_function
+        if getattr(fn, "needs_gradient_noise_scale", False):
+            raise ConfigError(
+                f"batch_increase_function={function_name(fn)} grows toward the gradient noise scale, which a "
+                "framework's loop does not measure here; grow by epoch (adaptive_batch.multiply_every, linear_ramp, "
+                "seesaw, ...) or train with a recipe (measure_noise_scale=True)."
+            )
         self.growth, self.lr, self._accumulates = growth, lr, accumulates
         self.state: Optional[EpochGrowthState] = None
         self.scaler: Optional[BatchLRScaler] = None

@@ -91,3 +91,10 @@ def test_a_skipped_step_leaves_the_scheduler_the_unscaled_lr():
     schedule.step()
     growth.hold_lr()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # 0.05 x 2; 0.2 compounded would be 0.2
+
+
+def test_growth_toward_the_noise_scale_is_refused_where_nothing_measures_it():
+    from adaptive_batch.schedule.noise_scale import noise_scale_growth
+
+    with pytest.raises(ConfigError, match="grows toward the gradient noise scale, which a framework's loop"):
+        _growth(fn=noise_scale_growth())
