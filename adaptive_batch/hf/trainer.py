@@ -498,7 +498,7 @@ class AdaptiveBatchTrainer(Trainer):
         effective = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
         # The effective batch is per device: the rule's global batch over one rank.
         pieces = [batch] * micro_batches_per_trial(BatchLayout().rows(batch), global_batch_size=effective,
-                                                   grow_with_accumulation=self._growth.grows and self._growth.accumulates)
+                                                   grow_with_accumulation=self.trials_grow_by_accumulation())
         self.current_gradient_accumulation_steps = len(pieces)
         # No num_items_in_batch: the Trainer counts it across ranks (a collective), and ranks
         # probe their own budgets in their own number of trials. The memory is the same.
@@ -508,6 +508,12 @@ class AdaptiveBatchTrainer(Trainer):
             self._clip_grad_norm(self.model)
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
+
+    def trials_grow_by_accumulation(self) -> bool:
+        """Whether the run may grow past the answer in micro-batches (``grow_with_accumulation``),
+        so every trial runs two, with the first one's gradients alive (a trial process is told)."""
+        return bool(getattr(self, "_trials_grow_by_accumulation", False)
+                    or (self._growth.grows and self._growth.growth.grow_with_accumulation))
 
     def _eval_step(self, batch: Any) -> None:
         """One evaluation step as the Trainer's loop runs it: the model in eval mode (the

@@ -46,6 +46,8 @@ class TrainerTrialBuild:
     compute_loss_func: Any
     optimizer_cls_and_kwargs: Any
     make_batch: Callable[[int], Any]
+    # The run grows past the answer in micro-batches: its trials run two, as its steps will.
+    grows_by_accumulation: bool = False
     # Imported once in the server the trial processes are forked from, not in each of them.
     preload = ("transformers", "adaptive_batch.hf.trainer")
 
@@ -71,6 +73,7 @@ class TrainerTrialBuild:
             args=_args_for_a_trial(trainer.args), data_collator=trainer.data_collator,
             processing_class=trainer.processing_class, compute_loss_func=getattr(trainer, "compute_loss_func", None),
             optimizer_cls_and_kwargs=getattr(trainer, "optimizer_cls_and_kwargs", None), make_batch=make_batch,
+            grows_by_accumulation=trainer.trials_grow_by_accumulation(),
         )
         in_a_notebook = [part for part in (type(trainer), make_batch, trainer.data_collator)
                          if getattr(part, "__module__", None) == "__main__" or type(part).__module__ == "__main__"]
@@ -94,6 +97,7 @@ class TrainerTrialBuild:
                                      processing_class=self.processing_class, compute_loss_func=self.compute_loss_func,
                                      optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs, probe_eval=False)
         trainer._stop_at_the_loop = True
+        trainer._trials_grow_by_accumulation = self.grows_by_accumulation
         try:
             trainer.train()  # its preparations (activation checkpointing, NEFTune), up to its loop
         except _AtTheLoop:

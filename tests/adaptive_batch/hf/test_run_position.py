@@ -37,6 +37,10 @@ def _trainer(out, **kwargs):
     return trainer
 
 
+def _worst_case(batch_size):
+    return ByteCollator()(_samples(batch_size))
+
+
 def _steps(trainer):
     return [h for h in trainer.state.log_history if "loss" in h]
 
@@ -134,3 +138,15 @@ def test_a_checkpoint_that_did_not_grow_is_not_resumed_by_a_run_that_grows(tmp_p
     with pytest.raises(ConfigError, match=r"it trained batch_increase_function=None, this Trainer asks for "
                                           r"'tests.adaptive_batch.hf.test_run_position.double_after_the_first'"):
         _trainer(tmp_path / "growing").train(resume_from_checkpoint=f"{plain.args.output_dir}/checkpoint-4")
+
+
+def test_trials_of_a_run_that_grows_by_accumulation_run_two_micro_batches_here_and_in_a_trial_process(tmp_path):
+    """A micro-batch at the first effective batch runs alone, but grown past the answer it is
+    one of several: the trials measure two, with the first one's gradients alive."""
+    from adaptive_batch.hf.trainer_build import TrainerTrialBuild
+
+    trainer = _trainer(tmp_path, grow_with_accumulation=True)
+    assert trainer.trials_grow_by_accumulation()
+    build = TrainerTrialBuild.of(trainer, _worst_case)
+    assert isinstance(build, TrainerTrialBuild) and build.grows_by_accumulation
+    assert not _trainer(tmp_path).trials_grow_by_accumulation()
