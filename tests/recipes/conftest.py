@@ -30,6 +30,26 @@ def tune_env(extra_path=None, env=None) -> Dict[str, str]:
     return merged
 
 
+# torch 2.13's gloo transport once killed a rank by SIGSEGV mid-run, in its `pt_gloo_runloop` thread
+# inside libc's allocator (dmesg; 1 suite run in about 20, no code of ours on that thread). A launch
+# that starts afresh (no resume) and loses a rank that way is run once more from an empty
+# output_dir, and the test's output says so; any other failure, a second segfault, or one in a
+# launch that resumes (whose output_dir is the test's state) fails the test.
+RANK_SEGFAULT = "exitcode  : -11"
+
+
+def _rank_segfaulted(output: str, overrides) -> bool:
+    return RANK_SEGFAULT in output and not any(str(o).startswith("resume_from_checkpoint=") for o in overrides)
+
+
+def _empty(output_dir) -> None:
+    import shutil
+
+    for path in Path(output_dir).iterdir():
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    print(f"a rank died by SIGSEGV in gloo's transport; run once more from an empty {output_dir}", file=sys.stderr)
+
+
 def run_tune(
     output_dir,
     *overrides,
@@ -57,9 +77,16 @@ def run_tune(
         cmd = [TUNE, *args]
     else:
         cmd = [sys.executable, str(REPO / "tests/recipes/limited_run.py"), str(headroom_bytes), *args]
-    return subprocess.run(
-        cmd, cwd=REPO, env=tune_env(extra_path, env), capture_output=True, text=True, timeout=timeout
-    )
+
+    def launch() -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=REPO, env=tune_env(extra_path, env), capture_output=True, text=True,
+                              timeout=timeout)
+
+    proc = launch()
+    if nproc is not None and proc.returncode != 0 and _rank_segfaulted(proc.stderr + proc.stdout, overrides):
+        _empty(output_dir)
+        proc = launch()
+    return proc
 
 
 def run_tune_in_process(args: List[str], extra_path=None, env=None) -> subprocess.CompletedProcess:
@@ -214,12 +241,21 @@ def run_tune_until_killed(output_dir, *overrides, after, nproc=None, extra_path=
     launch = [] if nproc is None else ["--nproc_per_node", str(nproc)]
     cmd = [TUNE, "run", *launch, kw.get("recipe", RECIPE), "--config", kw.get("config", CONFIG),
            f"output_dir={output_dir}", *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=tune_env(extra_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(cmd, cwd=REPO, env=tune_env(extra_path), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    proc, retried = start(), False
     deadline = time.monotonic() + timeout
     while not Path(after).exists():
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended before {after} was written:\n{proc.stdout.read()[-3000:]}")
+            output = proc.stdout.read()
+            if nproc is not None and not retried and _rank_segfaulted(output, overrides):
+                _empty(output_dir)
+                proc, retried = start(), True
+                continue
+            raise AssertionError(f"the run ended before {after} was written:\n{output[-3000:]}")
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError(f"{after} was not written in {timeout} s")

@@ -191,3 +191,14 @@ def test_settings_the_distributed_recipe_refuses_stop_before_any_process_group(t
     proc = run_tune(tmp_path, override, recipe=DIST["recipe"], config=DIST["config"])
     assert proc.returncode == 1 and expected in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "batch_probe.json").exists()
+
+
+def test_only_a_fresh_launch_that_lost_a_rank_to_sigsegv_runs_again():
+    """The one retry (tests/recipes/conftest.py): torchrun's report of a rank killed by SIGSEGV, in
+    a launch that does not resume; never another failure, never a resume's."""
+    from tests.recipes.conftest import _rank_segfaulted
+
+    report = "rank      : 1 (local_rank: 1)\n  exitcode  : -11 (pid: 3359)"
+    assert _rank_segfaulted(report, ["epochs=1"])
+    assert not _rank_segfaulted(report.replace("-11", "1"), ["epochs=1"])
+    assert not _rank_segfaulted(report, ["resume_from_checkpoint=True"])
