@@ -371,9 +371,7 @@ class AdaptiveBatchTrainer(Trainer):
             per_device, accumulation = split_effective_batch(effective, state["max_micro_batch_size"],
                                                              uneven_allowed=False)
             state = {**state, "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation}
-        args.per_device_train_batch_size = state["per_device_train_batch_size"]
-        args.gradient_accumulation_steps = state["gradient_accumulation_steps"]
-        self._train_batch_size = args.train_batch_size
+        self._take_micro_batches(state["per_device_train_batch_size"], state["gradient_accumulation_steps"])
         if "per_device_eval_batch_size" in state:
             args.per_device_eval_batch_size = state["per_device_eval_batch_size"]
         self.adaptive_batch = {k: v for k, v in state.items() if k not in ("growth", "position")}
@@ -438,14 +436,17 @@ class AdaptiveBatchTrainer(Trainer):
         self._position.epoch_updates = kwargs["num_update_steps_per_epoch"]
         return super()._run_epoch(*args, **kwargs)
 
+    def _take_micro_batches(self, per_device: int, accumulation: int) -> None:
+        """The arguments the Trainer builds its loader and steps from, for these micro-batches."""
+        self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps = per_device, accumulation
+        self._train_batch_size = self.args.train_batch_size
+
     def _set_effective(self, decision: GrowthDecision) -> None:
         """The grown effective batch, in the fewest micro-batches no larger than the answer."""
-        state, args = self.adaptive_batch, self.args
-        effective = decision.batch_size
+        state, effective = self.adaptive_batch, decision.batch_size
         per_device, accumulation = split_effective_batch(effective, state["max_micro_batch_size"],
                                                          uneven_allowed=uneven_allowed(self))
-        args.per_device_train_batch_size, args.gradient_accumulation_steps = per_device, accumulation
-        self._train_batch_size = args.train_batch_size
+        self._take_micro_batches(per_device, accumulation)
         state.update(effective_batch_size=effective, per_device_train_batch_size=per_device,
                      gradient_accumulation_steps=accumulation)
         clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
