@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test test-fast test-unit bench bench-hf bench-zoo bench-plan bench-plan-torchtune bench-estimate bench-overhead gpu-check gpu-check-cpu gpu-wheels venv clean
+.PHONY: run run-distributed test test-fast test-unit bench bench-hf bench-zoo bench-plan bench-plan-torchtune bench-estimate bench-overhead bench-noise-scale gpu-check gpu-check-cpu gpu-wheels venv clean
 
 venv: $(STAMP)
 
@@ -65,6 +65,10 @@ bench-estimate: $(STAMP)
 # Every adaptive key off against torchtune 0.6.1's own recipe, in alternating pairs: docs/benchmarks.md.
 bench-overhead: $(STAMP)
 	$(BIN)/python benchmarks/bench_overhead.py $(ARGS)
+
+# The noise scale's two estimators: their cost through the recipe, and both on the same runs.
+bench-noise-scale: $(STAMP)
+	$(BIN)/python benchmarks/bench_noise_scale.py $(ARGS)
 
 bench-plan: $(STAMP)
 	$(BIN)/python benchmarks/bench_plan.py $(ARGS)

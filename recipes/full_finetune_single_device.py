@@ -344,8 +344,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 key={"dataset": OmegaConf.to_container(cfg.dataset), "tokenizer": OmegaConf.to_container(cfg.tokenizer)},
                 log=log.info, warn=log.warning,
             )
-        # measure_noise_scale's gradient copy exists before the probe, which counts it.
-        self._batching.track_gradients(self._model.parameters())
+        # measure_noise_scale's gradient copy (or hooks) exists before the probe, which counts it.
+        self._batching.track_gradients(self._model, row_tokens=self._row_tokens)
         # Under a hard limit in address space each trial builds this recipe again in a fresh process.
         with abt.RecipeTrialBuild.of(self, cfg) as build:
             probe = partial(
@@ -594,6 +594,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return abt.next_token_loss(self._model, self._loss_fn, batch, self.activations_handling_ctx)
+
+    def _row_tokens(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each sample's tokens that carry a loss (its labels from the second: the loss predicts
+        each next token)."""
+        return (batch["labels"][..., 1:] != self._loss_fn.ignore_index).sum(-1)
 
     def _forward_backward(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro-batch; returns its summed loss and token count."""

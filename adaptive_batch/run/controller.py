@@ -84,9 +84,10 @@ class AdaptiveBatchController:
         """The micro-batches a probe trial runs (:meth:`BatchSession.probe_micro_batches`)."""
         return self.session.probe_micro_batches(micro_batch_size)
 
-    def track_gradients(self, params: Any) -> None:
-        """Allocates ``measure_noise_scale``'s gradient copy before :meth:`settle` probes."""
-        self.grower.track_gradients(params)
+    def track_gradients(self, model: Any, row_tokens: Optional[Callable[[Any], torch.Tensor]] = None) -> None:
+        """What ``measure_noise_scale`` reads, set up before :meth:`settle` probes
+        (:meth:`Grower.track_gradients <adaptive_batch.run.grower.Grower.track_gradients>`)."""
+        self.grower.track_gradients(model, row_tokens)
 
     def batch_sampler(self, dataset: Any, *, shuffle: bool) -> Any:
         """The batch sampler of this rank's share of ``dataset``, following the batch."""

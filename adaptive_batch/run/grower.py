@@ -5,7 +5,10 @@
 and folds each step's micro-batch gradients into the gradient noise scale when asked to.
 """
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
+
+import torch
+from torch import nn
 
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import BatchIncreaseFunctionError
@@ -22,8 +25,8 @@ from adaptive_batch.schedule.noise_scale import (
     GradientNoiseScale,
     MicroBatchGradients,
     NoiseScaleOptions,
-    estimate_noise,
 )
+from adaptive_batch.schedule.norm_layer_gradients import NormLayerGradients
 
 
 class Grower:
@@ -48,7 +51,8 @@ class Grower:
         self.interval = growth.batch_increase_interval
         self.ranks = ranks
         self.noise_scale = GradientNoiseScale(noise.noise_scale_ema) if noise.measure_noise_scale else None
-        self.gradients: Optional[MicroBatchGradients] = None
+        self.estimator = noise.noise_scale_estimator
+        self.gradients: Optional[Union[MicroBatchGradients, NormLayerGradients]] = None
         self._samples_per_token: Optional[float] = None
         self._warned_no_noise = False
 
@@ -134,29 +138,39 @@ class Grower:
 
     # ---------------------------------------------------------------- the noise scale
 
-    def track_gradients(self, params: Any) -> None:
-        """With ``measure_noise_scale``, allocates the gradient copy the measurement needs;
-        called before the probe, so it counts as training state."""
-        if self.noise_scale is not None:
-            self.gradients = MicroBatchGradients(list(params))
+    def track_gradients(self, model: nn.Module, row_tokens: Optional[Callable[[Any], torch.Tensor]] = None) -> None:
+        """With ``measure_noise_scale``, what the estimator reads: the gradient copy of
+        ``"micro_batches"`` (allocated now, before the probe, so it counts as training state)
+        or the hooks of ``"norm_layers"``.
+
+        Args:
+            model: the model trained.
+            row_tokens: a micro-batch's tokens that carry a loss, per example, read before its
+                forward (``"norm_layers"`` needs it).
+
+        Raises:
+            ConfigError: ``"norm_layers"`` on a model without LayerNorm or RMSNorm weights.
+            ValueError: ``"norm_layers"`` without ``row_tokens``.
+        """
+        if self.noise_scale is None:
+            return
+        if self.estimator == "norm_layers":
+            if row_tokens is None:
+                raise ValueError("noise_scale_estimator='norm_layers' needs row_tokens(micro_batch) -> tokens per sample.")
+            self.gradients = NormLayerGradients(model, row_tokens)
+            self.gradients.attach()
+        else:
+            self.gradients = MicroBatchGradients(list(model.parameters()))
             self.gradients.allocate()
 
     def measure_noise(self, global_samples: float) -> Optional[float]:
         """Folds the step's micro-batch gradients into the noise scale; returns it in samples
         (``None`` before it can be measured, or when it is not)."""
-        gradients = self.gradients
-        if gradients is None or len(gradients.sq_norms) < 2:
+        step = None if self.gradients is None else self.gradients.step_noise(self.ranks)
+        if step is None:
             return None if self.noise_scale is None else self._noise_in_samples()
-        n = len(gradients.sq_norms)
-        # Sharded gradients: a norm is the sum of the ranks' local ones; tokens are all ranks'.
-        totals = self.ranks.sums(*gradients.sq_norms, *gradients.tokens, gradients.step_sq_norm())
-        sq, tokens, step_sq = totals[:n], totals[n : 2 * n], totals[-1]
-        # .grad holds summed-loss gradients averaged over ranks: per-token means need x world / tokens.
-        world = self.ranks.world_size
-        means = [s * world**2 / t**2 for s, t in zip(sq, tokens)]
-        step_tokens = sum(tokens)
-        self.noise_scale.update(estimate_noise(means, tokens, step_sq * world**2 / step_tokens**2, step_tokens))
-        self._samples_per_token = global_samples / step_tokens
+        self.noise_scale.update(step.estimate)
+        self._samples_per_token = global_samples / step.tokens
         return self._noise_in_samples()
 
     def _noise_in_samples(self) -> Optional[float]:

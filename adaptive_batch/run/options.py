@@ -79,6 +79,12 @@ class AdaptiveBatchOptions:
         return frozenset(f.name for section in fields(cls) for f in fields(section.default_factory))
 
     @classmethod
+    def defaults(cls) -> Dict[str, Any]:
+        """Each flat setting's default, as its section holds it."""
+        built = cls()
+        return {f.name: getattr(getattr(built, s.name), f.name) for s in fields(cls) for f in fields(s.default_factory)}
+
+    @classmethod
     def from_flat(cls, values: Dict[str, Any]) -> "AdaptiveBatchOptions":
         """Builds the sections from flat ``key: value`` settings; missing keys keep defaults.
 

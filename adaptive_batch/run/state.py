@@ -18,6 +18,7 @@ from adaptive_batch.errors import ConfigError
 from adaptive_batch.files import content_digest
 import adaptive_batch.logs as logs
 from adaptive_batch.rng import rng_state, set_rng_state
+from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.session import BatchSession
 
 RUN_STATE_KEY = "adaptive_batch_run"
@@ -107,7 +108,18 @@ class RunState:
         if not self.saved:
             return []
         before = self.saved.get("fingerprint", {})
-        return sorted(key for key in set(before) | set(self.fingerprint) if before.get(key) != self.fingerprint.get(key))
+        return sorted(
+            key for key in set(before) | set(self.fingerprint)
+            if before.get(key) != self.fingerprint.get(key) and not self._newer_key_at_default(key, before)
+        )
+
+    def _newer_key_at_default(self, key: str, before: Mapping[str, str]) -> bool:
+        """A setting the checkpoint's version did not have, left unset or at its default now:
+        that run trained as its default does."""
+        if key in before or key not in self.fingerprint:
+            return False
+        default = AdaptiveBatchOptions.defaults().get(key)
+        return self.fingerprint[key] in (fingerprint({key: None})[key], fingerprint({key: default})[key])
 
     def check_resume(self) -> None:
         """Refuses a resumed run that would train something else than the run that wrote the

@@ -74,8 +74,10 @@ def accumulate_gradients(
         agree_on_oom: for data-parallel ranks, ``agree(failed) -> failed on any rank`` after
             every micro-batch, so all ranks restart with the same smaller micro-batches (an error
             raised inside a collective leaves a rank waiting there, out of reach).
-        observer: told ``start()`` at every attempt and ``after_micro_batch(tokens)`` after each
-            backward (:class:`~adaptive_batch.schedule.noise_scale.MicroBatchGradients`).
+        observer: told ``start()`` at every attempt, ``before_micro_batch(piece)`` before each
+            forward and ``after_micro_batch(tokens)`` after each backward
+            (:class:`~adaptive_batch.schedule.noise_scale.MicroBatchGradients`,
+            :class:`~adaptive_batch.schedule.norm_layer_gradients.NormLayerGradients`).
         min_micro_batches: split the step into at least this many (2: two gradients to
             compare, ``noise_scale_split_step``); the limit is unchanged by it.
         layout: where the batch's samples lie (any structure; the first dimension by default).
@@ -135,6 +137,8 @@ def _run_micro_batches(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     loss_sum = num_tokens = None
     for piece in layout.split(batch, sizes):
+        if observer is not None:
+            observer.before_micro_batch(piece)
         if agree_on_oom is None:
             loss, tokens = forward_backward(piece)
         else:

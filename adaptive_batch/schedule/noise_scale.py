@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 from adaptive_batch.errors import ConfigError
 
 NOISE_SCALE_STATE_KEY = "gradient_noise_scale"
+NOISE_SCALE_ESTIMATORS = ("micro_batches", "norm_layers")
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,25 @@ def estimate_noise(
     if min(small_sizes) <= 0 or big_size <= 0:
         raise ValueError(f"sizes must be positive: parts {list(small_sizes)}, step {big_size}.")
     inv_small = sum(1.0 / s for s in small_sizes) / len(small_sizes)
+    return estimate_noise_from_means(sum(small_sq_norms) / len(small_sq_norms), inv_small, big_sq_norm, big_size)
+
+
+def estimate_noise_from_means(
+    small_sq_norm: float, small_inverse_size: float, big_sq_norm: float, big_size: float
+) -> NoiseEstimate:
+    """:func:`estimate_noise` from the parts' mean ``|g_i|^2`` and mean ``1/size``: what
+    per-example parts, summed over ranks, come to."""
     inv_big = 1.0 / big_size
-    small = sum(small_sq_norms) / len(small_sq_norms)
-    trace = (small - big_sq_norm) / (inv_small - inv_big)
+    trace = (small_sq_norm - big_sq_norm) / (small_inverse_size - inv_big)
     return NoiseEstimate(gradient_sq=big_sq_norm - trace * inv_big, trace=trace)
+
+
+@dataclass(frozen=True)
+class StepNoise:
+    """One step's noise estimates and the tokens they are per (all ranks)."""
+
+    estimate: NoiseEstimate
+    tokens: float
 
 
 class GradientNoiseScale:
@@ -173,10 +189,31 @@ class MicroBatchGradients:
         self.sq_norms.append(total)
         self.tokens.append(tokens)
 
+    def before_micro_batch(self, piece: Any) -> None:
+        """Nothing to read before a micro-batch: its gradient is read after."""
+
     def step_sq_norm(self) -> Any:
         """The whole step's squared norm (summed-loss units), before any scaling: the copy
         holds the accumulated gradient after the last micro-batch."""
         return sum(b.pow(2).sum() for b in self._previous)
+
+    def step_noise(self, ranks: Any) -> Optional[StepNoise]:
+        """The step's estimates from its micro-batches (``None`` with fewer than two).
+
+        Args:
+            ranks: the data-parallel ranks (a :class:`~adaptive_batch.distributed.RankGroup`).
+        """
+        n = len(self.sq_norms)
+        if n < 2:
+            return None
+        # Sharded gradients: a norm is the sum of the ranks' local ones; tokens are all ranks'.
+        totals = ranks.sums(*self.sq_norms, *self.tokens, self.step_sq_norm())
+        sq, tokens, step_sq = totals[:n], totals[n : 2 * n], totals[-1]
+        # .grad holds summed-loss gradients averaged over ranks: per-token means need x world / tokens.
+        world = ranks.world_size
+        means = [s * world**2 / t**2 for s, t in zip(sq, tokens)]
+        step_tokens = sum(tokens)
+        return StepNoise(estimate_noise(means, tokens, step_sq * world**2 / step_tokens**2, step_tokens), step_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,9 +221,12 @@ class NoiseScaleOptions:
     """Measuring the gradient noise scale; checks itself when built.
 
     Attributes:
-        measure_noise_scale: log ``gradient_noise_scale`` every step that runs in two or more
-            micro-batches (costs one copy of the gradients in memory, and a norm per
-            micro-batch).
+        measure_noise_scale: log ``gradient_noise_scale`` every step the estimator can read.
+        noise_scale_estimator: ``"micro_batches"`` compares the gradients of a step's
+            micro-batches (steps of two or more; costs one copy of the gradients in memory and a
+            norm per micro-batch); ``"norm_layers"`` compares each example's gradient of the
+            LayerNorm/RMSNorm weights with the step's (Gray et al. 2024: every step, no copy, a
+            few elementwise passes; models with such layers).
         noise_scale_ema: the moving averages' decay.
         noise_scale_split_step: run a step that would be one micro-batch as two halves, so
             there are two gradients to compare (one device, no accumulation). The update is the
@@ -197,6 +237,7 @@ class NoiseScaleOptions:
     """
 
     measure_noise_scale: bool = False
+    noise_scale_estimator: str = "micro_batches"
     noise_scale_ema: float = 0.95
     noise_scale_split_step: bool = False
 
@@ -206,6 +247,16 @@ class NoiseScaleOptions:
         check_bool("measure_noise_scale", self.measure_noise_scale)
         check_bool("noise_scale_split_step", self.noise_scale_split_step)
         GradientNoiseScale(self.noise_scale_ema)  # checks the decay
+        if self.noise_scale_estimator not in NOISE_SCALE_ESTIMATORS:
+            raise ConfigError(
+                f"noise_scale_estimator={self.noise_scale_estimator!r}: use one of "
+                f"{', '.join(repr(e) for e in NOISE_SCALE_ESTIMATORS)}."
+            )
+        if self.noise_scale_split_step and self.noise_scale_estimator == "norm_layers":
+            raise ConfigError(
+                "noise_scale_split_step=True with noise_scale_estimator='norm_layers': per-example norms need no "
+                "split (every step is measured); set noise_scale_split_step=False."
+            )
         if self.noise_scale_split_step and not self.measure_noise_scale:
             raise ConfigError(
                 "noise_scale_split_step=True with measure_noise_scale=False: the split only serves the "

@@ -122,6 +122,15 @@ def test_noise_scale_is_logged_every_step_of_accumulated_micro_batches(tmp_path)
     assert all(0 < r["gradient_noise_scale"] < 100 for r in rows)
 
 
+def test_norm_layer_noise_scale_is_logged_on_steps_of_one_micro_batch(tmp_path):
+    proc = run_tune(tmp_path, FIXED, "batch_size=4", "measure_noise_scale=True", "noise_scale_estimator=norm_layers",
+                    "max_steps_per_epoch=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metric_log(tmp_path)
+    assert len(rows) == 4 and all(r["grad_accum_steps"] == 1 for r in rows)
+    assert all(0 < r["gradient_noise_scale"] < 1000 for r in rows)
+
+
 def test_lora_stopped_mid_epoch_resumes_from_its_adapter_step_checkpoint(tmp_path, schedules):
     common = [
         "batch_increase_function=my_growth.double_or_stop", "batch_increase_interval=2 steps", "batch_size=2",

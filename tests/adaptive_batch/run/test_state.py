@@ -45,6 +45,18 @@ def test_a_resumed_run_knows_which_trained_settings_changed(tmp_path):
     assert unrecorded.changed_settings() == []  # an older checkpoint recorded none
 
 
+def test_a_setting_newer_than_the_checkpoint_counts_as_changed_only_off_its_default(tmp_path):
+    # A checkpoint written before noise_scale_estimator existed trained as its default does.
+    saved = run_state(tmp_path).state_dict()
+    for unset_or_default in (None, "micro_batches"):
+        resumed = run_state(tmp_path, noise_scale_estimator=unset_or_default)
+        resumed.load_state_dict(saved)
+        assert resumed.changed_settings() == []
+    other = run_state(tmp_path, noise_scale_estimator="norm_layers")
+    other.load_state_dict(saved)
+    assert other.changed_settings() == ["noise_scale_estimator"]
+
+
 def test_fingerprints_are_canonical():
     assert fingerprint({"b": {"y": 1, "x": [1, 2]}, "a": None}) == {"a": "null", "b": '{"x": [1, 2], "y": 1}'}
 

@@ -101,7 +101,7 @@ def test_the_controller_measures_it_from_micro_batches_and_keeps_it_across_a_res
 
     batch = {"tokens": torch.randn(6, 4), "labels": torch.zeros(6, 4), "n": tokens_per_row.float()}
     ctl = make()
-    ctl.track_gradients(model.parameters())
+    ctl.track_gradients(model)
     ctl.settle(dataset_size=60)
     step = ctl.step(batch, forward_backward=forward_backward, optimizer_step=lambda tokens: None,
                     zero_grad=lambda: model.zero_grad(set_to_none=True))
@@ -217,7 +217,7 @@ def test_split_step_measures_one_micro_batch_steps_with_the_same_gradient(tmp_pa
     grads = {}
     for split in (False, True):
         ctl = _controller(tmp_path, {"measure_noise_scale": True, "noise_scale_split_step": split})
-        ctl.track_gradients(model.parameters())
+        ctl.track_gradients(model)
         ctl.settle(dataset_size=60)
         model.zero_grad(set_to_none=True)
         step = ctl.step(batch, forward_backward=_step_parts(model), optimizer_step=lambda tokens: None, zero_grad=lambda: model.zero_grad(set_to_none=True))
@@ -237,7 +237,7 @@ def test_noise_scale_growth_waits_for_a_measurement_and_says_so_once(tmp_path):
                       batch_increase_interval="1 steps", max_batch_size=64)
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    ctl.track_gradients(model.parameters())
+    ctl.track_gradients(model)
     ctl.settle(dataset_size=40)
     rows = list(range(40))
     loader = StatefulDataLoader(rows, batch_sampler=ctl.batch_sampler(rows, shuffle=False), collate_fn=list)
