@@ -1,3 +1,4 @@
+import copy
 import json
 import os
 
@@ -117,26 +118,72 @@ def _retry_together(rank, out_dir):
     }
 
 
-SCENARIOS = {"lockstep_search": _lockstep_search, "retry_together": _retry_together}
+def _norm_layer_noise(rank, out_dir):
+    """Each rank's per-example norm-layer gradients and its share of the reduced step gradient,
+    against one process that runs both ranks' samples."""
+    from torch import nn
+
+    from adaptive_batch.schedule.norm_layer_gradients import NormLayerGradients
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    alone = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 6, 3, 4, generator=g), torch.randn(2, 6, 3, generator=g)  # [rank, sample, token, ...]
+
+    def estimate(net, batch, ranks, reduce):
+        observer = NormLayerGradients(net, lambda piece: torch.full((piece["x"].shape[0],), 3))
+        observer.attach()
+
+        def forward_backward(piece):
+            loss = (net(piece["x"]).squeeze(-1) - piece["y"]).pow(2).sum()
+            loss.backward()
+            return loss.detach(), torch.tensor(piece["y"].numel())
+
+        rows = batch["x"].shape[0]
+        accumulate_gradients(forward_backward, batch, rows=rows, micro_batch_limit=3,
+                             zero_grad=lambda: net.zero_grad(set_to_none=True), observer=observer)
+        if reduce:  # FSDP2's reduce-scatter: the ranks' mean, each rank holding its half
+            for p in net.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= ranks.world_size
+                half = p.grad.view(-1)[ranks.rank * p.numel() // 2 : (ranks.rank + 1) * p.numel() // 2].clone()
+                p.grad.zero_().view(-1)[ranks.rank * p.numel() // 2 : (ranks.rank + 1) * p.numel() // 2] = half
+        return observer.step_noise(ranks)
+
+    mine = estimate(model, {"x": x[rank], "y": y[rank]}, RankGroup(torch.device("cpu")), reduce=True)
+    both = estimate(alone, {"x": x.flatten(0, 1), "y": y.flatten(0, 1)}, RankGroup.alone(), reduce=False)
+    return {"ranks": [mine.estimate.trace, mine.estimate.gradient_sq, mine.tokens],
+            "alone": [both.estimate.trace, both.estimate.gradient_sq, both.tokens]}
 
 
-def _worker(rank, world_size, scenario, out_dir):
+SCENARIOS = {"lockstep_search": _lockstep_search, "retry_together": _retry_together, "norm_layer_noise": _norm_layer_noise}
+
+
+def _worker(rank, world_size, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world_size)
     try:
-        result = SCENARIOS[scenario](rank, out_dir)
+        result = {name: scenario(rank, out_dir) for name, scenario in SCENARIOS.items()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
 
 
-def run_two_ranks(scenario, tmp_path):
-    mp.spawn(_worker, args=(2, scenario, str(tmp_path)), nprocs=2, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every scenario's results on each of two real ranks (gloo), from one launch."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(_worker, args=(2, str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_lockstep_search_ends_at_the_smallest_rank_s_largest_fit(tmp_path):
-    rank0, rank1 = run_two_ranks("lockstep_search", tmp_path)
+def run_two_ranks(scenario, results):
+    return [rank[scenario] for rank in results]
+
+
+def test_lockstep_search_ends_at_the_smallest_rank_s_largest_fit(two_ranks):
+    rank0, rank1 = run_two_ranks("lockstep_search", two_ranks)
     # 50 MiB + 20 MiB x b within rank 1's 200 MiB: 7; rank 0 alone would fit 17.
     assert rank0["max"] == rank1["max"] == 7
     assert rank0["tried"] == rank1["tried"]
@@ -146,12 +193,19 @@ def test_lockstep_search_ends_at_the_smallest_rank_s_largest_fit(tmp_path):
     assert any(t["oom"] for t in rank1["mine"]["trials"])
 
 
-def test_an_out_of_memory_error_on_one_rank_splits_the_step_on_both(tmp_path):
-    rank0, rank1 = run_two_ranks("retry_together", tmp_path)
+def test_an_out_of_memory_error_on_one_rank_splits_the_step_on_both(two_ranks):
+    rank0, rank1 = run_two_ranks("retry_together", two_ranks)
     assert rank0["sizes"] == rank1["sizes"] == [3, 3]
     assert rank0["retries"] == rank1["retries"] == 1
     assert "another rank" in rank0["messages"][0] and "DefaultCPUAllocator" in rank1["messages"][0]
     assert rank0["grad_matches"] and rank1["grad_matches"]
+
+
+def test_the_norm_layer_noise_scale_on_two_ranks_is_one_process_s_on_all_their_samples(two_ranks):
+    rank0, rank1 = run_two_ranks("norm_layer_noise", two_ranks)
+    assert rank0["ranks"] == pytest.approx(rank1["ranks"], rel=1e-9)  # every rank reads the same sums
+    assert rank0["ranks"] == pytest.approx(rank0["alone"], rel=1e-4)
+    assert rank0["ranks"][2] == 36  # 12 samples of 3 tokens
 
 
 
