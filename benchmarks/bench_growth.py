@@ -22,6 +22,7 @@ growth the ``B_noise`` it measured. A plot draws loss against samples and agains
 """
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -58,6 +59,11 @@ def schedules(samples: int, epochs: int, interval: int) -> Dict[str, List[str]]:
             "batch_increase_function={_component_: adaptive_batch.noise_scale_growth, max_factor: 2}",
             "measure_noise_scale=True", "noise_scale_split_step=True",
         ],
+        "noise-scale growth, norm layers": [
+            f"batch_size={START}", f"batch_increase_interval={interval} samples",
+            "batch_increase_function={_component_: adaptive_batch.noise_scale_growth, max_factor: 2}",
+            "measure_noise_scale=True", "noise_scale_estimator=norm_layers",
+        ],
         "noise-scale growth, ½ B_noise": [
             f"batch_size={START}", f"batch_increase_interval={interval} samples",
             "batch_increase_function={_component_: adaptive_batch.noise_scale_growth, max_factor: 2, "
@@ -67,8 +73,13 @@ def schedules(samples: int, epochs: int, interval: int) -> Dict[str, List[str]]:
     }
 
 
+def fixed_sweep(sizes: List[int]) -> Dict[str, List[str]]:
+    """A fixed batch of each size, to find the best fixed batch."""
+    return {f"fixed {b}": [f"batch_size={b}", "batch_increase_function=null"] for b in sizes}
+
+
 def run(config: str, name: str, overrides: List[str], *, seed: int, samples: int, epochs: int, device: str,
-        out_root: str) -> Dict[str, object]:
+        out_root: str, extra: List[str] = ()) -> Dict[str, object]:
     out = Path(out_root) / f"{''.join(c if c.isalnum() else '_' for c in name)}_{seed}"
     initial = int(next(o for o in overrides if o.startswith("batch_size=")).split("=")[1])
     cmd = [
@@ -80,6 +91,7 @@ def run(config: str, name: str, overrides: List[str], *, seed: int, samples: int
         f"lr_scheduler.num_warmup_steps={max(1, WARMUP_SAMPLES // initial)}",
         # the schedule's steps are steps of the initial batch: the same samples for every schedule
         f"lr_scheduler.num_training_steps={samples * epochs // initial}",
+        *extra,
         *overrides,
     ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
@@ -95,6 +107,7 @@ def run(config: str, name: str, overrides: List[str], *, seed: int, samples: int
     tail = [(c[3], c[2]) for c in curve if c[0] > 0.9 * total]
     return {
         "curve": curve,
+        "tokens_per_second": sum(r["real_tokens"] for r in rows[1:]) / max(1e-9, seconds - curve[0][1]),
         "final_loss": sum(b * loss for b, loss in tail) / sum(b for b, _ in tail),
         "steps": len(rows),
         "seconds": seconds,
@@ -120,17 +133,43 @@ def noise_trajectory(curve: List[tuple]) -> str:
     return " / ".join(points)
 
 
+def smoothed(curve: List[tuple]) -> List[float]:
+    """The loss as an exponential average per sample seen, so batches of any size weigh alike."""
+    out, value = [], None
+    for c in curve:
+        weight = 1 - 0.98 ** c[3]
+        value = c[2] if value is None else value + weight * (c[2] - value)
+        out.append(value)
+    return out
+
+
+def seconds_to(curve: List[tuple], target: float) -> float:
+    """Training seconds until the smoothed loss first reaches ``target`` (inf if never)."""
+    return next((c[1] for c, loss in zip(curve, smoothed(curve)) if loss <= target), math.inf)
+
+
+def time_to_target(results: Dict[str, List[Dict[str, object]]]) -> tuple:
+    """The best fixed batch (the fixed schedule whose smoothed loss ends lowest, mean over seeds),
+    its final smoothed loss as the target, and each schedule's mean seconds to reach it."""
+    fixed = {name: runs for name, runs in results.items() if name.startswith("fixed")}
+    best = min(fixed, key=lambda n: statistics.fmean(smoothed(r["curve"])[-1] for r in fixed[n]))
+    target = statistics.fmean(smoothed(r["curve"])[-1] for r in fixed[best])
+    return best, target, {name: statistics.fmean(seconds_to(r["curve"], target) for r in runs)
+                          for name, runs in results.items()}
+
+
 def table(results: Dict[str, List[Dict[str, object]]], config: str, args, device_name: str) -> str:
-    base = results["fixed small"]
+    base = results.get("fixed small") or results[next(n for n in results if n.startswith("fixed"))]
     base_seconds = statistics.fmean(r["seconds"] for r in base)
+    best, target, reach = time_to_target(results)
     lines = [
         f"`{config}`, {device_name}: the first {args.samples} samples x {args.epochs} epochs, seeds "
         f"{', '.join(str(s) for s in range(args.seeds))}; cosine LR counted in samples, square-root rule against "
         f"batch {START}; growth every {args.interval} samples; batch bound {MAX_BATCH}. Loss: the training loss of "
         "the last tenth of the samples (mean ± standard deviation over seeds).",
         "",
-        "| schedule | final loss | steps | training s | s vs fixed small | batch (seed 0): first → largest | B_noise at 1/4, 1/2, 3/4, end (seed 0) |",
-        "|---|---|---|---|---|---|---|",
+        "| schedule | final loss | steps | training s | s vs fixed small | tokens/s | batch (seed 0): first → largest | B_noise at 1/4, 1/2, 3/4, end (seed 0) | s to the best fixed batch's loss | vs it |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in results.items():
         batches = runs[0]["batches"]
@@ -139,8 +178,10 @@ def table(results: Dict[str, List[Dict[str, object]]], config: str, args, device
         lines.append(
             f"| {name} | {spread([r['final_loss'] for r in runs], '.3f')} | {spread([r['steps'] for r in runs], '.0f')} "
             f"| {spread([r['seconds'] for r in runs], '.1f')} | {seconds / base_seconds:.2f}x "
-            f"| {batches[0]} → {max(batches)} | {noise} |"
+            f"| {statistics.fmean(r['tokens_per_second'] for r in runs):.0f} "
+            f"| {batches[0]} → {max(batches)} | {noise} | {reach[name]:.1f} | {reach[name] / reach[best]:.2f}x |"
         )
+    lines += ["", f"The best fixed batch: {best}, whose smoothed loss ends at {target:.3f} (the target); inf: never reached."]
     return "\n".join(lines)
 
 
@@ -155,11 +196,7 @@ def plot(results: Dict[str, List[Dict[str, object]]], path: Path, title: str) ->
         color = f"C{i}"
         for j, r in enumerate(runs):
             curve = r["curve"]
-            smooth, value = [], None
-            for c in curve:  # an exponential average per sample seen, so batches of any size weigh alike
-                weight = 1 - 0.98 ** c[3]
-                value = c[2] if value is None else value + weight * (c[2] - value)
-                smooth.append(value)
+            smooth = smoothed(curve)
             label = name if j == 0 else None
             by_samples.plot([c[0] for c in curve], smooth, color=color, lw=1, alpha=0.8, label=label)
             by_seconds.plot([c[1] for c in curve], smooth, color=color, lw=1, alpha=0.8)
@@ -182,7 +219,12 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--plot-dir", default=str(REPO / "docs"), help="where bench_growth_<config>.png goes")
     parser.add_argument("--readme", action="store_true", help="write the tables to the README")
+    parser.add_argument("--fixed", default="", help="comma-separated fixed batches to sweep beside the schedules")
+    parser.add_argument("--only", default="", help="comma-separated schedule names to run (default: all)")
+    parser.add_argument("--packed", action="store_true", help="pack samples into full sequences (max_seq_len tokens)")
     args = parser.parse_args()
+    extra = ["dataset.packed=True"] if args.packed else []
+    sweep = fixed_sweep([int(b) for b in args.fixed.split(",") if b])
     configs = args.config or ["configs/tiny/full_single_device.yaml"]
     if args.device == "cuda":
         import torch
@@ -194,11 +236,14 @@ def main() -> int:
         stem = Path(config).stem
         results: Dict[str, List[Dict[str, object]]] = {}
         with tempfile.TemporaryDirectory() as out_root:
-            for name, overrides in schedules(args.samples, args.epochs, args.interval).items():
+            chosen = {**sweep, **schedules(args.samples, args.epochs, args.interval)}
+            if args.only:
+                chosen = {n: o for n, o in chosen.items() if n in args.only.split(",") or n in sweep}
+            for name, overrides in chosen.items():
                 results[name] = []
                 for seed in range(args.seeds):
                     r = run(config, name, overrides, seed=seed, samples=args.samples, epochs=args.epochs,
-                            device=args.device, out_root=out_root)
+                            device=args.device, out_root=out_root, extra=extra)
                     results[name].append(r)
                     print(f"{stem} {name} seed {seed}: loss {r['final_loss']:.3f}, {r['steps']} steps, "
                           f"{r['seconds']:.1f}s", file=sys.stderr, flush=True)

@@ -121,7 +121,8 @@ class Grower:
         why = (
             "its |G|^2 average is not above 0 yet"
             if self.noise_scale.updates
-            else "it is measured on steps of two or more micro-batches (noise_scale_split_step=True splits steps of one)"
+            else "it is measured on steps of two or more micro-batches (noise_scale_split_step=True splits steps of one; "
+            "noise_scale_estimator=norm_layers measures every step)"
         )
         logs.warning(f"{self.interval.describe(k).capitalize()}: no gradient noise scale yet, so the batch stays; {why}.")
 

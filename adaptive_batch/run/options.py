@@ -152,7 +152,7 @@ def _noise_growth_measures_noise(o: AdaptiveBatchOptions) -> None:
         raise ConfigError(
             f"{GROWTH_KEY}={function_name(function)} grows toward the gradient noise "
             "scale, with measure_noise_scale=False: set measure_noise_scale=True (and, for steps of one "
-            "micro-batch on one device, noise_scale_split_step=True)."
+            "micro-batch on one device, noise_scale_estimator=norm_layers or noise_scale_split_step=True)."
         )
 
 

@@ -170,9 +170,11 @@ class NormLayerGradients:
 
     def _forward_hook(self, layer: _NormLayer) -> Callable:
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return  # no backward will follow (an evaluation)
+            # Outside a micro-batch (the probe's trial step) the work is done and dropped, so
+            # the trial costs what training's step costs.
             rows = self._rows
-            if rows is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
-                return  # outside a training micro-batch (an evaluation, a probe's own step)
             x = inputs[0].detach()
 
             def per_example(grad: torch.Tensor) -> None:
@@ -185,7 +187,8 @@ class NormLayerGradients:
                 sq = weight_grad.pow(2).flatten(1).sum(1)
                 if layer.bias is not None:
                     sq = sq + bias_grad.pow(2).flatten(1).sum(1)
-                rows.add_(sq.to(rows.device))
+                if rows is not None:
+                    rows.add_(sq.to(rows.device))
 
             output.register_hook(per_example)
 
