@@ -25,7 +25,8 @@ def test_noise_scale_growth_run_reads_back(tmp_path):
 def test_table_has_a_row_per_schedule_and_the_noise_trajectory():
     def result(loss, noise):
         curve = [(s, s / 10, loss, 4, noise if s > 2 else None) for s in range(1, 9)]
-        return {"curve": curve, "final_loss": loss, "steps": 8, "seconds": 0.8, "samples": 8, "batches": [4] * 8}
+        return {"curve": curve, "final_loss": loss, "steps": 8, "seconds": 0.8, "samples": 8, "batches": [4] * 8,
+                "tokens_per_second": 1000.0}
 
     names = bench_growth.schedules(samples=32, epochs=2, interval=16)
     results = {name: [result(2.0, 5.0), result(2.2, 6.0)] for name in names}
@@ -37,4 +38,18 @@ def test_table_has_a_row_per_schedule_and_the_noise_trajectory():
     rows = [line for line in text.splitlines() if line.startswith("| ") and "schedule" not in line]
     assert [r.split("|")[1].strip() for r in rows] == list(names)
     assert "| 2.100 ± 0.141 |" in rows[0] and "| 1.00x |" in rows[0]
-    assert rows[-1].endswith("| - / 5.0 / 5.0 / 5.0 |")  # none measured by a quarter and rows[0].endswith("| - |")
+    assert "| - / 5.0 / 5.0 / 5.0 |" in rows[-1]  # none measured by a quarter
+    assert rows[0].endswith("| 1000 | 4 → 4 | - | 0.1 | 1.00x |")  # flat curves: at their target from the first step
+    assert "The best fixed batch: fixed small" in text
+
+
+def test_time_to_the_best_fixed_batchs_loss():
+    def result(losses, batch):
+        curve = [(i * batch, float(i), loss, batch, None) for i, loss in enumerate(losses, 1)]
+        return {"curve": curve}
+
+    results = {"fixed 4": [result([3.0, 2.0, 1.5, 1.2], 4)], "fixed 8": [result([3.0, 2.5, 2.2, 2.0], 8)],
+               "growth": [result([3.0, 0.5, 0.5, 0.5], 4)], "stuck": [result([3.0, 3.0, 3.0, 3.0], 4)]}
+    best, target, reach = bench_growth.time_to_target(results)
+    assert best == "fixed 4" and target == pytest.approx(bench_growth.smoothed(results["fixed 4"][0]["curve"])[-1])
+    assert reach["growth"] < reach["fixed 4"] == 4.0 and reach["stuck"] == float("inf")
