@@ -10,15 +10,20 @@ counted in samples and the square-root LR rule against batch 4:
 - Seesaw: 4, doubled where the cosine LR has halved (``adaptive_batch.seesaw``), every
   ``--interval`` samples;
 - noise-scale growth: 4, toward the measured ``B_noise`` at most doubling every ``--interval``
-  samples (``adaptive_batch.noise_scale_growth``, steps split in two to measure it), and the
-  same toward half of it.
+  samples (``adaptive_batch.noise_scale_growth``, steps split in two to measure it), the same
+  measured from the norm layers' per-example gradients (no split), and the first toward half of it.
 
 Reported per schedule (mean and spread over seeds): the training loss of the last tenth of the
 samples, steps, training seconds (the recipe's own step times, summed), and for noise-scale
 growth the ``B_noise`` it measured. A plot draws loss against samples and against seconds.
 
+``--fixed 4,8,16,32`` adds a sweep of fixed batches; the table then times every schedule to the
+loss the best fixed batch ends at (per seed), and gives each one's tokens/s. ``--packed`` packs
+the samples into full sequences of ``max_seq_len`` tokens; ``--only "A;B"`` runs those schedules
+(and the sweep).
+
     python benchmarks/bench_growth.py [--config configs/tiny/full_single_device.yaml] [--seeds 3]
-        [--samples 512] [--epochs 3] [--device cpu] [--readme]
+        [--samples 512] [--epochs 3] [--device cpu] [--readme] [--fixed 4,8,16,32] [--packed] [--only "A;B"]
 """
 
 import argparse
