@@ -138,12 +138,11 @@ class NormLayerGradients:
     def step_sq_norm(self) -> torch.Tensor:
         """The step's squared gradient norm over the norm layers' weights (summed-loss units,
         this rank's shard), read after the last micro-batch and before any scaling."""
-        total = torch.zeros((), dtype=torch.float32)
-        for layer in self.layers:
-            for p in (layer.weight, layer.bias):
-                if p is not None and p.grad is not None:
-                    total = total + _local(p.grad).float().pow(2).sum().to(total.device)
-        return total
+        norms = [
+            _local(p.grad).float().pow(2).sum()
+            for layer in self.layers for p in (layer.weight, layer.bias) if p is not None and p.grad is not None
+        ]
+        return torch.stack(norms).sum() if norms else torch.zeros(())  # on the gradients' device: no sync per layer
 
     def step_noise(self, ranks: Any) -> Optional[StepNoise]:
         """The step's estimates, each example a small batch of its tokens (``None`` with fewer
