@@ -158,6 +158,8 @@ def time_to_target(results: Dict[str, List[Dict[str, object]]]) -> tuple:
     its final smoothed loss (mean over seeds) as the target, and each schedule's mean over seeds
     of the seconds to reach its seed's target (the best fixed batch's own end on that seed)."""
     fixed = {name: runs for name, runs in results.items() if name.startswith("fixed")}
+    if not fixed:  # nothing to time against
+        return None, math.nan, {name: math.nan for name in results}
     best = min(fixed, key=lambda n: statistics.fmean(smoothed(r["curve"])[-1] for r in fixed[n]))
     targets = [smoothed(r["curve"])[-1] for r in fixed[best]]
     reach = {name: statistics.fmean(seconds_to(r["curve"], t) for r, t in zip(runs, targets))
@@ -166,7 +168,8 @@ def time_to_target(results: Dict[str, List[Dict[str, object]]]) -> tuple:
 
 
 def table(results: Dict[str, List[Dict[str, object]]], config: str, args, device_name: str) -> str:
-    base = results.get("fixed small") or results[next(n for n in results if n.startswith("fixed"))]
+    base = results.get("fixed small") or next((r for n, r in results.items() if n.startswith("fixed")), None)
+    base = base or next(iter(results.values()))  # no fixed schedule run: ratios against the first
     base_seconds = statistics.fmean(r["seconds"] for r in base)
     best, target, reach = time_to_target(results)
     lines = [
@@ -186,7 +189,7 @@ def table(results: Dict[str, List[Dict[str, object]]], config: str, args, device
             f"| {name} | {spread([r['final_loss'] for r in runs], '.3f')} | {spread([r['steps'] for r in runs], '.0f')} "
             f"| {spread([r['seconds'] for r in runs], '.1f')} | {seconds / base_seconds:.2f}x "
             f"| {statistics.fmean(r['tokens_per_second'] for r in runs):.0f} "
-            f"| {batches[0]} → {max(batches)} | {noise} | {reach[name]:.1f} | {reach[name] / reach[best]:.2f}x |"
+            f"| {batches[0]} → {max(batches)} | {noise} | {reach[name]:.1f} | {reach[name] / reach.get(best, math.nan):.2f}x |"
         )
     lines += ["", f"The best fixed batch: {best}, whose smoothed loss ends at {target:.3f} (mean over seeds; each seed's "
               "own is its target); inf: never reached."]

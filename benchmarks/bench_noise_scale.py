@@ -58,7 +58,7 @@ def cost_rows(config: str, rounds: int, steps: int, batch_size: int) -> list:
     bench_overhead.CONFIG = config
     common = [f"batch_size={batch_size}", "log_peak_memory_stats=False", "epochs=1", *FEATURES_OFF]
     ratios = {arm: [] for arm in ARMS if arm != "off"}
-    logged = {arm: 0 for arm in ARMS}
+    logged = {arm: steps for arm in ARMS}  # the fewest steps that logged it in any one run
     with tempfile.TemporaryDirectory() as d:
         shared = Path(d)
         run = [*common, *initial_weights(shared, common), f"max_steps_per_epoch={steps}"]
@@ -70,7 +70,7 @@ def cost_rows(config: str, rounds: int, steps: int, batch_size: int) -> list:
             for arm in ratios:
                 ratios[arm].append(paired_ratio(logs[arm], logs["off"]))
             for arm in ARMS:
-                logged[arm] = sum("gradient_noise_scale" in row for row in logs[arm])
+                logged[arm] = min(logged[arm], sum("gradient_noise_scale" in row for row in logs[arm]))
     return [(arm, statistics.fmean(v), min(v), max(v), logged[arm]) for arm, v in ratios.items()]
 
 
@@ -180,7 +180,10 @@ def agreement(parts, steps: int, batch_size: int) -> dict:
                                     zero_grad=lambda: optimizer.zero_grad(set_to_none=True), observer=both)
         for name, observer in (("micro_batches", micro), ("norm_layers", norm)):
             noise = observer.step_noise(ranks)
-            value = scales[name].update(noise.estimate) if noise is not None else scales[name].value
+            if noise is None:  # fewer than two parts this step: the curve holds its last point
+                curves[name].append(curves[name][-1] if curves[name] else None)
+                continue
+            value = scales[name].update(noise.estimate)
             curves[name].append(None if value is None else value * batch_size / noise.tokens)
         for p in model.parameters():
             if p.grad is not None:
@@ -231,7 +234,7 @@ def main() -> None:
         f"{args.steps} steps a run, {args.rounds} rounds rotating which arm runs first; tokens/s against the run "
         "without the noise scale, the median over steps of the ratio at the same step.",
         "",
-        "| model | estimator | tokens/s vs off (mean, range) | steps that logged `gradient_noise_scale` |",
+        "| model | estimator | tokens/s vs off (mean, range) | steps that logged `gradient_noise_scale` (fewest in a run) |",
         "|---|---|---|---|",
         *(f"| {name} | {arm} | {mean:.3f}x ({low:.3f}-{high:.3f}) | {logged} of {args.steps} |"
           for name, rows in cost.items() for arm, mean, low, high, logged in rows),

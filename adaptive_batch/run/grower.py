@@ -118,12 +118,13 @@ class Grower:
         if self._warned_no_noise:
             return
         self._warned_no_noise = True
-        why = (
-            "its |G|^2 average is not above 0 yet"
-            if self.noise_scale.updates
-            else "it is measured on steps of two or more micro-batches (noise_scale_split_step=True splits steps of one; "
-            "noise_scale_estimator=norm_layers measures every step)"
-        )
+        if self.noise_scale.updates:
+            why = "its |G|^2 average is not above 0 yet"
+        elif self.estimator == "norm_layers":
+            why = "it is measured on steps of two or more samples that carry a loss"
+        else:
+            why = ("it is measured on steps of two or more micro-batches (noise_scale_split_step=True splits steps of one; "
+                   "noise_scale_estimator=norm_layers measures every step)")
         logs.warning(f"{self.interval.describe(k).capitalize()}: no gradient noise scale yet, so the batch stays; {why}.")
 
     def _log_growth(self, batch: BatchProgress, k: int, decision: Any) -> None:
@@ -145,7 +146,7 @@ class Grower:
         or the hooks of ``"norm_layers"``.
 
         Args:
-            model: the model trained.
+            model: the model trained (its parameters do for ``"micro_batches"``).
             row_tokens: a micro-batch's tokens that carry a loss, per example, read before its
                 forward (``"norm_layers"`` needs it).
 
@@ -156,12 +157,16 @@ class Grower:
         if self.noise_scale is None:
             return
         if self.estimator == "norm_layers":
-            if row_tokens is None:
-                raise ValueError("noise_scale_estimator='norm_layers' needs row_tokens(micro_batch) -> tokens per sample.")
+            if row_tokens is None or not isinstance(model, nn.Module):
+                raise ValueError(
+                    "noise_scale_estimator='norm_layers' needs the model (an nn.Module, not its parameters) and "
+                    "row_tokens(micro_batch) -> tokens per sample: pass track_gradients(model, row_tokens=...)."
+                )
             self.gradients = NormLayerGradients(model, row_tokens)
             self.gradients.attach()
-        else:
-            self.gradients = MicroBatchGradients(list(model.parameters()))
+        else:  # the model, or its parameters as before
+            params = model.parameters() if isinstance(model, nn.Module) else model
+            self.gradients = MicroBatchGradients(list(params))
             self.gradients.allocate()
 
     def measure_noise(self, global_samples: float) -> Optional[float]:

@@ -224,6 +224,14 @@ def _splitting_without_optimizer_in_bwd(o: AdaptiveBatchOptions, c: RunContext) 
     )
 
 
+def _noise_scale_reads_gradients(o: AdaptiveBatchOptions, c: RunContext) -> None:
+    if o.noise.measure_noise_scale and c.optimizer_in_bwd:
+        raise ConfigError(
+            "measure_noise_scale=True with optimizer_in_bwd=True: the noise scale reads the step's gradients, which "
+            "an optimizer stepping inside backward frees as it goes; set optimizer_in_bwd=False or measure_noise_scale=False."
+        )
+
+
 def _probe_can_measure(o: AdaptiveBatchOptions, c: RunContext) -> None:
     if not o.needs_probe:
         return
@@ -255,5 +263,6 @@ RUN_RULES: List[Callable[[AdaptiveBatchOptions, RunContext], None]] = [
     _tokens_without_accumulation,
     _global_batch_fits_the_run,
     _splitting_without_optimizer_in_bwd,
+    _noise_scale_reads_gradients,
     _probe_can_measure,
 ]

@@ -225,8 +225,9 @@ class NoiseScaleOptions:
         noise_scale_estimator: ``"micro_batches"`` compares the gradients of a step's
             micro-batches (steps of two or more; costs one copy of the gradients in memory and a
             norm per micro-batch); ``"norm_layers"`` compares each example's gradient of the
-            LayerNorm/RMSNorm weights with the step's (Gray et al. 2024: every step, no copy, a
-            few elementwise passes; models with such layers).
+            LayerNorm/RMSNorm weights with the step's (Gray et al. 2024: every step, no copy of
+            the gradients, a few elementwise passes; holds each such layer's input until its
+            backward; models with such layers).
         noise_scale_ema: the moving averages' decay.
         noise_scale_split_step: run a step that would be one micro-batch as two halves, so
             there are two gradients to compare (one device, no accumulation). The update is the

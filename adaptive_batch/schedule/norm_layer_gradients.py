@@ -31,17 +31,19 @@ class _NormLayer:
     module: nn.Module
     weight: nn.Parameter
     bias: Optional[nn.Parameter]
-    eps: float
+    eps: Optional[float]  # None: the machine epsilon nn.RMSNorm(eps=None) computes with
     rms: bool  # RMSNorm (no centring) or LayerNorm
     dims: int  # trailing dimensions normalised over
 
     def normalised(self, x: torch.Tensor) -> torch.Tensor:
         """``xhat`` in float32, as the layer computed it (its eps, its dimensions)."""
+        # nn.RMSNorm(eps=None) computes bf16/fp16 in float32 and takes float32's epsilon.
+        eps = self.eps if self.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
         x = x.float()
         reduce = tuple(range(-self.dims, 0))
         if not self.rms:
             x = x - x.mean(reduce, keepdim=True)
-        return x * torch.rsqrt(x.pow(2).mean(reduce, keepdim=True) + self.eps)
+        return x * torch.rsqrt(x.pow(2).mean(reduce, keepdim=True) + eps)
 
 
 def _affine_parameter(module: nn.Module, names: Sequence[str]) -> Optional[nn.Parameter]:
@@ -66,11 +68,9 @@ def find_norm_layers(model: nn.Module) -> List[_NormLayer]:
         if weight is None or not weight.requires_grad:
             continue
         eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-        if eps is None:  # nn.RMSNorm(eps=None) uses the input's machine epsilon
-            eps = torch.finfo(torch.float32).eps
         bias = _affine_parameter(module, ("bias",))
         layers.append(_NormLayer(module, weight, bias if bias is not None and bias.requires_grad else None,
-                                 float(eps), rms, weight.dim()))
+                                 None if eps is None else float(eps), rms, weight.dim()))
     return layers
 
 

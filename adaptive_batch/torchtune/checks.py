@@ -298,8 +298,11 @@ def check_stock_recipe_options(
     collate_fn: str,
     compile_model: bool,
     use_maximum_batch_size: bool,
+    norm_layer_noise_scale: bool = False,
 ) -> None:
-    """The combinations torchtune's full-finetune recipe rejects, plus the probe's own.
+    """The combinations torchtune's full-finetune recipe rejects, plus the probe's own and the
+    norm-layer noise scale's (``norm_layer_noise_scale``: ``measure_noise_scale`` with
+    ``noise_scale_estimator: norm_layers``).
 
     Raises:
         ConfigError: for the first bad combination.
@@ -330,6 +333,11 @@ def check_stock_recipe_options(
     if "left_pad_sequence" in collate_fn:
         raise ConfigError(
             f"collate_fn={collate_fn!r} is for inference only: use torchtune.data.padded_collate_sft."
+        )
+    if compile_model and norm_layer_noise_scale:
+        raise ConfigError(
+            "noise_scale_estimator='norm_layers' with compile=True: its hooks on the norm layers' outputs are not "
+            "tested inside compiled layers; set compile=False or noise_scale_estimator=micro_batches."
         )
     if compile_model and device_type == "npu":
         raise ConfigError("compile=True on device='npu': NPU cannot compile the model; set compile=False.")

@@ -46,6 +46,11 @@ BAD_INPUTS = [
     (["save_every_n_steps=0"], "save_every_n_steps=0 must be"),
     (["keep_last_n_checkpoints=none"], "keep_last_n_checkpoints='none' must be"),
     (["resume_from_checkpoint=latest"], "resume_from_checkpoint='latest': use True (resume), False (start afresh) or auto"),
+    (["noise_scale_estimator=layers"], "noise_scale_estimator='layers': use one of 'micro_batches', 'norm_layers'"),
+    (["measure_noise_scale=True", "noise_scale_estimator=norm_layers", "compile=True"],
+     "noise_scale_estimator='norm_layers' with compile=True"),
+    (["optimizer_in_bwd=True", "batch_increase_function=null", "retry_on_oom=False", "measure_noise_scale=True"],
+     "measure_noise_scale=True with optimizer_in_bwd=True"),
 ]
 
 

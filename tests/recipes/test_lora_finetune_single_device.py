@@ -38,6 +38,7 @@ def test_lora_bad_input_fails_before_the_model_is_built(tmp_path):
         (["optimizer_in_bwd=True"], "optimizer_in_bwd=True: the LoRA recipe"),
         (["save_adapter_weights_only=maybe"], "save_adapter_weights_only='maybe' must be true or false"),
         (["batch_increase_function=my_growth.nope"], "no module 'my_growth' can be imported"),
+        (["measure_noise_scale=True", "noise_scale_estimator=norm_layers"], "the norm layers are frozen"),
     ]:
         out = tmp_path / overrides[0].split("=")[0]
         proc = run_tune(out, *overrides, recipe=RECIPE, config=CONFIG)

@@ -120,6 +120,27 @@ def test_each_examples_norm_and_the_steps_equal_their_own_backward(micro_batch_l
     assert noise.estimate.gradient_sq == pytest.approx(reference.gradient_sq, rel=1e-4)
 
 
+def test_an_rms_norm_without_eps_normalises_as_torch_does_in_bf16():
+    norm = nn.RMSNorm(4, eps=None)
+    (layer,) = find_norm_layers(norm)
+    x = torch.tensor([[1e-3, -1e-3, 2e-3, 0.0]], dtype=torch.bfloat16)
+    torch.testing.assert_close(layer.normalised(x), norm(x).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_the_micro_batch_estimator_still_takes_the_parameters_and_the_per_example_one_needs_the_model(tmp_path):
+    from adaptive_batch.run.grower import Grower
+    from adaptive_batch.schedule.growth import GrowthOptions
+
+    model = _model()
+    grower = Grower(GrowthOptions(), NoiseScaleOptions(measure_noise_scale=True), ranks=RankGroup.alone())
+    grower.track_gradients(model.parameters())  # as callers before the estimator option did
+    assert len(grower.gradients.params) == len(list(model.parameters()))
+    per_example = Grower(GrowthOptions(), NoiseScaleOptions(measure_noise_scale=True, noise_scale_estimator="norm_layers"),
+                         ranks=RankGroup.alone())
+    with pytest.raises(ValueError, match="needs the model .* and row_tokens"):
+        per_example.track_gradients(model.parameters(), row_tokens=_row_tokens)
+
+
 def test_a_step_outside_a_micro_batch_and_a_detached_observer_record_nothing():
     model, batch = _model(), _batch()
     observer = NormLayerGradients(model, _row_tokens)
