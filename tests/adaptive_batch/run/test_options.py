@@ -8,6 +8,7 @@ from adaptive_batch import AdaptiveBatchOptions, ConfigError, ProbeOptions
 from adaptive_batch.data.token_budget import TokenBatchOptions
 from adaptive_batch.run.options import RUN_RULES, RunContext, SETTING_RULES
 from adaptive_batch.schedule.growth import GrowthOptions
+from adaptive_batch.schedule.noise_scale import NoiseScaleOptions
 
 CPU = torch.device("cpu")
 GROW = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch")
@@ -47,6 +48,8 @@ def test_rules_on_the_settings_alone_fire_when_the_options_are_built(sections, m
          "gradient_accumulation_steps=2 with max_tokens=2048"),
         (dict(growth=GROW), dict(optimizer_in_bwd=True), "with optimizer_in_bwd=True: both split steps"),
         (dict(growth=GrowthOptions(retry_on_oom=True)), dict(optimizer_in_bwd=True), "retry_on_oom=True with optimizer_in_bwd=True"),
+        (dict(growth=GrowthOptions(retry_on_oom=False), noise=NoiseScaleOptions(measure_noise_scale=True)),
+         dict(optimizer_in_bwd=True), "measure_noise_scale=True with optimizer_in_bwd=True"),
         (dict(probe=ProbeOptions(use_maximum_batch_size=True)), dict(max_seq_len=None), "tokenizer.max_seq_len=null"),
         (dict(growth=GROW), dict(max_seq_len=None), "tokenizer.max_seq_len=null"),
         (dict(probe=ProbeOptions(use_maximum_batch_size=True)), dict(device=torch.device("meta")),
@@ -65,5 +68,5 @@ def test_good_settings_pass_every_rule_and_the_lists_hold_them_all():
     options = AdaptiveBatchOptions(probe=ProbeOptions(use_maximum_batch_size=True), growth=GROW)
     options.validate(RunContext(CPU, max_seq_len=16))
     assert options.needs_probe and options.growing
-    assert len(SETTING_RULES) == 5 and len(RUN_RULES) == 6
+    assert len(SETTING_RULES) == 5 and len(RUN_RULES) == 7
     assert not AdaptiveBatchOptions(probe=ProbeOptions(max_batch_size=8), growth=GROW).needs_probe
