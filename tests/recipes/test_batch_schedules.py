@@ -112,23 +112,17 @@ def test_resume_with_nothing_saved_is_one_line(tmp_path):
     assert "set resume_from_checkpoint=False to start the run" in proc.stderr and "Model is initialized" not in proc.stderr
 
 
-def test_noise_scale_is_logged_every_step_of_accumulated_micro_batches(tmp_path):
-    proc = run_tune(tmp_path, FIXED, "batch_size=4", "gradient_accumulation_steps=2", "measure_noise_scale=True",
-                    "max_steps_per_epoch=6")
+@pytest.mark.parametrize("overrides,micro_batches", [
+    (["gradient_accumulation_steps=2"], 2),  # two micro-batches' gradients to compare
+    (["noise_scale_estimator=norm_layers"], 1),  # each sample's norm-layer gradients, on one micro-batch
+], ids=["accumulated_micro_batches", "norm_layers_one_micro_batch"])
+def test_noise_scale_is_logged_every_step(tmp_path, overrides, micro_batches):
+    proc = run_tune(tmp_path, FIXED, "batch_size=4", "measure_noise_scale=True", "max_steps_per_epoch=6", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metric_log(tmp_path)
-    assert len(rows) == 6 and all(r["grad_accum_steps"] == 2 for r in rows)
+    assert len(rows) == 6 and all(r["grad_accum_steps"] == micro_batches for r in rows)
     # early in training the gradient dwarfs its noise: a critical batch of a few samples
     assert all(0 < r["gradient_noise_scale"] < 100 for r in rows)
-
-
-def test_norm_layer_noise_scale_is_logged_on_steps_of_one_micro_batch(tmp_path):
-    proc = run_tune(tmp_path, FIXED, "batch_size=4", "measure_noise_scale=True", "noise_scale_estimator=norm_layers",
-                    "max_steps_per_epoch=4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metric_log(tmp_path)
-    assert len(rows) == 4 and all(r["grad_accum_steps"] == 1 for r in rows)
-    assert all(0 < r["gradient_noise_scale"] < 1000 for r in rows)
 
 
 def test_lora_stopped_mid_epoch_resumes_from_its_adapter_step_checkpoint(tmp_path, schedules):
