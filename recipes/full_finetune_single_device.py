@@ -126,8 +126,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
             compile_model=cfg.compile,
             use_maximum_batch_size=cfg.get("use_maximum_batch_size", False) is True,
-            norm_layer_noise_scale=cfg.get("measure_noise_scale", False) is True
-            and cfg.get("noise_scale_estimator", None) == "norm_layers",
+            norm_layer_noise_scale=abt.norm_layer_noise_scale(cfg),
         )
         abt.check_profiler(cfg.get(PROFILER_KEY, None), self._device.type)
 

@@ -54,7 +54,7 @@ class LoRAFinetuneRecipeSingleDevice(FullFinetuneRecipeSingleDevice):
                 "optimizer_in_bwd=True: the LoRA recipe steps the optimizer after backward, as "
                 "torchtune's does; set optimizer_in_bwd=False."
             )
-        if cfg.get("measure_noise_scale", False) is True and cfg.get("noise_scale_estimator", None) == "norm_layers":
+        if abt.norm_layer_noise_scale(cfg):
             raise ab.ConfigError(
                 "noise_scale_estimator='norm_layers' with LoRA: the norm layers are frozen, so they have no gradient "
                 "to read; set noise_scale_estimator=micro_batches."

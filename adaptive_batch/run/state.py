@@ -108,18 +108,18 @@ class RunState:
         if not self.saved:
             return []
         before = self.saved.get("fingerprint", {})
+        defaults = AdaptiveBatchOptions.defaults()
         return sorted(
             key for key in set(before) | set(self.fingerprint)
-            if before.get(key) != self.fingerprint.get(key) and not self._newer_key_at_default(key, before)
+            if before.get(key) != self.fingerprint.get(key) and not self._newer_key_at_default(key, before, defaults)
         )
 
-    def _newer_key_at_default(self, key: str, before: Mapping[str, str]) -> bool:
+    def _newer_key_at_default(self, key: str, before: Mapping[str, str], defaults: Mapping[str, Any]) -> bool:
         """A setting the checkpoint's version did not have, left unset or at its default now:
         that run trained as its default does."""
         if key in before or key not in self.fingerprint:
             return False
-        default = AdaptiveBatchOptions.defaults().get(key)
-        return self.fingerprint[key] in (fingerprint({key: None})[key], fingerprint({key: default})[key])
+        return self.fingerprint[key] in (fingerprint({key: None})[key], fingerprint({key: defaults.get(key)})[key])
 
     def check_resume(self) -> None:
         """Refuses a resumed run that would train something else than the run that wrote the

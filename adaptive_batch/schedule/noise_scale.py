@@ -140,7 +140,7 @@ class GradientNoiseScale:
         self.updates = int(state["updates"])
 
 
-def _local(tensor: Any) -> Any:
+def local_tensor(tensor: Any) -> Any:
     """A DTensor's local shard (FSDP2), else the tensor."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -166,7 +166,7 @@ class MicroBatchGradients:
         """The copy of the gradients, held for the run."""
         import torch
 
-        self._previous = [torch.zeros_like(_local(p), dtype=torch.float32) for p in self.params]
+        self._previous = [torch.zeros_like(local_tensor(p), dtype=torch.float32) for p in self.params]
 
     def start(self) -> None:
         """A step (or its retry) begins: gradients are zero."""
@@ -183,7 +183,7 @@ class MicroBatchGradients:
         for p, previous in zip(self.params, self._previous):
             if p.grad is None:
                 continue
-            grad = _local(p.grad).float()
+            grad = local_tensor(p.grad).float()
             total = total + (grad - previous).pow(2).sum()
             previous.copy_(grad)
         self.sq_norms.append(total)

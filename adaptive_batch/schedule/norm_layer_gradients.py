@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.schedule.noise_scale import StepNoise, estimate_noise_from_means
+from adaptive_batch.schedule.noise_scale import StepNoise, estimate_noise_from_means, local_tensor
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,6 @@ def find_norm_layers(model: nn.Module) -> List[_NormLayer]:
         layers.append(_NormLayer(module, weight, bias if bias is not None and bias.requires_grad else None,
                                  None if eps is None else float(eps), rms, weight.dim()))
     return layers
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), else the tensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class NormLayerGradients:
@@ -139,7 +134,7 @@ class NormLayerGradients:
         """The step's squared gradient norm over the norm layers' weights (summed-loss units,
         this rank's shard), read after the last micro-batch and before any scaling."""
         norms = [
-            _local(p.grad).float().pow(2).sum()
+            local_tensor(p.grad).float().pow(2).sum()
             for layer in self.layers for p in (layer.weight, layer.bias) if p is not None and p.grad is not None
         ]
         return torch.stack(norms).sum() if norms else torch.zeros(())  # on the gradients' device: no sync per layer

@@ -42,6 +42,7 @@ from adaptive_batch.torchtune.checks import (
     check_profiler,
     check_run_settings,
     check_stock_recipe_options,
+    norm_layer_noise_scale,
     check_writable_dir,
     check_writable_file,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "check_writable_dir",
     "check_writable_file",
     "check_stock_recipe_options",
+    "norm_layer_noise_scale",
     "epoch_checkpoint_step",
     "epoch_weight_files",
     "finished_run",

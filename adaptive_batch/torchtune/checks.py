@@ -286,6 +286,11 @@ def check_run_settings(cfg: DictConfig, *, probe_cache_dir: Optional[str] = None
         check_writable_dir("probe_cache_dir", probe_cache_dir)
 
 
+def norm_layer_noise_scale(cfg: Any) -> bool:
+    """Whether the config measures the noise scale from the norm layers' per-example gradients."""
+    return cfg.get("measure_noise_scale", False) is True and cfg.get("noise_scale_estimator", None) == "norm_layers"
+
+
 def check_stock_recipe_options(
     *,
     dtype: str,
