@@ -352,6 +352,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             probe = partial(
                 ab.probe_batch_size, target=self.probe_target(), seq_len=self._tokenizer.max_seq_len,
                 cache_fields=self._probe_cache_fields(cfg), build=build,
+                first_guess=abt.ConfigFirstGuess(cfg, micro_batches=self._batching.probe_micro_batches),
             )
             self._batching.settle(
                 dataset_size=math.ceil(len(dataset) / self._ranks.world_size),

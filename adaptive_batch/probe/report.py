@@ -18,7 +18,7 @@ import torch
 from adaptive_batch.files import atomic_write
 from adaptive_batch.memory.budget import HARD, MemoryBudget
 from adaptive_batch.memory.device import DeviceCapacity, format_bytes
-from adaptive_batch.probe.search import SearchResult, Trial, max_overshoot
+from adaptive_batch.probe.search import GuessRecord, SearchResult, Trial, max_overshoot
 from adaptive_batch.probe.throughput import ThroughputChoice, ThroughputTrial
 
 PROBE_FILENAME = "batch_probe.json"
@@ -27,7 +27,7 @@ PROBE_STATE_KEY = "batch_probe"
 # 1: the dict written before the report was typed (no "format" key); 2: this class's form.
 REPORT_FORMAT = 2
 # Written only when set, as format 1 wrote them: a reader of format 1 takes a key's presence for a value.
-_ONLY_WHEN_SET = ("throughput", "cache", "global_batch", "max_tokens")
+_ONLY_WHEN_SET = ("throughput", "cache", "global_batch", "max_tokens", "first_guess", "epoch_share")
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,10 @@ class ProbeReport:
         cache: whether the report came from the cache.
         global_batch: how a fixed global batch runs in micro-batches (added by the run).
         max_tokens: the padded-token budget taken from the answer (added by the run).
+        first_guess: the prediction the search started from, when one was given (the planner's
+            fake steps), and what it cost (counted in ``total_seconds``).
+        epoch_share: ``total_seconds`` as a share of one epoch at the batch, its steps timed
+            by the search's trial at that size.
     """
 
     max_batch_size: int
@@ -94,6 +98,8 @@ class ProbeReport:
     cache: Optional[CacheUse] = None
     global_batch: Optional[Dict[str, Any]] = None
     max_tokens: Optional[int] = None
+    first_guess: Optional[GuessRecord] = None
+    epoch_share: Optional[float] = None
 
     @property
     def num_trials(self) -> int:
@@ -159,11 +165,14 @@ class ProbeReport:
         budget = self.budget
         # This rank's own budget and where it came from (the search's is the smallest rank's).
         source = "" if budget is None else f" = {budget.limit_words()}"
+        guessed = "estimate" if self.first_guess is None else f"first guess from {self.first_guess.source}"
+        share = "" if self.epoch_share is None else f" ({self.epoch_share:.1%} of an epoch)"
         return (
             f"use_maximum_batch_size: largest batch that fits is {self.max_batch_size} "
-            f"(estimate predicted {self.estimate.get('predicted_max_batch_size')}), budget "
+            f"({guessed} predicted {self.estimate.get('predicted_max_batch_size')}), budget "
             f"{format_bytes(self.budget_bytes if budget is None else budget.budget_bytes)}{source}; "
-            f"{self.num_trials} trial{' processes' if self.trials_in_fresh_processes else ' steps'} in {self.total_seconds:.1f}s"
+            f"{self.num_trials} trial{' processes' if self.trials_in_fresh_processes else ' steps'} in "
+            f"{self.total_seconds:.1f}s{share}"
         )
 
 
@@ -194,6 +203,7 @@ _RECORDS = {
     "capacity": lambda d: DeviceCapacity(**d),
     "throughput": _throughput,
     "cache": lambda d: CacheUse(**d),
+    "first_guess": lambda d: GuessRecord(**d),
 }
 
 
@@ -211,7 +221,8 @@ def report_of_search(
     return ProbeReport(
         max_batch_size=result.max_batch_size, batch_size=batch_size, budget_bytes=result.budget_bytes,
         trials=list(result.trials), estimate=result.estimate_dict(), total_seconds=result.total_seconds,
-        stopped_by_time=result.stopped_by_time, seq_len=seq_len, device=str(device), budget=budget, **run,
+        stopped_by_time=result.stopped_by_time,
+        first_guess=None if result.first_guess is None else result.first_guess.record(), seq_len=seq_len, device=str(device), budget=budget, **run,
     )
 
 

@@ -50,6 +50,42 @@ class Trial:
 Estimate = Union[LinearMemoryEstimate, PhaseMemoryEstimate, OperatorMemoryEstimate]
 
 
+@dataclass(frozen=True)
+class FirstGuess:
+    """Where the real trials start when something cheaper than real steps predicted the answer
+    (the planner's fake steps of the same model): the search tries it first, then its neighbour.
+
+    Attributes:
+        batch_size: the predicted largest batch.
+        estimate: the line behind the prediction, reported as the search's estimate.
+        seconds: what the prediction cost; counted in the search's time.
+        source: what made it, for the report and the log.
+    """
+
+    batch_size: int
+    estimate: Optional[Estimate]
+    seconds: float
+    source: str
+
+    def record(self) -> "GuessRecord":
+        """What a report keeps of it: the estimate is the report's own."""
+        return GuessRecord(self.batch_size, self.seconds, self.source)
+
+
+# ``guess(budget_bytes, max_batch_size)``: what a caller that knows the model hands the probe
+# (:func:`~adaptive_batch.probe.first_guess.guess_max_batch_size` on its model).
+FirstGuessFor = Callable[[int, Optional[int]], Optional["FirstGuess"]]
+
+
+@dataclass(frozen=True)
+class GuessRecord:
+    """A :class:`FirstGuess` as the probe report keeps it."""
+
+    batch_size: int
+    seconds: float
+    source: str
+
+
 def max_overshoot(trials: List[Trial], budget_bytes: int) -> Optional[float]:
     """The largest measured trial peak as a multiple of the budget (``None``: none measured).
     Trials that ran out of memory have no peak; they count among the trials all the same."""
@@ -68,6 +104,7 @@ class SearchResult:
     trials: List[Trial] = field(default_factory=list)
     total_seconds: float = 0.0
     stopped_by_time: bool = False  # the time budget ended the search at the largest fit so far
+    first_guess: Optional[FirstGuess] = None  # where the search started, when it did not measure a line
 
     @property
     def num_trials(self) -> int:
@@ -97,6 +134,7 @@ class SearchResult:
             "max_overshoot": self.max_overshoot,
             "total_seconds": self.total_seconds,
             "stopped_by_time": self.stopped_by_time,
+            "first_guess": None if self.first_guess is None else asdict(self.first_guess.record()),
         }
 
 
@@ -141,6 +179,7 @@ def search_max_batch_size(
     tolerance: float = 0.0,
     oom_scars_caller: bool = False,
     estimate_only: bool = False,
+    first_guess: Optional[FirstGuess] = None,
 ) -> SearchResult:
     """Finds the largest batch size whose step fits in ``budget_bytes``.
 
@@ -195,6 +234,9 @@ def search_max_batch_size(
             more than half a sample (:meth:`_Bracket.foresees_failure`).
         estimate_only: stop after the estimate steps (a first guess): the result's ``estimate``
             is the line, and nothing past it is tried.
+        first_guess: a prediction made without real steps: after the warmup it is tried first
+            and trusted as an operator line is (no estimate steps); its seconds count in the
+            result's. When it is off the search moves from it as from any prediction.
 
     Returns:
         The result, with every trial.
@@ -209,18 +251,24 @@ def search_max_batch_size(
     trials = _Trials(run_trial, budget_bytes, release=release, max_trials=max_trials)
     bracket = _Bracket(trials, budget_bytes, max_batch_size, max_overshoot, tolerance)
     clock = _Clock(trials, time_budget_s, start, agree=agree)
-    estimate = _measure_line(bracket, clock, estimate_sizes, warmup=warmup, settle_slope=settle_slope)
-    predicted = None if estimate is None else estimate.max_batch_size(budget_bytes)
-    if predicted is not None and max_batch_size is not None:
-        predicted = min(predicted, max_batch_size)
-    if estimate is not None and not estimate_only:
-        clock.say_eta(predicted)
+    if first_guess is None:
+        estimate = _measure_line(bracket, clock, estimate_sizes, warmup=warmup, settle_slope=settle_slope)
+        predicted = None if estimate is None else estimate.max_batch_size(budget_bytes)
         # A line per operator through two steps that ran the same operators is the step's own
         # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.
-        _Search(bracket, predicted, clock, trust_prediction=isinstance(estimate, OperatorMemoryEstimate),
-                spare_the_caller=oom_scars_caller).run()
+        trusted = isinstance(estimate, OperatorMemoryEstimate)
+    else:
+        if warmup and not bracket.run(1, "warmup"):
+            raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
+        estimate, predicted, trusted = first_guess.estimate, max(1, first_guess.batch_size), True
+    if predicted is not None and max_batch_size is not None:
+        predicted = min(predicted, max_batch_size)
+    if (estimate is not None or first_guess is not None) and not estimate_only:
+        clock.say_eta(predicted)
+        _Search(bracket, predicted, clock, trust_prediction=trusted, spare_the_caller=oom_scars_caller).run()
+    seconds = time.perf_counter() - start + (0.0 if first_guess is None else first_guess.seconds)
     return SearchResult(
-        bracket.lo, budget_bytes, estimate, predicted, trials.done, time.perf_counter() - start, clock.stopped
+        bracket.lo, budget_bytes, estimate, predicted, trials.done, seconds, clock.stopped, first_guess
     )
 
 

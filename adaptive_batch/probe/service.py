@@ -9,6 +9,7 @@ the candidates for the throughput objective, and writes ``batch_probe.json`` (an
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+import math
 import os
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
 
@@ -32,10 +33,11 @@ from adaptive_batch.memory.device import (
     parse_memory,
     proc_status_bytes,
 )
+from adaptive_batch.memory.oom import first_line
 from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_versions
 from adaptive_batch.probe.children import search_in_children, trials_in_children
 from adaptive_batch.probe.lockstep import LockstepTrial
-from adaptive_batch.probe.search import ROUNDING_MODES, round_batch_size
+from adaptive_batch.probe.search import ROUNDING_MODES, FirstGuess, FirstGuessFor, SearchResult, round_batch_size
 from adaptive_batch.probe.throughput import OBJECTIVES, ThroughputChoice, probe_throughput
 from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.report import PROBE_FILENAME, CacheUse, ProbeReport, report_of_search, write_probe_report
@@ -228,6 +230,7 @@ def probe_batch_size(
     log: Optional[Callable[[str], None]] = None,
     save_report: bool = True,
     build: Optional[Callable[[], ProbeTarget]] = None,
+    first_guess: Optional[FirstGuessFor] = None,
 ) -> ProbeReport:
     """Finds the batch to train with (or reuses a cached result) and writes the report.
 
@@ -250,6 +253,9 @@ def probe_batch_size(
             their config). Under a hard limit in address space on one process, every trial then
             runs in a fresh process (:mod:`adaptive_batch.probe.children`), so an out-of-memory
             trial or a crash cannot scar or end this one.
+        first_guess: ``guess(budget_bytes, cap)``, the answer predicted without real steps by a
+            caller that knows the model (the recipes: fake steps of their config's model); the
+            search starts there where the guess counts what the budget counts.
 
     Returns:
         The report: what ``batch_probe.json`` holds (``batch_size`` is the one to use).
@@ -288,7 +294,8 @@ def probe_batch_size(
                   f"{'' if seq_len is None else f'at seq_len={seq_len} '}with {budget.describe()}.")
         report = search_and_check(options, target, budget, capacity, limits, rank_budgets=rank_budgets, cap=cap,
                                   seq_len=seq_len, ranks=ranks, snapshot_dir=output_dir,
-                                  build=build if in_children else None)
+                                  build=build if in_children else None, first_guess=first_guess,
+                                  dataset_size=dataset_size)
         if cache is not None and not report.stopped_by_time:  # a longer search may find more
             report.cache = CacheUse(hit=False, path=ranks.decide_on_main(lambda: cache.store(key, report)))
         logs.info(report.describe())
@@ -345,13 +352,16 @@ def search_and_check(
     ranks: RankGroup,
     snapshot_dir: Optional[str],
     build: Optional[Callable[[], ProbeTarget]] = None,
+    first_guess: Optional[FirstGuessFor] = None,
+    dataset_size: Optional[int] = None,
 ) -> ProbeReport:
     """The real-step search in lockstep on every rank, the answer's check, the rounding and the
     objective: the report of a probe that ran, with no cache, no report written and no line but
     the trials' and the check's (both entry points call it: :func:`probe_batch_size` and
     ``find_max_batch_size``). With ``build`` (where
     :func:`~adaptive_batch.probe.children.trials_in_children` holds) every trial runs training's
-    first steps in a fresh process instead; the check still runs the answer here.
+    first steps in a fresh process instead; the check still runs the answer here. With
+    ``first_guess`` (see :func:`_guess_where_units_match`) the search starts at its guess.
 
     Raises:
         BatchSizeTooLargeError: when batch 1 does not fit (naming the rank whose budget is smallest).
@@ -367,6 +377,7 @@ def search_and_check(
     if build is not None:
         result = search_in_children(build, budget, capacity, max_batch_size=cap, time_budget=options.probe_time_budget)
     else:
+        guess = _guess_where_units_match(first_guess, budget, target, ranks, common_budget, cap)
         with _smallest_rank_named(budget, rank_budgets, ranks):
             result = probe_max_batch_size(
                 target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir,
@@ -374,6 +385,7 @@ def search_and_check(
                 budget_source=budget.source, time_budget_s=options.probe_time_budget, agree=ranks.any,
                 # An out-of-memory trial in this process scars the heap it trains in (CUDA's cache empties).
                 oom_scars_caller=not budget.is_soft and target.device.type == "cpu" and not ranks.distributed,
+                first_guess=guess,
             )
     # Also after trials in fresh processes: this process has what a fresh one has not (a LoRA
     # answer ran 3 steps in a child with 2 MiB to spare and ran out of memory here in training).
@@ -390,7 +402,38 @@ def search_and_check(
         trials_in_fresh_processes=build is not None,
         # What every rank measured against its own budget; the batch is what fits on all.
         ranks=ranks.gather(lockstep[0].report()) if lockstep else [], throughput=throughput,
+        epoch_share=epoch_share(result, batch_size, dataset_size),
     )
+
+
+def _guess_where_units_match(
+    guess_for: Optional[FirstGuessFor], budget: MemoryBudget, target: ProbeTarget, ranks: RankGroup,
+    budget_bytes: int, cap: Optional[int],
+) -> Optional[FirstGuess]:
+    """The caller's first guess, where it counts what the budget counts: tensor bytes (a soft
+    budget, or CUDA's allocator) on one process. A hard CPU limit counts address space, and
+    lockstep ranks would each need their own guess. A guess that fails is no guess: the
+    search measures its own line, and the answer is the same."""
+    if guess_for is None or ranks.distributed or (not budget.is_soft and target.device.type == "cpu"):
+        return None
+    try:
+        guess = guess_for(budget_bytes, cap)
+    except Exception as e:  # noqa: BLE001 - an operator fake tensors lack, a model the planner cannot build
+        logs.warning(f"probe: no first guess ({type(e).__name__}: {first_line(e)}); measuring the line from real steps.")
+        return None
+    if guess is not None:
+        logs.info(f"probe: first guess batch_size={guess.batch_size} from {guess.source} in {guess.seconds:.1f}s "
+                  "(nothing allocated); the real trials start there.")
+    return guess
+
+
+def epoch_share(result: SearchResult, batch_size: int, dataset_size: Optional[int]) -> Optional[float]:
+    """The search's seconds as a share of one epoch at ``batch_size``, its steps timed by the
+    search's own trial at that size (``None``: no such trial, or no dataset size)."""
+    step = next((t.seconds for t in reversed(result.trials) if t.batch_size == batch_size and t.fits), None)
+    if not dataset_size or not step:
+        return None
+    return result.total_seconds / (math.ceil(dataset_size / batch_size) * step)
 
 
 @contextmanager

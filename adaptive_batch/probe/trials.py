@@ -21,7 +21,7 @@ from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.memory.device import free_mkl_buffers
 from adaptive_batch.memory.oom import release_memory
 from adaptive_batch.memory.tracker import StepMemory, measure_phase_peaks
-from adaptive_batch.probe.search import SearchResult, search_max_batch_size
+from adaptive_batch.probe.search import FirstGuess, SearchResult, search_max_batch_size
 from adaptive_batch.probe.target import ProbeTarget
 
 
@@ -62,6 +62,7 @@ def probe_max_batch_size(
     oom_scars_caller: bool = False,
     restore_state: bool = True,
     estimate_only: bool = False,
+    first_guess: Optional[FirstGuess] = None,
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
@@ -77,7 +78,8 @@ def probe_max_batch_size(
         wrap_trial: wraps the measured trial, e.g. ``LockstepTrial`` (ranks agree on every outcome).
         trial_limit: a context the trials (not the snapshot) run in (``trial_memory_limit``).
         budget_source: what set ``budget_bytes``, for the advice when batch 1 does not fit.
-        time_budget_s, oom_scars_caller, estimate_only: as :func:`search_max_batch_size` takes them.
+        time_budget_s, oom_scars_caller, estimate_only, first_guess: as :func:`search_max_batch_size`
+            takes them.
         agree: makes a rank's wish to stop for time every rank's (``RankGroup.any``).
         restore_state: ``False``: no snapshot (a process that ends after the trials).
 
@@ -101,7 +103,7 @@ def probe_max_batch_size(
                 budget_bytes=budget_bytes, max_batch_size=max_batch_size, release=lambda: release_memory(device),
                 settle_slope=device.type == "cuda",  # no operator timeline there
                 time_budget_s=time_budget_s, agree=agree, oom_scars_caller=oom_scars_caller,
-                estimate_only=estimate_only,
+                estimate_only=estimate_only, first_guess=first_guess,
             )
         except BatchSizeTooLargeError as e:
             raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, source=budget_source) from None

@@ -56,10 +56,12 @@ from adaptive_batch.torchtune.config import (
 )
 from adaptive_batch.torchtune.data import pydoc_paragraphs, pydoc_text_dataset
 from adaptive_batch.torchtune.loss import next_token_loss
+from adaptive_batch.torchtune.planning import ConfigFirstGuess
 from adaptive_batch.torchtune.tokenizer import ByteTokenizer, byte_tokenizer
 from adaptive_batch.torchtune.trial_build import RecipeTrialBuild
 
 __all__ = [
+    "ConfigFirstGuess",
     # the library's pieces a recipe runs
     "LR_SCHEDULER_KEY",
     "OutputDirLock",

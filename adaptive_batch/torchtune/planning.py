@@ -10,8 +10,10 @@ from torchtune import config, modules, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from adaptive_batch.errors import ConfigError
+import adaptive_batch.logs as logs
 from adaptive_batch.probe.fake_step import KnownStateOptimizer
 from adaptive_batch.probe.plan import MemoryPlan, plan_memory
+from adaptive_batch.probe.search import FirstGuess
 from adaptive_batch.schedule.global_batch import micro_batches_per_trial
 from adaptive_batch.torchtune.checks import check_seq_len, model_max_seq_len
 from adaptive_batch.torchtune.loss import next_token_loss
@@ -158,6 +160,51 @@ def plan_from_config(
             grow_with_accumulation=bool(cfg.get("grow_with_accumulation", False)),
         ),
     )
+
+
+@dataclass(frozen=True)
+class ConfigFirstGuess:
+    """The probe's first guess for a recipe's config: fake steps of the config's model, loss,
+    optimizer, dtype and sequence length at batch 2 and 3
+    (:func:`~adaptive_batch.probe.first_guess.guess_max_batch_size`), made only when the probe
+    asks. Where the fake steps would not be the recipe's step, no guess: the probe measures its
+    own line, and the answer is the same.
+
+    Attributes:
+        cfg: the recipe's config.
+        micro_batches: the micro-batches a probe trial at a batch size runs (the run's).
+    """
+
+    cfg: DictConfig
+    micro_batches: Callable[[int], int] = lambda batch_size: 1
+
+    def __call__(self, budget_bytes: int, max_batch_size: Optional[int]) -> Optional[FirstGuess]:
+        from adaptive_batch.probe.first_guess import guess_max_batch_size  # fake tensors: only when asked
+
+        cfg = self.cfg
+        dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))
+        reason = self._why_not(dtype)
+        if reason is not None:
+            logs.info(f"probe: no first guess from fake steps: {reason}; the real steps measure the line.")
+            return None
+        step = _RecipeStep(cfg, cfg.model, dtype, config.instantiate(cfg.loss), _optimizer_factory(cfg.optimizer, []))
+        return guess_max_batch_size(
+            build_model=step.build_model, build_optimizer=step.build_optimizer, forward_backward=step.forward_backward,
+            seq_len=int(check_seq_len(cfg)), budget_bytes=budget_bytes, max_batch_size=max_batch_size,
+            micro_batches=self.micro_batches,
+        )
+
+    def _why_not(self, dtype: torch.dtype) -> Optional[str]:
+        """Why the fake steps would not be the recipe's step, or ``None``."""
+        cfg = self.cfg
+        for key in ("compile", "optimizer_in_bwd", "enable_activation_offloading"):
+            if cfg.get(key, False):
+                return f"{key}=True is not what a fake step runs"
+        if check_seq_len(cfg) is None:
+            return "tokenizer.max_seq_len is null"
+        if _nf4_base_weights(cfg.model, dtype, [])[1]:
+            return "fake tensors cannot hold NF4 base weights"
+        return None
 
 
 def _check_ranks(cfg: DictConfig, world_size: Any) -> None:

@@ -509,3 +509,34 @@ def test_between_a_fit_and_a_failed_estimate_the_next_size_is_where_the_fit_grow
                                    max_overshoot=float("inf"))
     assert result.max_batch_size == 40 and step.calls[:3] == [10, 60, 33]
     assert len(step.calls) <= 9  # from 2 x 10 = 20 it took 11
+
+
+@pytest.mark.parametrize("guess", [37, 36, 38, 30, 45, 200])
+def test_a_first_guess_takes_the_estimate_steps_place_and_the_answer_is_the_same(guess):
+    """After the warmup the guess is tried; right, the search ends at its neighbour; wrong either
+    way, it moves from there to the same bracketed answer, and the guess's seconds count."""
+    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=50, start=True)
+    first = search.FirstGuess(guess, None, seconds=2.5, source="a test")
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release, first_guess=first)
+    assert result.max_batch_size == 37 and step.calls[:2] == [1, guess]
+    check_bracket(result)
+    assert not [t for t in result.trials if t.phase == "estimate"]
+    assert result.first_guess is first and result.total_seconds >= 2.5
+    assert result.to_dict()["first_guess"] == {"batch_size": guess, "seconds": 2.5, "source": "a test"}
+    if abs(guess - 37) <= 1:
+        assert len(step.calls) <= 4
+
+
+def test_a_first_guess_past_the_cap_tries_the_cap():
+    step = LinearStep(fixed=1_000, per_sample=100, start=True)
+    first = search.FirstGuess(50, None, seconds=0.1, source="a test")
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, max_batch_size=20, release=no_release,
+                                   first_guess=first)
+    assert result.max_batch_size == 20 and step.calls == [1, 20]
+
+
+def test_a_first_guess_still_refuses_a_budget_under_batch_one():
+    step = LinearStep(fixed=1_000, per_sample=100, start=True)
+    with pytest.raises(BatchSizeTooLargeError):
+        search_max_batch_size(step, budget_bytes=900, release=no_release,
+                              first_guess=search.FirstGuess(5, None, seconds=0.1, source="a test"))

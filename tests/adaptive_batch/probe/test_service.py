@@ -1,12 +1,14 @@
 """ProbeOptions check themselves; probe_batch_size finds, caches and reports on a real model."""
 
 import json
+import math
 
 import pytest
 import torch
 from torch import nn
 
 from adaptive_batch import BatchSizeTooLargeError, ConfigError, ProbeOptions, probe_batch_size
+from adaptive_batch.probe.search import FirstGuess, GuessRecord
 from adaptive_batch.probe.target import ProbeTarget
 
 
@@ -201,3 +203,52 @@ def test_a_share_of_an_address_space_limit_sends_the_trials_to_fresh_processes(m
     assert budget.budget_bytes == int((2**30 + 20) * 0.9 * 0.997)  # (the parameters' 20 bytes count)
     budget, _, in_children = service.step_budget(ProbeOptions(max_memory="512MiB"), target, build=lambda: target)
     assert budget.is_soft and not in_children
+
+
+def test_a_first_guess_starts_the_search_the_report_says_so_and_gives_the_probes_share_of_an_epoch(tmp_path):
+    """A guess that is the answer: warmup, the guess, its neighbour; the same answer as without,
+    the guess's seconds counted, and the probe's seconds as a share of one epoch at the batch."""
+    opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache=False)
+    common = dict(seq_len=256, dataset_size=10_000, output_dir=str(tmp_path), log=lambda line: None)
+    plain = probe_batch_size(opts, _mlp_parts(), **common)
+    asked = []
+
+    def guess(budget_bytes, cap):
+        asked.append((budget_bytes, cap))
+        return FirstGuess(plain.max_batch_size, None, seconds=0.25, source="a test")
+
+    lines = []
+    guided = probe_batch_size(opts, _mlp_parts(), first_guess=guess, **dict(common, log=lines.append))
+    assert asked == [(plain.budget_bytes, 10_000)]
+    assert guided.batch_size == plain.batch_size and [t.batch_size for t in guided.trials] == [
+        1, plain.max_batch_size, plain.max_batch_size + 1]
+    assert guided.first_guess == GuessRecord(plain.max_batch_size, 0.25, "a test") and guided.total_seconds >= 0.25
+    assert "first guess from a test predicted" in guided.describe()
+    assert any(line.startswith(f"probe: first guess batch_size={plain.max_batch_size} from a test") for line in lines)
+    step = next(t.seconds for t in guided.trials if t.batch_size == guided.batch_size)
+    assert guided.epoch_share == pytest.approx(guided.total_seconds / (math.ceil(10_000 / guided.batch_size) * step))
+    on_disk = json.loads((tmp_path / "batch_probe.json").read_text())
+    assert on_disk["first_guess"]["batch_size"] == plain.max_batch_size and on_disk["epoch_share"] == guided.epoch_share
+
+
+def test_no_first_guess_where_it_counts_another_unit_or_fails(tmp_path, monkeypatch):
+    """A hard CPU limit counts address space: the guess is not asked. A guess that raises is
+    said in one line and the search measures its own line: the same answer."""
+    from adaptive_batch.probe import service
+
+    target = _mlp_parts()
+    hard = service.MemoryBudget(budget_bytes=4 * 2**20, limit_bytes=4 * 2**20, safety_margin=0.0, source="test", kind="hard")
+    alone = service.RankGroup.alone()
+    asked = []
+    assert service._guess_where_units_match(lambda b, c: asked.append(b), hard, target, alone, 2**20, None) is None
+    assert asked == []
+
+    def broken(budget_bytes, cap):
+        raise NotImplementedError("aten::an_op has no fake implementation")
+
+    opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache=False)
+    lines = []
+    report = probe_batch_size(opts, target, seq_len=256, output_dir=str(tmp_path), first_guess=broken,
+                              log=lines.append)
+    assert report.first_guess is None and any(t.phase == "estimate" for t in report.trials)
+    assert any("no first guess (NotImplementedError: aten::an_op has no fake implementation)" in line for line in lines)
