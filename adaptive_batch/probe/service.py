@@ -78,6 +78,9 @@ class ProbeOptions:
         probe_time_budget: seconds the search may take: it stops at the largest size that
             fitted when the next trial would end past it (a trial's time is predicted from the
             steps so far); ``None`` for no limit.
+        probe_first_guess: start the real trials at the answer fake steps of the model predict
+            (nothing allocated), where the caller knows the model (the recipes) and the budget
+            counts tensor bytes; ``False`` measures the line from real steps instead.
 
     Raises:
         ConfigError: for the first bad value.
@@ -94,6 +97,7 @@ class ProbeOptions:
     probe_cache_dir: Optional[str] = None
     plot: bool = False
     probe_time_budget: Optional[float] = DEFAULT_PROBE_TIME_BUDGET_S
+    probe_first_guess: bool = True
 
     def __post_init__(self) -> None:
         check_bool("use_maximum_batch_size", self.use_maximum_batch_size)
@@ -122,6 +126,7 @@ class ProbeOptions:
                 f"seconds, e.g. {DEFAULT_PROBE_TIME_BUDGET_S:g} (the default), or null for no limit",
             )
         check_bool("probe_cache", self.probe_cache)
+        check_bool("probe_first_guess", self.probe_first_guess)
         if self.probe_cache_dir is not None and not isinstance(self.probe_cache_dir, str):
             raise ConfigError(f"probe_cache_dir={self.probe_cache_dir!r} must be a directory path or null.")
         if check_bool("plot", self.plot):
@@ -377,7 +382,8 @@ def search_and_check(
     if build is not None:
         result = search_in_children(build, budget, capacity, max_batch_size=cap, time_budget=options.probe_time_budget)
     else:
-        guess = _guess_where_units_match(first_guess, budget, target, ranks, common_budget, cap)
+        guess = _guess_where_units_match(first_guess if options.probe_first_guess else None, budget, target, ranks,
+                                         common_budget, cap)
         with _smallest_rank_named(budget, rank_budgets, ranks):
             result = probe_max_batch_size(
                 target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir,

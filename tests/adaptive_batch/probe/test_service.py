@@ -46,6 +46,7 @@ def test_max_memory_in_bytes():
         ("throughput_tolerance", 1.0, "throughput_tolerance=1.0 must be a number in [0, 1)"),
         ("throughput_tolerance", "2%", "throughput_tolerance='2%' must be a number"),
         ("probe_cache", "no", "probe_cache='no' must be true or false"),
+        ("probe_first_guess", "yes", "probe_first_guess='yes' must be true or false"),
         ("probe_cache_dir", 5, "probe_cache_dir=5 must be a directory path or null"),
         ("plot", "yes", "plot='yes' must be true or false"),
         ("probe_time_budget", 0, "probe_time_budget=0 must be a positive finite number: seconds, e.g. 600 (the default), or null for no limit."),
@@ -242,6 +243,10 @@ def test_no_first_guess_where_it_counts_another_unit_or_fails(tmp_path, monkeypa
     asked = []
     assert service._guess_where_units_match(lambda b, c: asked.append(b), hard, target, alone, 2**20, None) is None
     assert asked == []
+    off = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache=False, probe_first_guess=False)
+    report = probe_batch_size(off, target, seq_len=256, output_dir=str(tmp_path), log=lambda line: None,
+                              first_guess=lambda b, c: asked.append(b))
+    assert asked == [] and report.first_guess is None
 
     def broken(budget_bytes, cap):
         raise NotImplementedError("aten::an_op has no fake implementation")

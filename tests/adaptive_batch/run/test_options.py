@@ -17,7 +17,7 @@ GROW = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch"
 def test_keys_are_the_sections_fields():
     keys = AdaptiveBatchOptions.keys()
     assert {"use_maximum_batch_size", "max_memory", "batch_increase_function", "max_tokens", "lr_scaling"} <= keys
-    assert len(keys) == 28  # + noise_scale_split_step, weight_decay_scaling, probe_time_budget, noise_scale_estimator
+    assert len(keys) == 29  # + noise_scale_split_step, weight_decay_scaling, probe_time_budget, noise_scale_estimator, probe_first_guess
     opts = AdaptiveBatchOptions.from_flat({"max_tokens": 64, "lr_scaling": "sqrt", "plot": False})
     assert opts.tokens.max_tokens == 64 and opts.lr_scaling.lr_scaling == "sqrt" and opts.probe == ProbeOptions()
     with pytest.raises(ConfigError, match="unknown adaptive-batch setting 'max_tokenz'"):

@@ -1,0 +1,50 @@
+"""A recipe config's first guess: fake steps of its model, or none where they would not be its step."""
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+import pytest
+
+from adaptive_batch.logs import lines_to
+from adaptive_batch.torchtune.planning import ConfigFirstGuess
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _config(name, **overrides):
+    cfg = OmegaConf.load(REPO / "configs" / "tiny" / name)
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def test_a_lora_configs_guess_trains_the_adapters_alone_and_a_global_batch_counts_two_micro_batches():
+    """Only the adapters have gradients and optimizer state, so LoRA's guess is above the full
+    model's at the same budget; a trial of two micro-batches (a global batch) holds more."""
+    budget = 512 * 2**20
+    full = ConfigFirstGuess(_config("full_single_device.yaml"))(budget, None)
+    lora = ConfigFirstGuess(_config("lora_single_device.yaml"))(budget, None)
+    two = ConfigFirstGuess(_config("full_single_device.yaml"), micro_batches=lambda b: 2)(budget, None)
+    assert full is not None and lora is not None and two is not None
+    assert lora.batch_size > full.batch_size >= two.batch_size > 1
+    capped = ConfigFirstGuess(_config("full_single_device.yaml"))(budget, 5)
+    assert capped.batch_size == 5
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    ({"compile": True}, "compile=True is not what a fake step runs"),
+    ({"optimizer_in_bwd": True}, "optimizer_in_bwd=True is not what a fake step runs"),
+    ({"tokenizer.max_seq_len": None}, "tokenizer.max_seq_len is null"),
+])
+def test_no_guess_where_the_fake_step_is_not_the_recipes_step(overrides, reason):
+    lines = []
+    with lines_to(lines.append):
+        assert ConfigFirstGuess(_config("full_single_device.yaml", **overrides))(512 * 2**20, None) is None
+    assert lines == [f"probe: no first guess from fake steps: {reason}; the real steps measure the line."]
+
+
+def test_no_guess_for_nf4_base_weights():
+    lines = []
+    with lines_to(lines.append):
+        assert ConfigFirstGuess(_config("lora_single_device.yaml", **{"model.quantize_base": True}))(2**30, None) is None
+    assert "fake tensors cannot hold NF4 base weights" in lines[0]
