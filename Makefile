@@ -9,7 +9,7 @@ STAMP := $(VENV)/.adaptive-batch-installed
 # torchtune's wheel ships a top-level `recipes` package: put the repo root first so ours wins.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: run run-distributed test test-fast test-unit bench bench-hf bench-zoo bench-plan bench-plan-torchtune bench-estimate bench-overhead bench-noise-scale gpu-check gpu-check-cpu gpu-wheels venv clean
+.PHONY: run run-distributed test test-fast test-unit bench bench-hf bench-zoo bench-plan bench-plan-torchtune bench-estimate bench-overhead bench-noise-scale bench-first-guess gpu-check gpu-check-cpu gpu-wheels venv clean
 
 venv: $(STAMP)
 
@@ -69,6 +69,10 @@ bench-overhead: $(STAMP)
 # The noise scale's two estimators: their cost through the recipe, and both on the same runs.
 bench-noise-scale: $(STAMP)
 	$(BIN)/python benchmarks/bench_noise_scale.py $(ARGS)
+
+# The probe with and without its first guess from fake steps: docs/probe.md (about 10 minutes).
+bench-first-guess: $(STAMP)
+	$(BIN)/python benchmarks/bench_first_guess.py $(ARGS)
 
 bench-plan: $(STAMP)
 	$(BIN)/python benchmarks/bench_plan.py $(ARGS)

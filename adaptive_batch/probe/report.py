@@ -71,8 +71,8 @@ class ProbeReport:
         max_tokens: the padded-token budget taken from the answer (added by the run).
         first_guess: the prediction the search started from, when one was given (the planner's
             fake steps), and what it cost (counted in ``total_seconds``).
-        epoch_share: ``total_seconds`` as a share of one epoch at the batch, its steps timed
-            by the search's trial at that size.
+        epoch_share: ``total_seconds`` as a share of one epoch at ``max_batch_size``, its steps
+            timed by the search's trial at that size.
     """
 
     max_batch_size: int

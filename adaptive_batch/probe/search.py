@@ -251,16 +251,8 @@ def search_max_batch_size(
     trials = _Trials(run_trial, budget_bytes, release=release, max_trials=max_trials)
     bracket = _Bracket(trials, budget_bytes, max_batch_size, max_overshoot, tolerance)
     clock = _Clock(trials, time_budget_s, start, agree=agree)
-    if first_guess is None:
-        estimate = _measure_line(bracket, clock, estimate_sizes, warmup=warmup, settle_slope=settle_slope)
-        predicted = None if estimate is None else estimate.max_batch_size(budget_bytes)
-        # A line per operator through two steps that ran the same operators is the step's own
-        # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.
-        trusted = isinstance(estimate, OperatorMemoryEstimate)
-    else:
-        if warmup and not bracket.run(1, "warmup"):
-            raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
-        estimate, predicted, trusted = first_guess.estimate, max(1, first_guess.batch_size), True
+    estimate, predicted, trusted = _starting_point(bracket, clock, first_guess, estimate_sizes, warmup=warmup,
+                                                   settle_slope=settle_slope)
     if predicted is not None and max_batch_size is not None:
         predicted = min(predicted, max_batch_size)
     if (estimate is not None or first_guess is not None) and not estimate_only:
@@ -270,6 +262,27 @@ def search_max_batch_size(
     return SearchResult(
         bracket.lo, budget_bytes, estimate, predicted, trials.done, seconds, clock.stopped, first_guess
     )
+
+
+def _starting_point(
+    bracket: "_Bracket", clock: "_Clock", first_guess: Optional[FirstGuess], sizes: Tuple[int, int], *, warmup: bool,
+    settle_slope: bool,
+) -> Tuple[Optional[Estimate], Optional[int], bool]:
+    """The warmup, then the line the search starts from: measured by the estimate steps, or the
+    first guess's; its prediction, and whether that is tried as it is.
+
+    Raises:
+        BatchSizeTooLargeError: when batch size 1 does not fit.
+    """
+    if first_guess is not None:
+        if warmup and not bracket.run(1, "warmup"):
+            raise BatchSizeTooLargeError(bracket.trials.done[-1].peak_bytes, bracket.budget_bytes)
+        return first_guess.estimate, max(1, first_guess.batch_size), True
+    estimate = _measure_line(bracket, clock, sizes, warmup=warmup, settle_slope=settle_slope)
+    predicted = None if estimate is None else estimate.max_batch_size(bracket.budget_bytes)
+    # A line per operator through two steps that ran the same operators is the step's own
+    # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.
+    return estimate, predicted, isinstance(estimate, OperatorMemoryEstimate)
 
 
 def _check_bounds(budget_bytes: int, max_batch_size: Optional[int], max_overshoot: float) -> None:

@@ -361,12 +361,10 @@ def search_and_check(
     dataset_size: Optional[int] = None,
 ) -> ProbeReport:
     """The real-step search in lockstep on every rank, the answer's check, the rounding and the
-    objective: the report of a probe that ran, with no cache, no report written and no line but
-    the trials' and the check's (both entry points call it: :func:`probe_batch_size` and
-    ``find_max_batch_size``). With ``build`` (where
-    :func:`~adaptive_batch.probe.children.trials_in_children` holds) every trial runs training's
-    first steps in a fresh process instead; the check still runs the answer here. With
-    ``first_guess`` (see :func:`_guess_where_units_match`) the search starts at its guess.
+    objective, with no cache, report file or line but the trials' and the check's (both entry
+    points call it). With ``build`` (:func:`~adaptive_batch.probe.children.trials_in_children`)
+    every trial runs in a fresh process, the check here; ``first_guess``: where the search starts
+    (:func:`_guess_where_units_match`).
 
     Raises:
         BatchSizeTooLargeError: when batch 1 does not fit (naming the rank whose budget is smallest).
@@ -382,19 +380,15 @@ def search_and_check(
     if build is not None:
         result = search_in_children(build, budget, capacity, max_batch_size=cap, time_budget=options.probe_time_budget)
     else:
-        guess = _guess_where_units_match(first_guess if options.probe_first_guess else None, budget, target, ranks,
-                                         common_budget, cap)
+        guess = _guess_where_units_match(first_guess, options, budget, target, ranks, common_budget, cap)
         with _smallest_rank_named(budget, rank_budgets, ranks):
             result = probe_max_batch_size(
                 target, budget_bytes=common_budget, max_batch_size=cap, snapshot_dir=snapshot_dir,
                 wrap_trial=agree_on_outcomes, trial_limit=lambda: trial_memory_limit(limits.address_space, announce=True),
                 budget_source=budget.source, time_budget_s=options.probe_time_budget, agree=ranks.any,
-                # An out-of-memory trial in this process scars the heap it trains in (CUDA's cache empties).
-                oom_scars_caller=not budget.is_soft and target.device.type == "cpu" and not ranks.distributed,
-                first_guess=guess,
+                oom_scars_caller=_oom_scars_caller(budget, target, ranks), first_guess=guess,
             )
-    # Also after trials in fresh processes: this process has what a fresh one has not (a LoRA
-    # answer ran 3 steps in a child with 2 MiB to spare and ran out of memory here in training).
+    # Also after fresh processes' trials: a LoRA answer that ran there ran out of memory here.
     verified = check.largest_up_to(result.max_batch_size)
     batch_size = round_batch_size(verified, options.batch_size_rounding)
     throughput = None
@@ -406,21 +400,26 @@ def search_and_check(
         trial_address_space_limit=limits.address_space, batch_size_cap=cap, batch_size_objective=options.batch_size_objective,
         world_size=ranks.world_size, verified_batch_size=verified, verify_steps=verify_steps(target.device),
         trials_in_fresh_processes=build is not None,
-        # What every rank measured against its own budget; the batch is what fits on all.
-        ranks=ranks.gather(lockstep[0].report()) if lockstep else [], throughput=throughput,
-        epoch_share=epoch_share(result, batch_size, dataset_size),
+        ranks=ranks.gather(lockstep[0].report()) if lockstep else [],  # each rank against its own budget
+        throughput=throughput, epoch_share=epoch_share(result, dataset_size),
     )
 
 
+def _oom_scars_caller(budget: MemoryBudget, target: ProbeTarget, ranks: RankGroup) -> bool:
+    """An out-of-memory trial in this process scars the heap it trains in (CUDA's cache empties)."""
+    return not budget.is_soft and target.device.type == "cpu" and not ranks.distributed
+
+
 def _guess_where_units_match(
-    guess_for: Optional[FirstGuessFor], budget: MemoryBudget, target: ProbeTarget, ranks: RankGroup,
-    budget_bytes: int, cap: Optional[int],
+    guess_for: Optional[FirstGuessFor], options: ProbeOptions, budget: MemoryBudget, target: ProbeTarget,
+    ranks: RankGroup, budget_bytes: int, cap: Optional[int],
 ) -> Optional[FirstGuess]:
     """The caller's first guess, where it counts what the budget counts: tensor bytes (a soft
     budget, or CUDA's allocator) on one process. A hard CPU limit counts address space, and
     lockstep ranks would each need their own guess. A guess that fails is no guess: the
     search measures its own line, and the answer is the same."""
-    if guess_for is None or ranks.distributed or (not budget.is_soft and target.device.type == "cpu"):
+    if guess_for is None or not options.probe_first_guess or ranks.distributed or (
+            not budget.is_soft and target.device.type == "cpu"):
         return None
     try:
         guess = guess_for(budget_bytes, cap)
@@ -433,9 +432,10 @@ def _guess_where_units_match(
     return guess
 
 
-def epoch_share(result: SearchResult, batch_size: int, dataset_size: Optional[int]) -> Optional[float]:
-    """The search's seconds as a share of one epoch at ``batch_size``, its steps timed by the
-    search's own trial at that size (``None``: no such trial, or no dataset size)."""
+def epoch_share(result: SearchResult, dataset_size: Optional[int]) -> Optional[float]:
+    """The search's seconds as a share of one epoch at its answer, the epoch's steps timed by the
+    search's own trial at that size (``None``: no dataset size)."""
+    batch_size = result.max_batch_size
     step = next((t.seconds for t in reversed(result.trials) if t.batch_size == batch_size and t.fits), None)
     if not dataset_size or not step:
         return None

@@ -78,9 +78,8 @@ def probe_max_batch_size(
         wrap_trial: wraps the measured trial, e.g. ``LockstepTrial`` (ranks agree on every outcome).
         trial_limit: a context the trials (not the snapshot) run in (``trial_memory_limit``).
         budget_source: what set ``budget_bytes``, for the advice when batch 1 does not fit.
-        time_budget_s, oom_scars_caller, estimate_only, first_guess: as :func:`search_max_batch_size`
-            takes them.
-        agree: makes a rank's wish to stop for time every rank's (``RankGroup.any``).
+        time_budget_s, oom_scars_caller, estimate_only, first_guess, agree: as
+            :func:`search_max_batch_size` takes them.
         restore_state: ``False``: no snapshot (a process that ends after the trials).
 
     Returns:

@@ -226,8 +226,8 @@ def test_a_first_guess_starts_the_search_the_report_says_so_and_gives_the_probes
     assert guided.first_guess == GuessRecord(plain.max_batch_size, 0.25, "a test") and guided.total_seconds >= 0.25
     assert "first guess from a test predicted" in guided.describe()
     assert any(line.startswith(f"probe: first guess batch_size={plain.max_batch_size} from a test") for line in lines)
-    step = next(t.seconds for t in guided.trials if t.batch_size == guided.batch_size)
-    assert guided.epoch_share == pytest.approx(guided.total_seconds / (math.ceil(10_000 / guided.batch_size) * step))
+    step = next(t.seconds for t in guided.trials if t.batch_size == guided.max_batch_size)
+    assert guided.epoch_share == pytest.approx(guided.total_seconds / (math.ceil(10_000 / guided.max_batch_size) * step))
     on_disk = json.loads((tmp_path / "batch_probe.json").read_text())
     assert on_disk["first_guess"]["batch_size"] == plain.max_batch_size and on_disk["epoch_share"] == guided.epoch_share
 
@@ -241,7 +241,8 @@ def test_no_first_guess_where_it_counts_another_unit_or_fails(tmp_path, monkeypa
     hard = service.MemoryBudget(budget_bytes=4 * 2**20, limit_bytes=4 * 2**20, safety_margin=0.0, source="test", kind="hard")
     alone = service.RankGroup.alone()
     asked = []
-    assert service._guess_where_units_match(lambda b, c: asked.append(b), hard, target, alone, 2**20, None) is None
+    assert service._guess_where_units_match(lambda b, c: asked.append(b), ProbeOptions(), hard, target, alone, 2**20,
+                                            None) is None
     assert asked == []
     off = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache=False, probe_first_guess=False)
     report = probe_batch_size(off, target, seq_len=256, output_dir=str(tmp_path), log=lambda line: None,
