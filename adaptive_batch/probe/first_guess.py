@@ -5,15 +5,16 @@ backward and optimizer step with nothing allocated. Measured by the same live-te
 the probe's real CPU trials, two fake steps (batch 2 and 3: batch 1 often runs other operators)
 give the same line per operator the real estimate steps give, and so the same prediction, in a
 fraction of their time on a large vocabulary (0.4 s against 5.8 s on the 128K-vocabulary
-config). The real search then starts there: its warmup, the guess and its neighbour, instead of
-the warmup, two or three estimate steps, the prediction and its neighbour.
+config). The real search then starts there: its warmup (at batch 2, where it is checked against
+the fake step at 2), the guess and its neighbour, instead of the warmup, two or three estimate
+steps, the prediction and its neighbour.
 
 The unit is tensor bytes, which is what a soft budget on CPU and CUDA's allocator count; a hard
 CPU limit counts address space, where the guess says nothing (the caller leaves it out there).
 """
 
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.memory.tracker import StepMemory, measure_phase_peaks
 from adaptive_batch.probe.fake_step import BuildOptimizer, ForwardBackward, build_fake_model, create_optimizer_state
-from adaptive_batch.probe.search import FirstGuess, search_max_batch_size
+from adaptive_batch.probe.search import FirstGuess, Trial, search_max_batch_size
 
 # The two batch sizes the guess's line goes through.
 GUESS_SIZES = (2, 3)
@@ -76,7 +77,16 @@ def guess_max_batch_size(
     guess = result.predicted_max_batch_size if result.estimate is not None else result.max_batch_size
     if not guess:
         return None
-    return FirstGuess(guess, result.estimate, time.perf_counter() - start, GUESS_SOURCE)
+    return FirstGuess(guess, result.estimate, time.perf_counter() - start, GUESS_SOURCE, _added_at(result.trials[0]))
+
+
+def _added_at(trial: Trial) -> Optional[Tuple[int, int]]:
+    """What the fake step at the first size added over its start before its optimizer step."""
+    phases = trial.phase_peak_bytes or {}
+    before_step = [phases[name] for name in ("forward", "backward") if name in phases]
+    if trial.start_bytes is None or not before_step or not trial.fits:
+        return None
+    return trial.batch_size, max(before_step) - trial.start_bytes
 
 
 class _FakeTrial:

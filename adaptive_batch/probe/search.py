@@ -32,7 +32,7 @@ class Trial:
         peak_bytes: the step's peak, or ``None`` when it ran out of memory.
         seconds: how long the trial took.
         oom: it ran out of memory.
-        phase: the search's phase (``warmup``, ``estimate``, ``search``).
+        phase: the search's phase (``warmup``, ``estimate``, ``guess`` (a first guess's step), ``search``).
         phase_peak_bytes: the peak of each phase of the step, when measured.
         start_bytes: what was live when the step began, when measured.
     """
@@ -60,12 +60,17 @@ class FirstGuess:
         estimate: the line behind the prediction, reported as the search's estimate.
         seconds: what the prediction cost; counted in the search's time.
         source: what made it, for the report and the log.
+        added_at: ``(batch, bytes)``: what the predicting step added over its start before the
+            optimizer step at that batch. The real warmup then runs at that batch, which adds
+            the same where the prediction's steps are the real ones (it is checked before the
+            guess's own, larger step is run).
     """
 
     batch_size: int
     estimate: Optional[Estimate]
     seconds: float
     source: str
+    added_at: Optional[Tuple[int, int]] = None
 
     def record(self) -> "GuessRecord":
         """What a report keeps of it: the estimate is the report's own."""
@@ -275,14 +280,63 @@ def _starting_point(
         BatchSizeTooLargeError: when batch size 1 does not fit.
     """
     if first_guess is not None:
-        if warmup and not bracket.run(1, "warmup"):
-            raise BatchSizeTooLargeError(bracket.trials.done[-1].peak_bytes, bracket.budget_bytes)
-        return first_guess.estimate, max(1, first_guess.batch_size), True
+        warmup_size = 1 if first_guess.added_at is None else first_guess.added_at[0]
+        if warmup and not bracket.run(warmup_size, "warmup"):
+            if warmup_size == 1:
+                raise BatchSizeTooLargeError(bracket.trials.done[-1].peak_bytes, bracket.budget_bytes)
+        elif not warmup or settle_slope or _warmup_agrees(first_guess, bracket.trials.done[-1]):
+            return _from_guess(bracket, first_guess)
+        warmup = bracket.lo == 0  # a warmup that failed leaves the steps from batch 1 to warm up
     estimate = _measure_line(bracket, clock, sizes, warmup=warmup, settle_slope=settle_slope)
     predicted = None if estimate is None else estimate.max_batch_size(bracket.budget_bytes)
     # A line per operator through two steps that ran the same operators is the step's own
     # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.
     return estimate, predicted, isinstance(estimate, OperatorMemoryEstimate)
+
+
+def _from_guess(bracket: "_Bracket", guess: FirstGuess) -> Tuple[Optional[Estimate], int, bool]:
+    """The guess's real step. Where its peak is on the guess's line within half a sample, the
+    search goes on from it. Else the line is not this step's (fake kernels unlike the real ones: an
+    LSTM's guess said 86 where 62 fit): a real step at batch 2 and the line through it and the
+    guess's step, far apart, predict instead."""
+    size = max(1, guess.batch_size) if bracket.cap is None else min(max(1, guess.batch_size), bracket.cap)
+    bracket.run(size, "guess")
+    trial = bracket.trials.done[-1]
+    if guess.estimate is None or _on_the_line(guess.estimate, trial):
+        return guess.estimate, size, True
+    logs.info(f"probe: the first guess's line said {format_bytes(guess.estimate.peak_bytes(size))} at batch {size}, "
+              f"its real step {format_bytes(trial.peak_bytes)}; one more real step at batch 2 draws the line.")
+    if size <= 2 or trial.peak_bytes is None or not bracket.run(2, "estimate"):
+        return guess.estimate, size, True  # the search moves on from the guess's step
+    measured = sorted((t for t in bracket.trials.done if t.phase in ("estimate", "guess")), key=lambda t: t.batch_size)
+    estimate = _fit_estimate(measured, bracket.trials.estimate_steps)
+    predicted = estimate.max_batch_size(bracket.budget_bytes)
+    return estimate, (size if predicted is None else predicted), isinstance(estimate, OperatorMemoryEstimate)
+
+
+def _warmup_agrees(guess: FirstGuess, warmup: Trial) -> bool:
+    """Whether the real warmup added over its start before the optimizer step (which creates its
+    state) what the guess's step at the same batch added, within half a sample of the guess's
+    line; said in a line when not (its real steps then draw the line)."""
+    phases, start = warmup.phase_peak_bytes or {}, warmup.start_bytes
+    before_step = [phases[name] for name in ("forward", "backward") if name in phases]
+    if guess.added_at is None or guess.estimate is None or start is None or not before_step:
+        return True
+    b, fake_added = guess.added_at
+    added = max(before_step) - start
+    half_a_sample = max(1, guess.estimate.peak_bytes(b + 1) - guess.estimate.peak_bytes(b)) / 2
+    if abs(added - fake_added) <= half_a_sample:
+        return True
+    logs.info(f"probe: the first guess's step at batch {b} added {format_bytes(fake_added)}, the real warmup "
+              f"{format_bytes(added)}: the guess is not this step's; real steps draw the line.")
+    return False
+
+
+def _on_the_line(estimate: Estimate, trial: Trial) -> bool:
+    """Whether ``trial``'s measured peak is within half a sample of ``estimate``'s at its size."""
+    b, peak = trial.batch_size, trial.peak_bytes
+    predicted = estimate.peak_bytes(b)
+    return peak is not None and abs(peak - predicted) <= max(1, estimate.peak_bytes(b + 1) - predicted) / 2
 
 
 def _check_bounds(budget_bytes: int, max_batch_size: Optional[int], max_overshoot: float) -> None:
@@ -362,7 +416,7 @@ class _Trials:
             self.release()
         elif isinstance(measured, StepMemory):
             phases, peak, start_bytes = dict(measured.phase_peak_bytes), measured.peak_bytes, measured.start_bytes
-            if phase == "estimate" and measured.timeline:
+            if phase in ("estimate", "guess") and measured.timeline:
                 self.estimate_steps[batch_size] = measured
         elif isinstance(measured, Mapping):
             phases = {name: int(value) for name, value in measured.items()}

@@ -193,10 +193,11 @@ def test_probe_result_is_logged_written_and_used(probed_run):
         "fixed_bytes", "bytes_per_sample", "predicted_max_batch_size", "kind", "operators", "binding_operator"
     }
     # the first guess, fake steps of the config's model at batch 2 and 3 (the byte vocabulary's
-    # batch 1 runs other operators), is the answer: the warmup, the guess and the size above it
+    # batch 1 runs other operators), is the answer: the warmup at 2 (what it adds checked against
+    # the fake step at 2), the guess and the size above it
     assert report["estimate"]["kind"] == "operators" and report["estimate"]["predicted_max_batch_size"] == found
     assert report["first_guess"]["batch_size"] == found and report["first_guess"]["source"] == "fake steps"
-    assert [t["batch_size"] for t in report["trials"]] == [1, found, found + 1]
+    assert [t["batch_size"] for t in report["trials"]] == [2, found, found + 1]
     assert report["total_seconds"] >= report["first_guess"]["seconds"] > 0 and 0 < report["epoch_share"] < 1
     assert {"forward", "backward", "optimizer"} == set(report["trials"][1]["phase_peak_bytes"])
     assert f"training with batch_size={found}" in proc.stderr + proc.stdout

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 from torchtune.models.llama3_2 import llama3_2
 
+from adaptive_batch.logs import lines_to
 from adaptive_batch.memory.budget import training_state_bytes
 from adaptive_batch.memory.device import proc_status_bytes
 from adaptive_batch.probe.first_guess import GUESS_SOURCE, guess_max_batch_size
@@ -88,7 +89,9 @@ def test_the_guess_is_the_answer_and_the_search_from_it_finds_the_same_in_four_s
 
     guided = probe_max_batch_size(target, budget_bytes=budget, snapshot_dir=str(tmp_path), first_guess=guess)
     assert guided.max_batch_size == plain.max_batch_size
-    assert guided.num_trials <= 4 and [t.batch_size for t in guided.trials][:2] == [1, guess.batch_size]
+    # the warmup at batch 2 (checked against the fake step there), the guess, its neighbour
+    assert guided.num_trials <= 4 and [(t.batch_size, t.phase) for t in guided.trials][:2] == [
+        (2, "warmup"), (guess.batch_size, "guess")]
     assert any(t.batch_size == guided.max_batch_size + 1 and not t.fits for t in guided.trials)
     assert not any(t.phase == "estimate" for t in guided.trials)
     assert guided.total_seconds >= guess.seconds and guided.first_guess is guess
@@ -109,3 +112,48 @@ def test_no_guess_where_batch_two_is_already_over_the_budget():
     build = MODELS["llama-vocab128"]
     assert guess_max_batch_size(build_model=build, build_optimizer=build_optimizer, forward_backward=forward_backward,
                                 seq_len=SEQ, budget_bytes=2**20) is None
+
+
+class LSTMLanguageModel(nn.Module):
+    """A recurrent model whose fake LSTM kernel holds less than the real one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(512, 64)
+        self.lstm = nn.LSTM(64, 128, num_layers=2, batch_first=True)
+        self.head = nn.Linear(128, 512)
+        self.vocab = 512
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.embed(tokens))[0])
+
+
+def test_a_guess_whose_fake_kernels_are_not_the_real_ones_is_dropped_at_the_warmup(tmp_path):
+    """The warmup at batch 2 adds more than the fake step at 2 did: the guess's step (at a size
+    the real step cannot take) is not run, the real steps draw the line, and the answer is the
+    search's without a guess."""
+    def build():
+        torch.manual_seed(0)
+        return LSTMLanguageModel()
+
+    model = build()
+    optimizer = build_optimizer(list(model.parameters()))
+
+    def train_step(batch):
+        forward_backward(model, batch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    target = ProbeTarget(train_step, lambda b: worst_case_text_batch(b, seq_len=SEQ, vocab_size=512, device=CPU),
+                         model, optimizer, CPU)
+    budget = training_state_bytes(model, optimizer) * 3 + 24 * 2**20
+    guess = guess_max_batch_size(build_model=build, build_optimizer=build_optimizer, forward_backward=forward_backward,
+                                 seq_len=SEQ, budget_bytes=budget)
+    plain = probe_max_batch_size(target, budget_bytes=budget, snapshot_dir=str(tmp_path))
+    assert guess.batch_size > plain.max_batch_size + 1  # the fake LSTM holds less a sample
+    lines = []
+    with lines_to(lines.append):
+        guided = probe_max_batch_size(target, budget_bytes=budget, snapshot_dir=str(tmp_path), first_guess=guess)
+    assert guided.max_batch_size == plain.max_batch_size
+    assert not any(t.phase == "guess" or t.batch_size == guess.batch_size for t in guided.trials)
+    assert any("the guess is not this step's" in line for line in lines)

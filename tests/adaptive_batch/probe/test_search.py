@@ -540,3 +540,23 @@ def test_a_first_guess_still_refuses_a_budget_under_batch_one():
     with pytest.raises(BatchSizeTooLargeError):
         search_max_batch_size(step, budget_bytes=900, release=no_release,
                               first_guess=search.FirstGuess(5, None, seconds=0.1, source="a test"))
+
+
+@pytest.mark.parametrize("guess_slope", [60, 160])
+def test_a_guess_whose_line_misses_its_own_step_is_redrawn_through_it_and_batch_two(guess_slope):
+    """The guess's step peaks more than half a sample off the guess's line (a fake kernel unlike
+    the real one): one real step at batch 2 and the line through it and the guess's step take
+    over, and the search ends at the same answer in at most 6 real steps."""
+    from adaptive_batch.memory.estimator import LinearMemoryEstimate
+
+    step = LinearStep(fixed=1_000, per_sample=100, first_call_extra=50, start=True)
+    line = LinearMemoryEstimate(fixed_bytes=1_000, bytes_per_sample=guess_slope)
+    budget = 1_000 + 100 * 37
+    first = search.FirstGuess(line.max_batch_size(budget), line, seconds=0.1, source="a test")
+    lines = []
+    with lines_to(lines.append):
+        result = search_max_batch_size(step, budget_bytes=budget, release=no_release, first_guess=first)
+    assert result.max_batch_size == 37 and step.calls[:3] == [1, first.batch_size, 2]
+    assert result.predicted_max_batch_size == 37 and len(step.calls) <= 6
+    check_bracket(result)
+    assert any("one more real step at batch 2 draws the line" in line for line in lines)
