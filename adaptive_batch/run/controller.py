@@ -19,7 +19,7 @@ import torch
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.faults import fault_point
 import adaptive_batch.logs as logs
-from adaptive_batch.memory.device import prepare_allocator
+from adaptive_batch.memory.device import prepare_allocator, relax_allocator_for_training
 from adaptive_batch.run.lr_coupling import LRCoupling
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.progress import BatchProgress
@@ -77,8 +77,14 @@ class AdaptiveBatchController:
 
     def settle(self, **settle: Any) -> BatchProgress:
         """The first batch, as :meth:`BatchSession.settle` decides it (its keyword arguments:
-        ``dataset_size``, ``max_steps_per_epoch``, ``probe``, ``lengths``)."""
-        return self.session.settle(**settle)
+        ``dataset_size``, ``max_steps_per_epoch``, ``probe``, ``lengths``); after a probe on a
+        soft budget, the allocator trains at full speed (:func:`relax_allocator_for_training`)."""
+        progress = self.session.settle(**settle)
+        report = self.session.probe_report
+        if report is not None and report.budget is not None:
+            with logs.lines_to(self.log, self.warn):
+                relax_allocator_for_training(self.device, soft_budget=report.budget.is_soft)
+        return progress
 
     def probe_micro_batches(self, micro_batch_size: int) -> int:
         """The micro-batches a probe trial runs (:meth:`BatchSession.probe_micro_batches`)."""

@@ -224,3 +224,41 @@ def test_a_failed_allocation_moves_the_thread_off_its_heap_unless_the_recipe_all
     run = subprocess.run([sys.executable, "-c", _ARENA_AFTER_OOM, setting], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == arena
+
+
+class _FakeLibc:
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, option, value):
+        self.calls.append((option, value))
+        return 1
+
+
+@pytest.mark.parametrize("soft,limit,device_type,relaxed", [
+    (True, None, "cpu", True),  # a soft budget on CPU with no limit over the process
+    (False, None, "cpu", False),  # a hard budget: training runs at the machine's limit
+    (True, 8 * 2**30, "cpu", False),  # an outside address-space limit holds the process
+    (True, None, "cuda", False),
+])
+def test_after_a_soft_probe_training_gets_glibcs_fast_thresholds(monkeypatch, soft, limit, device_type, relaxed):
+    """The probe's mmap threshold of 256 KiB made a tiny config train 1.5x as long; after a probe
+    judged by tensor bytes, with no limit over the process, glibc's thresholds go back to where its
+    dynamic ones end, and the process no longer tells children it trains on the probe's."""
+    import ctypes
+
+    import adaptive_batch.memory.device as device
+
+    libc = _FakeLibc()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: libc)
+    monkeypatch.setattr(device, "_mmap_threshold_set", 256 * 1024)
+    monkeypatch.setattr(device, "address_space_limit", lambda: limit)
+    lines = []
+    with lines_to(lines.append):
+        assert device.relax_allocator_for_training(torch.device(device_type), soft_budget=soft) is relaxed
+    if relaxed:
+        assert libc.calls == [(-3, 32 * 2**20), (-1, 64 * 2**20)] and device.glibc_mmap_threshold_set() is None
+        assert lines == ["CPU allocator: glibc's thresholds back to 32 MiB for training: the soft budget counts live "
+                         "tensors, and no address-space limit holds this process."]
+    else:
+        assert libc.calls == [] and lines == [] and device.glibc_mmap_threshold_set() == 256 * 1024
