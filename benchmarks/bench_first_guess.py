@@ -141,7 +141,8 @@ def _table(arms, runs) -> str:
             found = sorted({r["max_batch_size"] for r in reports})
             ratio = "/".join(f"{f / max(truth):.3f}" for f in found)
             seconds = statistics.median(r["total_seconds"] for r in reports)
-            guess_s = statistics.median(r["first_guess"]["seconds"] for r in reports) if guess else None
+            guesses = [r["first_guess"]["seconds"] for r in reports if r.get("first_guess")]
+            guess_s = statistics.median(guesses) if guesses else None
             share = statistics.median(r["epoch_share"] for r in reports if r.get("epoch_share") is not None)
             trials = sorted({r["num_trials"] for r in reports})
             lines.append(

@@ -378,7 +378,8 @@ def relax_allocator_for_training(device: torch.device, *, soft_budget: bool) -> 
     freed blocks instead of mapping every block over 256 KiB afresh (a tiny config's steps took
     1.5x as long, 13x the page faults). The probe's trials needed
     :func:`return_freed_memory_to_os` (they ran under a limit of their own); training under no
-    limit, judged by tensors, does not. A resumed run never set it. Said in one line.
+    limit, judged by tensors, does not (a run resumed from a soft probe's result trains so too).
+    Said in one line.
 
     Returns:
         Whether the thresholds were relaxed.
@@ -387,9 +388,10 @@ def relax_allocator_for_training(device: torch.device, *, soft_budget: bool) -> 
     if device.type != "cpu" or not soft_budget or address_space_limit() is not None or _mmap_threshold_set is None:
         return False
     libc = ctypes.CDLL("libc.so.6")
-    if not (libc.mallopt(_M_MMAP_THRESHOLD, _FAST_MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, _FAST_TRIM_THRESHOLD)):
+    if not libc.mallopt(_M_MMAP_THRESHOLD, _FAST_MMAP_THRESHOLD):
         return False
-    _mmap_threshold_set = None
+    _mmap_threshold_set = None  # what children are told, whether or not the trim threshold follows
+    libc.mallopt(_M_TRIM_THRESHOLD, _FAST_TRIM_THRESHOLD)
     logs.info("CPU allocator: glibc's thresholds back to 32 MiB for training: the soft budget counts live tensors, "
               "and no address-space limit holds this process.")
     return True

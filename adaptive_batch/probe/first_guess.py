@@ -56,8 +56,13 @@ def guess_max_batch_size(
         micro_batches: the micro-batches a trial at a batch size runs before its optimizer step.
 
     Returns:
-        The guess, or ``None`` where the fake steps say nothing the real ones would not (batch 2
-        is already over the budget, or the peak does not grow with the batch).
+        The guess, or ``None`` where the fake steps draw no line (batch 2 or 3 is already over
+        the budget, or the peak does not grow with the batch): the real steps then draw it.
+
+    Raises:
+        Whatever a fake step raises (an operator with no fake kernel, a model the builder cannot
+        make on the meta device); :func:`~adaptive_batch.probe.service.probe_batch_size` takes
+        that for no guess.
     """
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -74,8 +79,8 @@ def guess_max_batch_size(
                 )
         except BatchSizeTooLargeError:
             return None
-    guess = result.predicted_max_batch_size if result.estimate is not None else result.max_batch_size
-    if not guess:
+    guess = result.predicted_max_batch_size
+    if result.estimate is None or not guess:
         return None
     return FirstGuess(guess, result.estimate, time.perf_counter() - start, GUESS_SOURCE, _added_at(result.trials[0]))
 

@@ -69,10 +69,11 @@ class ProbeReport:
         cache: whether the report came from the cache.
         global_batch: how a fixed global batch runs in micro-batches (added by the run).
         max_tokens: the padded-token budget taken from the answer (added by the run).
-        first_guess: the prediction the search started from, when one was given (the planner's
-            fake steps), and what it cost (counted in ``total_seconds``).
+        first_guess: the prediction the search was given (fake steps of the model), what it
+            cost (counted in ``total_seconds``) and whether it held.
         epoch_share: ``total_seconds`` as a share of one epoch at ``max_batch_size``, its steps
-            timed by the search's trial at that size.
+            timed by the search's trial at that size (a trial of two micro-batches, under
+            accumulation, takes about twice a step of one, so the share is then understated).
     """
 
     max_batch_size: int
@@ -165,7 +166,10 @@ class ProbeReport:
         budget = self.budget
         # This rank's own budget and where it came from (the search's is the smallest rank's).
         source = "" if budget is None else f" = {budget.limit_words()}"
-        guessed = "estimate" if self.first_guess is None else f"first guess from {self.first_guess.source}"
+        guess = self.first_guess
+        guessed = f"first guess from {guess.source}" if guess is not None and guess.held else "estimate"
+        if guess is not None and not guess.held:
+            guessed += f"; the first guess, {guess.batch_size}, did not hold"
         share = "" if self.epoch_share is None else f" ({self.epoch_share:.1%} of an epoch)"
         return (
             f"use_maximum_batch_size: largest batch that fits is {self.max_batch_size} "
@@ -222,7 +226,7 @@ def report_of_search(
         max_batch_size=result.max_batch_size, batch_size=batch_size, budget_bytes=result.budget_bytes,
         trials=list(result.trials), estimate=result.estimate_dict(), total_seconds=result.total_seconds,
         stopped_by_time=result.stopped_by_time,
-        first_guess=None if result.first_guess is None else result.first_guess.record(), seq_len=seq_len, device=str(device), budget=budget, **run,
+        first_guess=result.first_guess, seq_len=seq_len, device=str(device), budget=budget, **run,
     )
 
 

@@ -9,7 +9,7 @@ with the size above it tried and failed (or at the cap).
 from dataclasses import asdict, dataclass, field
 import math
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 from adaptive_batch.errors import BatchSizeTooLargeError
 import adaptive_batch.logs as logs
@@ -72,9 +72,9 @@ class FirstGuess:
     source: str
     added_at: Optional[Tuple[int, int]] = None
 
-    def record(self) -> "GuessRecord":
-        """What a report keeps of it: the estimate is the report's own."""
-        return GuessRecord(self.batch_size, self.seconds, self.source)
+    def record(self, held: bool) -> "GuessRecord":
+        """What a report keeps of it (the estimate is the report's own)."""
+        return GuessRecord(self.batch_size, self.seconds, self.source, held)
 
 
 # ``guess(budget_bytes, max_batch_size)``: what a caller that knows the model hands the probe
@@ -84,11 +84,14 @@ FirstGuessFor = Callable[[int, Optional[int]], Optional["FirstGuess"]]
 
 @dataclass(frozen=True)
 class GuessRecord:
-    """A :class:`FirstGuess` as the probe report keeps it."""
+    """A :class:`FirstGuess` as the probe report keeps it; ``held``: the search went on from its
+    line (else its warmup check dropped it, or its own step was off the line and real steps drew
+    the one reported)."""
 
     batch_size: int
     seconds: float
     source: str
+    held: bool = True
 
 
 def max_overshoot(trials: List[Trial], budget_bytes: int) -> Optional[float]:
@@ -109,7 +112,7 @@ class SearchResult:
     trials: List[Trial] = field(default_factory=list)
     total_seconds: float = 0.0
     stopped_by_time: bool = False  # the time budget ended the search at the largest fit so far
-    first_guess: Optional[FirstGuess] = None  # where the search started, when it did not measure a line
+    first_guess: Optional[GuessRecord] = None  # the first guess it was given, and whether it held
 
     @property
     def num_trials(self) -> int:
@@ -139,7 +142,7 @@ class SearchResult:
             "max_overshoot": self.max_overshoot,
             "total_seconds": self.total_seconds,
             "stopped_by_time": self.stopped_by_time,
-            "first_guess": None if self.first_guess is None else asdict(self.first_guess.record()),
+            "first_guess": None if self.first_guess is None else asdict(self.first_guess),
         }
 
 
@@ -239,9 +242,9 @@ def search_max_batch_size(
             more than half a sample (:meth:`_Bracket.foresees_failure`).
         estimate_only: stop after the estimate steps (a first guess): the result's ``estimate``
             is the line, and nothing past it is tried.
-        first_guess: a prediction made without real steps: after the warmup it is tried first
-            and trusted as an operator line is (no estimate steps); its seconds count in the
-            result's. When it is off the search moves from it as from any prediction.
+        first_guess: a prediction made without real steps, tried after the warmup instead of
+            estimate steps (:func:`_from_guess`); its seconds count in the result's and the time
+            budget's. Its step is the one trial past no bound.
 
     Returns:
         The result, with every trial.
@@ -252,66 +255,89 @@ def search_max_batch_size(
         RuntimeError: when ``max_trials`` trials did not settle the answer.
     """
     _check_bounds(budget_bytes, max_batch_size, max_overshoot)
-    start = time.perf_counter()
+    # A guess's seconds are the search's: the report's and the time budget's.
+    start = time.perf_counter() - (0.0 if first_guess is None else first_guess.seconds)
     trials = _Trials(run_trial, budget_bytes, release=release, max_trials=max_trials)
     bracket = _Bracket(trials, budget_bytes, max_batch_size, max_overshoot, tolerance)
     clock = _Clock(trials, time_budget_s, start, agree=agree)
-    estimate, predicted, trusted = _starting_point(bracket, clock, first_guess, estimate_sizes, warmup=warmup,
-                                                   settle_slope=settle_slope)
+    begin = _starting_point(bracket, clock, first_guess, estimate_sizes, warmup=warmup, settle_slope=settle_slope)
+    predicted = begin.predicted
     if predicted is not None and max_batch_size is not None:
         predicted = min(predicted, max_batch_size)
-    if (estimate is not None or first_guess is not None) and not estimate_only:
+    if (begin.estimate is not None or first_guess is not None) and not estimate_only:
         clock.say_eta(predicted)
-        _Search(bracket, predicted, clock, trust_prediction=trusted, spare_the_caller=oom_scars_caller).run()
-    seconds = time.perf_counter() - start + (0.0 if first_guess is None else first_guess.seconds)
+        _Search(bracket, predicted, clock, trust_prediction=begin.trusted, spare_the_caller=oom_scars_caller).run()
     return SearchResult(
-        bracket.lo, budget_bytes, estimate, predicted, trials.done, seconds, clock.stopped, first_guess
+        bracket.lo, budget_bytes, begin.estimate, predicted, trials.done, time.perf_counter() - start, clock.stopped,
+        None if first_guess is None else first_guess.record(begin.guess_held),
     )
+
+
+class _Start(NamedTuple):
+    """Where the search starts: the line, its prediction, whether that is tried as it is (past
+    the overshoot bound), and whether a first guess's line is the one."""
+
+    estimate: Optional[Estimate]
+    predicted: Optional[int]
+    trusted: bool
+    guess_held: bool = False
 
 
 def _starting_point(
     bracket: "_Bracket", clock: "_Clock", first_guess: Optional[FirstGuess], sizes: Tuple[int, int], *, warmup: bool,
     settle_slope: bool,
-) -> Tuple[Optional[Estimate], Optional[int], bool]:
+) -> _Start:
     """The warmup, then the line the search starts from: measured by the estimate steps, or the
-    first guess's; its prediction, and whether that is tried as it is.
+    first guess's (:func:`_from_guess`), checked at its warmup where it says what its first size
+    adds (:func:`_warmup_agrees`; not on CUDA, whose first step holds its one-time workspaces).
 
     Raises:
         BatchSizeTooLargeError: when batch size 1 does not fit.
     """
     if first_guess is not None:
-        warmup_size = 1 if first_guess.added_at is None else first_guess.added_at[0]
-        if warmup and not bracket.run(warmup_size, "warmup"):
-            if warmup_size == 1:
+        at = first_guess.added_at
+        size = at[0] if at is not None and warmup and (bracket.cap is None or at[0] <= bracket.cap) else 1
+        if warmup and not bracket.run(size, "warmup"):
+            if size == 1 or not bracket.run(1, "warmup"):
                 raise BatchSizeTooLargeError(bracket.trials.done[-1].peak_bytes, bracket.budget_bytes)
-        elif not warmup or settle_slope or _warmup_agrees(first_guess, bracket.trials.done[-1]):
-            return _from_guess(bracket, first_guess)
-        warmup = bracket.lo == 0  # a warmup that failed leaves the steps from batch 1 to warm up
+            return _Start(None, None, False)  # 1 fits, 2 does not: settled
+        if size == 1 or settle_slope or _warmup_agrees(first_guess, bracket.trials.done[-1]):
+            begin = _from_guess(bracket, first_guess)
+            if begin is not None:
+                return begin
+        warmup = False
     estimate = _measure_line(bracket, clock, sizes, warmup=warmup, settle_slope=settle_slope)
     predicted = None if estimate is None else estimate.max_batch_size(bracket.budget_bytes)
     # A line per operator through two steps that ran the same operators is the step's own
     # memory, so its prediction is tried as it is; cruder lines are held to the overshoot bound.
-    return estimate, predicted, isinstance(estimate, OperatorMemoryEstimate)
+    return _Start(estimate, predicted, isinstance(estimate, OperatorMemoryEstimate))
 
 
-def _from_guess(bracket: "_Bracket", guess: FirstGuess) -> Tuple[Optional[Estimate], int, bool]:
+def _from_guess(bracket: "_Bracket", guess: FirstGuess) -> Optional[_Start]:
     """The guess's real step. Where its peak is on the guess's line within half a sample, the
     search goes on from it. Else the line is not this step's (fake kernels unlike the real ones: an
     LSTM's guess said 86 where 62 fit): a real step at batch 2 and the line through it and the
-    guess's step, far apart, predict instead."""
+    guess's step, far apart, predict instead. ``None`` where the step ran out of memory, which
+    says nothing of the line: the estimate steps measure it (a search down from the guess with
+    no line ran 5 more out-of-memory trials)."""
     size = max(1, guess.batch_size) if bracket.cap is None else min(max(1, guess.batch_size), bracket.cap)
     bracket.run(size, "guess")
     trial = bracket.trials.done[-1]
+    if trial.peak_bytes is None:
+        logs.info(f"probe: the first guess's step at batch {size} ran out of memory; real steps draw the line.")
+        return None
     if guess.estimate is None or _on_the_line(guess.estimate, trial):
-        return guess.estimate, size, True
+        return _Start(guess.estimate, size, True, guess_held=True)
+    if bracket.settled():
+        return _Start(guess.estimate, size, False)
     logs.info(f"probe: the first guess's line said {format_bytes(guess.estimate.peak_bytes(size))} at batch {size}, "
               f"its real step {format_bytes(trial.peak_bytes)}; one more real step at batch 2 draws the line.")
-    if size <= 2 or trial.peak_bytes is None or not bracket.run(2, "estimate"):
-        return guess.estimate, size, True  # the search moves on from the guess's step
+    if size <= 2 or not bracket.run(2, "estimate"):
+        return _Start(guess.estimate, size, False)
     measured = sorted((t for t in bracket.trials.done if t.phase in ("estimate", "guess")), key=lambda t: t.batch_size)
     estimate = _fit_estimate(measured, bracket.trials.estimate_steps)
     predicted = estimate.max_batch_size(bracket.budget_bytes)
-    return estimate, (size if predicted is None else predicted), isinstance(estimate, OperatorMemoryEstimate)
+    return _Start(estimate, size if predicted is None else predicted, isinstance(estimate, OperatorMemoryEstimate))
 
 
 def _warmup_agrees(guess: FirstGuess, warmup: Trial) -> bool:
@@ -649,7 +675,7 @@ class _Clock:
             return True
         elapsed = time.perf_counter() - self.start
         seconds = self.seconds(batch_size)
-        over = seconds is not None and elapsed + seconds > self.budget_s
+        over = elapsed > self.budget_s or (seconds is not None and elapsed + seconds > self.budget_s)
         if not self.agree(over):
             return True
         self.stopped = True

@@ -179,6 +179,13 @@ class ConfigFirstGuess:
     micro_batches: Callable[[int], int] = lambda batch_size: 1
 
     def __call__(self, budget_bytes: int, max_batch_size: Optional[int]) -> Optional[FirstGuess]:
+        """The guess for ``budget_bytes`` and the cap, or ``None`` (said in one line) where the
+        fake steps would not be the recipe's step.
+
+        Raises:
+            ConfigError: for a bad ``tokenizer.max_seq_len`` or an optimizer that cannot be built.
+            Whatever a fake step raises (:func:`~adaptive_batch.probe.first_guess.guess_max_batch_size`).
+        """
         from adaptive_batch.probe.first_guess import guess_max_batch_size  # fake tensors: only when asked
 
         cfg = self.cfg

@@ -521,8 +521,8 @@ def test_a_first_guess_takes_the_estimate_steps_place_and_the_answer_is_the_same
     assert result.max_batch_size == 37 and step.calls[:2] == [1, guess]
     check_bracket(result)
     assert not [t for t in result.trials if t.phase == "estimate"]
-    assert result.first_guess is first and result.total_seconds >= 2.5
-    assert result.to_dict()["first_guess"] == {"batch_size": guess, "seconds": 2.5, "source": "a test"}
+    assert result.first_guess == search.GuessRecord(guess, 2.5, "a test", held=True) and result.total_seconds >= 2.5
+    assert result.to_dict()["first_guess"] == {"batch_size": guess, "seconds": 2.5, "source": "a test", "held": True}
     if abs(guess - 37) <= 1:
         assert len(step.calls) <= 4
 
@@ -560,3 +560,49 @@ def test_a_guess_whose_line_misses_its_own_step_is_redrawn_through_it_and_batch_
     assert result.predicted_max_batch_size == 37 and len(step.calls) <= 6
     check_bracket(result)
     assert any("one more real step at batch 2 draws the line" in line for line in lines)
+    assert result.first_guess.held is False
+
+
+def test_a_guess_that_runs_out_of_memory_leaves_the_line_to_the_estimate_steps():
+    """Its step says nothing of the line; going down from it with none, the search ran 5 more
+    out-of-memory trials. The estimate steps draw the line instead: past the guess's, only the
+    size above the answer runs out of memory."""
+    step = LinearStep(fixed=1_000, per_sample=100, oom_above=37, start=True)
+    first = search.FirstGuess(80, None, seconds=0.1, source="a test")
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release, first_guess=first)
+    assert result.max_batch_size == 37 and step.calls == [1, 80, 1, 2, 37, 38]
+    assert sum(t.oom for t in result.trials) == 2 and result.first_guess.held is False
+    check_bracket(result)
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_a_guess_never_runs_a_warmup_or_a_step_past_the_cap(cap):
+    from adaptive_batch.memory.estimator import LinearMemoryEstimate
+
+    step = LinearStep(fixed=1_000, per_sample=100, start=True)
+    line = LinearMemoryEstimate(fixed_bytes=1_000, bytes_per_sample=100)
+    first = search.FirstGuess(37, line, seconds=0.1, source="a test", added_at=(2, 200))
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, max_batch_size=cap, release=no_release,
+                                   first_guess=first)
+    assert result.max_batch_size == cap and max(step.calls) <= cap
+
+
+def test_a_warmup_at_two_that_does_not_fit_settles_at_one_without_running_two_again():
+    from adaptive_batch.memory.estimator import LinearMemoryEstimate
+
+    step = LinearStep(fixed=1_000, per_sample=100, start=True)
+    line = LinearMemoryEstimate(fixed_bytes=1_000, bytes_per_sample=10)
+    first = search.FirstGuess(10, line, seconds=0.1, source="a test", added_at=(2, 20))
+    result = search_max_batch_size(step, budget_bytes=1_150, release=no_release, first_guess=first)
+    assert result.max_batch_size == 1 and step.calls == [2, 1]
+    with pytest.raises(BatchSizeTooLargeError):
+        search_max_batch_size(LinearStep(fixed=1_000, per_sample=100, start=True), budget_bytes=1_050,
+                              release=no_release, first_guess=first)
+
+
+def test_a_guess_counts_in_the_time_budget():
+    step = LinearStep(fixed=1_000, per_sample=100, start=True)
+    first = search.FirstGuess(37, None, seconds=50.0, source="a test")
+    result = search_max_batch_size(step, budget_bytes=1_000 + 100 * 37, release=no_release, first_guess=first,
+                                   time_budget_s=10.0)
+    assert result.total_seconds >= 50.0 and result.stopped_by_time

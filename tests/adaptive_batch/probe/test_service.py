@@ -223,7 +223,8 @@ def test_a_first_guess_starts_the_search_the_report_says_so_and_gives_the_probes
     assert asked == [(plain.budget_bytes, 10_000)]
     assert guided.batch_size == plain.batch_size and [t.batch_size for t in guided.trials] == [
         1, plain.max_batch_size, plain.max_batch_size + 1]
-    assert guided.first_guess == GuessRecord(plain.max_batch_size, 0.25, "a test") and guided.total_seconds >= 0.25
+    assert guided.first_guess == GuessRecord(plain.max_batch_size, 0.25, "a test", held=True)
+    assert guided.total_seconds >= 0.25
     assert "first guess from a test predicted" in guided.describe()
     assert any(line.startswith(f"probe: first guess batch_size={plain.max_batch_size} from a test") for line in lines)
     step = next(t.seconds for t in guided.trials if t.batch_size == guided.max_batch_size)
