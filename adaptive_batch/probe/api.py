@@ -22,7 +22,9 @@ RNG come out as they went in. The answer is then run as the caller's loop will r
 consecutive steps after the probe has put everything back, under the limits in place (what the
 probe itself left mapped counts; on CUDA held to the budget), and the largest size that runs
 them is the answer (:mod:`adaptive_batch.probe.verify`). Under a soft budget the call sets
-no allocator option. Under a hard CPU budget it gives the process the recipes' glibc settings
+no allocator option (where its caller set the probe's, as the Trainer does, it gives glibc's fast
+thresholds back for training: :func:`~adaptive_batch.memory.device.relax_allocator_for_training`).
+Under a hard CPU budget it gives the process the recipes' glibc settings
 (said in one line), since the caller trains on the answer and glibc's defaults move a step's
 peak from process to process; the answer is still this process's, and a fresh process may fit
 a little more after a trial that ran out of memory here, unless ``build=`` runs the trials in
@@ -38,7 +40,9 @@ from torch import nn
 
 from adaptive_batch.distributed import RankGroup
 import adaptive_batch.logs as logs
-from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, glibc_mmap_threshold_set, prepare_allocator
+from adaptive_batch.memory.device import (
+    ADDRESS_SPACE_SOURCE, glibc_mmap_threshold_set, prepare_allocator, relax_allocator_for_training,
+)
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
@@ -133,6 +137,8 @@ def find_max_batch_size(
             cap=max_batch_size, seq_len=None, ranks=RankGroup.alone(), snapshot_dir=snapshot_dir,
             build=build if in_children else None,
         )
+        # Where the caller set the probe's thresholds (the Trainer), a soft answer trains on glibc's fast ones.
+        relax_allocator_for_training(target.device, soft_budget=budget.is_soft)
         return report.batch_size
 
 

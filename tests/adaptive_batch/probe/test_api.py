@@ -282,6 +282,9 @@ def test_under_a_soft_budget_the_library_sets_no_allocator_option(monkeypatch):
     says so (test_child.py), since the caller trains on the answer under that limit."""
     import ctypes
 
+    import adaptive_batch.memory.device as device
+
+    monkeypatch.setattr(device, "_mmap_threshold_set", None)  # glibc's defaults, whatever ran here before
     opened = []
     real = ctypes.CDLL
     monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: opened.append(name) or real(name, *a, **k))
