@@ -46,7 +46,7 @@ HEADROOM_MIB = {"llama-vocab128": 12, "llama-vocab128k": 320, "mlp-layernorm": 1
 
 
 def vocab_of(model: nn.Module) -> int:
-    return model.vocab if isinstance(model, MLPLanguageModel) else model.tok_embeddings.num_embeddings
+    return model.vocab if hasattr(model, "vocab") else model.tok_embeddings.num_embeddings
 
 
 def forward_backward(model: nn.Module, batch: dict) -> None:
@@ -132,23 +132,10 @@ def test_a_guess_whose_fake_kernels_are_not_the_real_ones_is_dropped_at_the_warm
     """The warmup at batch 2 adds more than the fake step at 2 did: the guess's step (at a size
     the real step cannot take) is not run, the real steps draw the line, and the answer is the
     search's without a guess."""
-    def build():
-        torch.manual_seed(0)
-        return LSTMLanguageModel()
-
-    model = build()
-    optimizer = build_optimizer(list(model.parameters()))
-
-    def train_step(batch):
-        forward_backward(model, batch)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    target = ProbeTarget(train_step, lambda b: worst_case_text_batch(b, seq_len=SEQ, vocab_size=512, device=CPU),
-                         model, optimizer, CPU)
-    budget = training_state_bytes(model, optimizer) * 3 + 24 * 2**20
-    guess = guess_max_batch_size(build_model=build, build_optimizer=build_optimizer, forward_backward=forward_backward,
-                                 seq_len=SEQ, budget_bytes=budget)
+    target = real_target(LSTMLanguageModel)
+    budget = training_state_bytes(target.model, target.optimizer) * 3 + 24 * 2**20
+    guess = guess_max_batch_size(build_model=LSTMLanguageModel, build_optimizer=build_optimizer,
+                                 forward_backward=forward_backward, seq_len=SEQ, budget_bytes=budget)
     plain = probe_max_batch_size(target, budget_bytes=budget, snapshot_dir=str(tmp_path))
     assert guess.batch_size > plain.max_batch_size + 1  # the fake LSTM holds less a sample
     lines = []
