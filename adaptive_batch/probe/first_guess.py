@@ -14,7 +14,7 @@ CPU limit counts address space, where the guess says nothing (the caller leaves 
 """
 
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -22,10 +22,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from adaptive_batch.errors import BatchSizeTooLargeError
 import adaptive_batch.logs as logs
-from adaptive_batch.memory.budget import state_tensors
-from adaptive_batch.memory.tracker import StepMemory, measure_phase_peaks
 from adaptive_batch.probe.fake_step import BuildOptimizer, ForwardBackward, build_fake_model, create_optimizer_state
-from adaptive_batch.probe.search import FirstGuess, Trial, search_max_batch_size
+from adaptive_batch.probe.search import FirstGuess, added_before_the_optimizer_step, search_max_batch_size
+from adaptive_batch.probe.target import ProbeTarget
+from adaptive_batch.probe.trials import measure_training_step
 
 # The two batch sizes the guess's line goes through.
 GUESS_SIZES = (2, 3)
@@ -70,11 +70,11 @@ def guess_max_batch_size(
     with fake_mode:
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad])
         create_optimizer_state(model, [optimizer])
-        run_trial = _FakeTrial(model, optimizer, forward_backward, seq_len, micro_batches)
+        target = _fake_target(model, optimizer, forward_backward, seq_len, micro_batches)
         try:
             with logs.quiet():
                 result = search_max_batch_size(
-                    run_trial, budget_bytes=budget_bytes, max_batch_size=max_batch_size, warmup=False,
+                    lambda b: measure_training_step(target, target.make_batch(b)), budget_bytes=budget_bytes, max_batch_size=max_batch_size, warmup=False,
                     release=lambda: None, max_overshoot=float("inf"), estimate_sizes=GUESS_SIZES, estimate_only=True,
                 )
         except BatchSizeTooLargeError:
@@ -82,36 +82,24 @@ def guess_max_batch_size(
     guess = result.predicted_max_batch_size
     if result.estimate is None or not guess:
         return None
-    return FirstGuess(guess, result.estimate, time.perf_counter() - start, GUESS_SOURCE, _added_at(result.trials[0]))
+    first = result.trials[0]
+    added = added_before_the_optimizer_step(first)
+    return FirstGuess(guess, result.estimate, time.perf_counter() - start, GUESS_SOURCE,
+                      None if added is None else (first.batch_size, added))
 
 
-def _added_at(trial: Trial) -> Optional[Tuple[int, int]]:
-    """What the fake step at the first size added over its start before its optimizer step."""
-    phases = trial.phase_peak_bytes or {}
-    before_step = [phases[name] for name in ("forward", "backward") if name in phases]
-    if trial.start_bytes is None or not before_step or not trial.fits:
-        return None
-    return trial.batch_size, max(before_step) - trial.start_bytes
+def _fake_target(model: nn.Module, optimizer: torch.optim.Optimizer, forward_backward: ForwardBackward, seq_len: int,
+                 micro_batches: Callable[[int], int]) -> ProbeTarget:
+    """The fake model's training step on token batches, as a probe target: its trials are then
+    measured by :func:`~adaptive_batch.probe.trials.measure_training_step`, as real ones are."""
 
+    def train_step(batch: Dict[str, torch.Tensor]) -> None:
+        for _ in range(micro_batches(len(batch["tokens"]))):
+            forward_backward(model, batch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-class _FakeTrial:
-    """One fake training step at a batch size, measured as a real CPU trial is."""
+    def make_batch(batch_size: int) -> Dict[str, torch.Tensor]:
+        return {name: torch.zeros(batch_size, seq_len, dtype=torch.long) for name in ("tokens", "labels")}
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, forward_backward: ForwardBackward,
-                 seq_len: int, micro_batches: Callable[[int], int]) -> None:
-        self.model, self.optimizer, self.forward_backward = model, optimizer, forward_backward
-        self.seq_len, self.micro_batches = seq_len, micro_batches
-
-    def __call__(self, batch_size: int) -> StepMemory:
-        batch: Dict[str, torch.Tensor] = {
-            name: torch.zeros(batch_size, self.seq_len, dtype=torch.long) for name in ("tokens", "labels")
-        }
-        baseline: List[torch.Tensor] = state_tensors(self.model, self.optimizer) + list(batch.values())
-
-        def step() -> None:
-            for _ in range(self.micro_batches(batch_size)):
-                self.forward_backward(self.model, batch)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-        return measure_phase_peaks(step, torch.device("cpu"), baseline, model=self.model, optimizer=self.optimizer)
+    return ProbeTarget(train_step, make_batch, model, optimizer, torch.device("cpu"))

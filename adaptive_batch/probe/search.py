@@ -340,18 +340,25 @@ def _from_guess(bracket: "_Bracket", guess: FirstGuess) -> Optional[_Start]:
     return _Start(estimate, size if predicted is None else predicted, isinstance(estimate, OperatorMemoryEstimate))
 
 
-def _warmup_agrees(guess: FirstGuess, warmup: Trial) -> bool:
-    """Whether the real warmup added over its start before the optimizer step (which creates its
-    state) what the guess's step at the same batch added, within half a sample of the guess's
-    line; said in a line when not (its real steps then draw the line)."""
-    phases, start = warmup.phase_peak_bytes or {}, warmup.start_bytes
+def added_before_the_optimizer_step(trial: Trial) -> Optional[int]:
+    """What ``trial``'s step added over its start before its optimizer step (forward, loss and
+    backward: a first step's optimizer state is created after them), or ``None`` unmeasured."""
+    phases = trial.phase_peak_bytes or {}
     before_step = [phases[name] for name in ("forward", "backward") if name in phases]
-    if guess.added_at is None or guess.estimate is None or start is None or not before_step:
+    if trial.start_bytes is None or not before_step:
+        return None
+    return max(before_step) - trial.start_bytes
+
+
+def _warmup_agrees(guess: FirstGuess, warmup: Trial) -> bool:
+    """Whether the real warmup added before its optimizer step (which creates its state) what the
+    guess's step at the same batch added, within half a sample of the guess's line; said in a line
+    when not (its real steps then draw the line)."""
+    added = added_before_the_optimizer_step(warmup)
+    if guess.added_at is None or guess.estimate is None or added is None:
         return True
     b, fake_added = guess.added_at
-    added = max(before_step) - start
-    half_a_sample = max(1, guess.estimate.peak_bytes(b + 1) - guess.estimate.peak_bytes(b)) / 2
-    if abs(added - fake_added) <= half_a_sample:
+    if abs(added - fake_added) <= _half_a_sample(guess.estimate, b):
         return True
     logs.info(f"probe: the first guess's step at batch {b} added {format_bytes(fake_added)}, the real warmup "
               f"{format_bytes(added)}: the guess is not this step's; real steps draw the line.")
@@ -361,8 +368,12 @@ def _warmup_agrees(guess: FirstGuess, warmup: Trial) -> bool:
 def _on_the_line(estimate: Estimate, trial: Trial) -> bool:
     """Whether ``trial``'s measured peak is within half a sample of ``estimate``'s at its size."""
     b, peak = trial.batch_size, trial.peak_bytes
-    predicted = estimate.peak_bytes(b)
-    return peak is not None and abs(peak - predicted) <= max(1, estimate.peak_bytes(b + 1) - predicted) / 2
+    return peak is not None and abs(peak - estimate.peak_bytes(b)) <= _half_a_sample(estimate, b)
+
+
+def _half_a_sample(estimate: Estimate, batch_size: int) -> float:
+    """Half what one more sample adds at ``batch_size`` by ``estimate`` (at least half a byte)."""
+    return max(1, estimate.peak_bytes(batch_size + 1) - estimate.peak_bytes(batch_size)) / 2
 
 
 def _check_bounds(budget_bytes: int, max_batch_size: Optional[int], max_overshoot: float) -> None:
