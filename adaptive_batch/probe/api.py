@@ -43,6 +43,7 @@ import adaptive_batch.logs as logs
 from adaptive_batch.memory.device import (
     ADDRESS_SPACE_SOURCE, glibc_mmap_threshold_set, prepare_allocator, relax_allocator_for_training,
 )
+from adaptive_batch.memory.oom import collections_of_new_objects
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
@@ -112,7 +113,7 @@ def find_max_batch_size(
     """
     if safety_margin is not None:
         check_safety_margin(safety_margin, key="safety_margin")
-    with logs.lines_to(log):
+    with logs.lines_to(log), collections_of_new_objects():
         options = ProbeOptions(
             max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size,
             probe_time_budget=time_budget, probe_cache=False,

@@ -33,7 +33,7 @@ from adaptive_batch.memory.device import (
     parse_memory,
     proc_status_bytes,
 )
-from adaptive_batch.memory.oom import first_line
+from adaptive_batch.memory.oom import collections_of_new_objects, first_line
 from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_versions
 from adaptive_batch.probe.children import search_in_children, trials_in_children
 from adaptive_batch.probe.lockstep import LockstepTrial
@@ -269,7 +269,7 @@ def probe_batch_size(
         BatchSizeTooLargeError: when batch 1 does not fit.
         ConfigError: for a ``max_memory`` the device cannot give, or a device this torch lacks.
     """
-    with logs.lines_to(log):
+    with logs.lines_to(log), collections_of_new_objects():
         target = target.on_its_device()
         ranks = ranks or RankGroup(target.device)
         budget, capacity, in_children = step_budget(options, target, build=build, distributed=ranks.distributed)

@@ -19,7 +19,7 @@ from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.faults import fault_point
 from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.memory.device import free_mkl_buffers
-from adaptive_batch.memory.oom import release_memory
+from adaptive_batch.memory.oom import collections_of_new_objects, release_memory
 from adaptive_batch.memory.tracker import StepMemory, measure_phase_peaks
 from adaptive_batch.probe.search import FirstGuess, SearchResult, search_max_batch_size
 from adaptive_batch.probe.target import ProbeTarget
@@ -48,6 +48,7 @@ def measure_training_step(target: ProbeTarget, batch: Any) -> StepMemory:
         free_mkl_buffers()
 
 
+@collections_of_new_objects()
 def probe_max_batch_size(
     target: ProbeTarget,
     *,
@@ -79,8 +80,7 @@ def probe_max_batch_size(
         trial_limit: a context the trials (not the snapshot) run in (``trial_memory_limit``).
         budget_source: what set ``budget_bytes``, for the advice when batch 1 does not fit.
         time_budget_s, oom_scars_caller, estimate_only, first_guess, agree: as
-            :func:`search_max_batch_size` takes them.
-        restore_state: ``False``: no snapshot (a process that ends after the trials).
+            :func:`search_max_batch_size` takes them. restore_state: ``False``: no snapshot.
 
     Returns:
         The search result with every trial.
