@@ -82,6 +82,7 @@ def first_line(exc: BaseException) -> str:
 
 
 _collections_of_new_objects = 0  # the depth of nested collections_of_new_objects blocks
+_froze_here = False  # whether the outermost block set the objects aside (and so puts them back)
 
 
 @contextmanager
@@ -93,18 +94,21 @@ def collections_of_new_objects() -> Iterator[None]:
     (its traceback's frames, an abandoned step's graph) is all made after the probe starts, so
     the garbage already there is collected once, the objects left are set aside
     (``gc.freeze``) until the block ends, and collected as before after it. Blocks nest: the
-    outermost one sets them aside and puts them back.
+    outermost one sets them aside and puts them back. A process that froze its own objects
+    (a server after its imports) keeps its freeze: nothing is set aside or put back here.
     """
-    global _collections_of_new_objects
+    global _collections_of_new_objects, _froze_here
     if _collections_of_new_objects == 0:
+        _froze_here = gc.get_freeze_count() == 0
         gc.collect()
-        gc.freeze()
+        if _froze_here:
+            gc.freeze()
     _collections_of_new_objects += 1
     try:
         yield
     finally:
         _collections_of_new_objects -= 1
-        if _collections_of_new_objects == 0:
+        if _collections_of_new_objects == 0 and _froze_here:
             gc.unfreeze()
 
 

@@ -1,4 +1,5 @@
 import contextlib
+import gc
 import resource
 
 import pytest
@@ -24,6 +25,18 @@ def address_space_headroom(headroom_bytes: int):
 @pytest.fixture
 def limited_address_space():
     return address_space_headroom
+
+
+@pytest.fixture
+def unfrozen_heap():
+    """The process as a user's is, no object set aside from the garbage collector (tests/conftest.py
+    freezes the imports' objects), for the test's block; frozen again after it."""
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.freeze()
 
 
 def one_layer_qwen(vocab_size: int, tie: bool):

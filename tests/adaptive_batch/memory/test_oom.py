@@ -151,7 +151,7 @@ def test_on_cuda_release_memory_clears_cublas_workspaces_when_asked_before_it_em
     assert calls == []
 
 
-def test_collections_of_new_objects_free_the_blocks_cycles_and_what_was_garbage_before_it():
+def test_collections_of_new_objects_free_the_blocks_cycles_and_what_was_garbage_before_it(unfrozen_heap):
     """A full collection visits every object the process holds (0.3 s where Transformers is
     imported, once per trial); inside the block it visits what the block made, and still frees
     every cycle that holds a tensor, made in the block or before it."""
@@ -179,3 +179,23 @@ def test_collections_of_new_objects_free_the_blocks_cycles_and_what_was_garbage_
             with collections_of_new_objects():
                 raise ValueError
     assert gc.get_freeze_count() == 0  # collected as before once the outermost block ends
+
+
+def test_a_process_that_froze_its_own_objects_keeps_its_freeze(unfrozen_heap):
+    """A server that froze its objects after its imports: the probe once put them back in every
+    collection when it ended."""
+    import gc
+    import weakref
+
+    from adaptive_batch.memory.oom import collections_of_new_objects, release_memory
+
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    with collections_of_new_objects():
+        node = {"tensor": torch.ones(1024)}
+        node["self"] = node
+        ref = weakref.ref(node["tensor"])
+        del node
+        release_memory()
+        assert ref() is None and gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == frozen

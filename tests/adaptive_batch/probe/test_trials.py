@@ -81,7 +81,7 @@ def test_each_trial_gives_back_mkls_buffers_for_its_shapes(tmp_path, monkeypatch
     assert any(t.fits for t in result.trials) and len(freed) == result.num_trials
 
 
-def test_trials_collect_only_the_garbage_made_since_the_probe_started(tmp_path):
+def test_trials_collect_only_the_garbage_made_since_the_probe_started(tmp_path, unfrozen_heap):
     """Each trial's collection once visited every object of the process: 30% of a probe's
     seconds where Transformers is imported. The objects there before the probe are set aside
     while it runs, and put back after."""
