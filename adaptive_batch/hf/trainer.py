@@ -85,6 +85,8 @@ class AdaptiveBatchTrainer(Trainer):
             never past the answer unless the first one already accumulates (is larger than the
             answer) or ``grow_with_accumulation``;
             the LR schedule is then counted in samples (in steps of the first effective batch).
+        batch_increase_interval: ``"epoch"``, the only interval the Trainer's loop can grow at
+            (it sizes an epoch's loader and steps at the epoch's start); others are refused.
         grow_with_accumulation: growth passes the answer in accumulated micro-batches.
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR in force is the schedule's LR
             times the rule's factor for the effective batch against ``lr_scaling_reference``
@@ -112,6 +114,7 @@ class AdaptiveBatchTrainer(Trainer):
         global_batch_size: Optional[int] = None,
         probe_eval: bool = True,
         batch_increase_function: Any = None,
+        batch_increase_interval: str = "epoch",
         grow_with_accumulation: bool = False,
         lr_scaling: str = "none",
         lr_scaling_reference: Optional[float] = None,
@@ -121,7 +124,8 @@ class AdaptiveBatchTrainer(Trainer):
     ) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         self._growth = EpochGrowth(
-            GrowthOptions(batch_increase_function=batch_increase_function, grow_with_accumulation=grow_with_accumulation),
+            GrowthOptions(batch_increase_function=batch_increase_function, batch_increase_interval=batch_increase_interval,
+                          grow_with_accumulation=grow_with_accumulation),
             LRScalingOptions(lr_scaling=lr_scaling, lr_scaling_reference=lr_scaling_reference,
                              weight_decay_scaling=weight_decay_scaling),
         )

@@ -86,6 +86,8 @@ class AdaptiveBatchFinder(Callback):
             path), called at the start of every epoch (0-based) with the samples of one
             optimizer step; the fit then starts at the configured batch (or
             ``global_batch_size``) and grows, never past the answer unless it accumulates.
+        batch_increase_interval: ``"epoch"``, the only interval Lightning's fit loop can grow at
+            (it builds an epoch's dataloader at the epoch's start); others are refused.
         grow_with_accumulation: growth passes the answer in accumulated micro-batches.
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR in force is the schedule's (or
             the configured) LR times the rule's factor for the step's batch against
@@ -111,7 +113,7 @@ class AdaptiveBatchFinder(Callback):
     def __init__(self, *, max_memory: Any = None, batch_arg_name: str = "batch_size",
                  make_batch: Optional[Callable[[int], Any]] = None, max_batch_size: Optional[int] = None,
                  global_batch_size: Optional[int] = None, batch_increase_function: Any = None,
-                 grow_with_accumulation: bool = False, lr_scaling: str = "none",
+                 batch_increase_interval: str = "epoch", grow_with_accumulation: bool = False, lr_scaling: str = "none",
                  lr_scaling_reference: Optional[float] = None, weight_decay_scaling: str = "none",
                  stop_after: bool = False, log: Optional[Callable[[str], None]] = None) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
@@ -119,7 +121,8 @@ class AdaptiveBatchFinder(Callback):
         self.max_memory, self.batch_arg_name, self.make_batch = max_memory, batch_arg_name, make_batch
         self.max_batch_size, self.stop_after, self._log = max_batch_size, stop_after, log
         self.batch = EpochGrowth(
-            GrowthOptions(batch_increase_function=batch_increase_function, grow_with_accumulation=grow_with_accumulation),
+            GrowthOptions(batch_increase_function=batch_increase_function, batch_increase_interval=batch_increase_interval,
+                          grow_with_accumulation=grow_with_accumulation),
             LRScalingOptions(lr_scaling=lr_scaling, lr_scaling_reference=lr_scaling_reference,
                              weight_decay_scaling=weight_decay_scaling),
             accumulates=self.global_batch_size is not None,

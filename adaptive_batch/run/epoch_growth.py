@@ -60,10 +60,19 @@ class EpochGrowth:
 
     Raises:
         ConfigError: for a growth function that needs the gradient noise scale (not measured
-            here); for a rule the optimizer cannot take (:meth:`attach_optimizer`).
+            here), or a ``batch_increase_interval`` other than the epoch; for a rule the
+            optimizer cannot take (:meth:`attach_optimizer`).
     """
 
     def __init__(self, growth: GrowthOptions, lr: LRScalingOptions, *, accumulates: bool = False) -> None:
+        interval = growth.batch_increase_interval
+        if not interval.per_epoch:
+            # The loops size an epoch's loader, its steps and its accumulation at its start.
+            raise ConfigError(
+                f"batch_increase_interval='{interval}': a framework's loop builds each epoch's batches, and counts its "
+                "steps, at the epoch's start, so the batch grows there alone here; set batch_increase_interval='epoch' "
+                "(the default), or grow every N steps, samples or tokens with the recipes or adaptive_batch.AdaptiveBatch."
+            )
         fn = growth.batch_increase_function
         if getattr(fn, "needs_gradient_noise_scale", False):
             raise ConfigError(

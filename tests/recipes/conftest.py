@@ -18,8 +18,21 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/full_finetune_single_device.py"
 CONFIG = "configs/tiny/full_single_device.yaml"
 TUNE = str(Path(sys.executable).with_name("tune"))
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # The tiny config grows the batch each epoch; tests of a fixed batch turn that off.
 FIXED = "batch_increase_function=null"
+
+
+def launch_command(recipe, config, output_dir, overrides, nproc=None, via_tune=False) -> List[str]:
+    """`tune run` of ``recipe``; on several ranks, unless ``via_tune``, torchrun's launch of it as
+    `tune run --nproc_per_node` makes it (standalone, the recipe as a module), without the 4 s of
+    CPU the launcher spends importing torchtune."""
+    recipe_args = ["--config", config, f"output_dir={output_dir}", *overrides]
+    if nproc is None or via_tune:
+        launch = [] if nproc is None else ["--nproc_per_node", str(nproc)]
+        return [TUNE, "run", *launch, recipe, *recipe_args]
+    module = str(Path(recipe).with_suffix("")).replace(os.sep, ".")
+    return [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), "-m", module, *recipe_args]
 
 
 def tune_env(extra_path=None, env=None) -> Dict[str, str]:
@@ -61,22 +74,22 @@ def run_tune(
     env=None,
     nproc=None,
     own_process=False,
+    via_tune=False,
 ) -> subprocess.CompletedProcess:
     """`tune run` of a recipe on a tiny config.
 
     In this process, as torchtune's own recipe tests run it, unless the run needs a process of
     its own: a real address-space limit (``headroom_bytes``) or several ranks (``nproc``
-    processes through torchrun), or ``own_process`` (a kill). ``extra_path`` goes on the path (a user's own modules);
-    ``env`` adds variables. Either way the answer is the process's exit code and output.
+    processes through torchrun, launched as :func:`launch_command` says), or ``own_process`` (a
+    kill). ``extra_path`` goes on the path (a user's own modules); ``env`` adds variables. Either
+    way the answer is the process's exit code and output.
     """
-    launch = [] if nproc is None else ["--nproc_per_node", str(nproc)]
-    args = ["run", *launch, recipe, "--config", config, f"output_dir={output_dir}", *overrides]
+    cmd = launch_command(recipe, config, output_dir, overrides, nproc=nproc, via_tune=via_tune)
     if headroom_bytes is None and nproc is None and not own_process:
-        return run_tune_in_process(args, extra_path=extra_path, env=env)
-    if headroom_bytes is None:
-        cmd = [TUNE, *args]
-    else:
-        cmd = [sys.executable, str(REPO / "tests/recipes/limited_run.py"), str(headroom_bytes), *args]
+        return run_tune_in_process(cmd[1:], extra_path=extra_path, env=env)
+    if headroom_bytes is not None:  # one process: the limit is this one's
+        assert nproc is None, "a real address-space limit is set on one process"
+        cmd = [sys.executable, str(REPO / "tests/recipes/limited_run.py"), str(headroom_bytes), *cmd[1:]]
 
     def launch() -> subprocess.CompletedProcess:
         return subprocess.run(cmd, cwd=REPO, env=tune_env(extra_path, env), capture_output=True, text=True,
@@ -238,9 +251,7 @@ def run_tune_until_killed(output_dir, *overrides, after, nproc=None, extra_path=
     import signal
     import time
 
-    launch = [] if nproc is None else ["--nproc_per_node", str(nproc)]
-    cmd = [TUNE, "run", *launch, kw.get("recipe", RECIPE), "--config", kw.get("config", CONFIG),
-           f"output_dir={output_dir}", *overrides]
+    cmd = launch_command(kw.get("recipe", RECIPE), kw.get("config", CONFIG), output_dir, overrides, nproc=nproc)
 
     def start() -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=REPO, env=tune_env(extra_path), stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""The distributed (FSDP2) recipe through the real `tune run --nproc_per_node 2` on CPU (gloo)."""
+"""The distributed (FSDP2) recipe on CPU (gloo): through the real `tune run --nproc_per_node 2` once, and torchrun's launch of it elsewhere."""
 
 import json
 import math
@@ -43,7 +43,9 @@ def probe_report(output_dir):
 def test_each_rank_probes_its_own_budget_and_the_smallest_sets_the_batch(tmp_path):
     # One launch, two budgets. Rank 0 fits a larger batch than rank 1; lockstep trials make the
     # run take what fits on rank 1, as if every rank had rank 1's budget.
-    proc = run_tune(tmp_path, *PROBE, "global_batch_size=24", env={"ADAPTIVE_BATCH_MAX_MEMORY": "320MiB,256MiB"}, **DIST)
+    # The user's own launch, `tune run --nproc_per_node 2` (the other tests launch through torchrun).
+    proc = run_tune(tmp_path, *PROBE, "global_batch_size=24", env={"ADAPTIVE_BATCH_MAX_MEMORY": "320MiB,256MiB"},
+                    via_tune=True, **DIST)
     # A rank that fails first is the one to read: the tail is the other rank's "connection closed".
     assert proc.returncode == 0, "\n".join(_first_failure_lines(proc.stderr)) + "\n...\n" + proc.stderr[-2000:]
     report = probe_report(tmp_path)

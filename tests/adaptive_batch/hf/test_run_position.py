@@ -98,6 +98,11 @@ def test_what_growth_cannot_follow_is_one_line_before_any_step(tmp_path):
         _trainer(tmp_path, training={"max_steps": 5})
     with pytest.raises(ConfigError, match="no_such_module"):
         _trainer(tmp_path, batch_increase_function="no_such_module.grow")
+    # the recipes' key, whose other intervals the Trainer's loop cannot follow mid-epoch
+    with pytest.raises(ConfigError, match=r"batch_increase_interval='100 steps': .* set batch_increase_interval='epoch'"):
+        _trainer(tmp_path, batch_increase_interval="100 steps")
+    with pytest.raises(ConfigError, match=r"batch_increase_interval='weekly' is not an interval"):
+        _trainer(tmp_path, batch_increase_interval="weekly")
     stepped = _trainer(tmp_path)  # a scheduler of the user's that cannot be counted in samples
     stepped.lr_scheduler = torch.optim.lr_scheduler.StepLR(stepped.create_optimizer(), step_size=1)
     with pytest.raises(ConfigError, match="lr_scheduler_type with batch_increase_function: StepLR is not a LambdaLR"):

@@ -333,6 +333,8 @@ def test_bad_growth_settings_are_one_line_before_any_trial():
         AdaptiveBatchFinder(batch_increase_function="no_such_module.grow")
     with pytest.raises(ConfigError, match="lr_scaling='cubic'"):
         AdaptiveBatchFinder(lr_scaling="cubic")
+    with pytest.raises(ConfigError, match=r"batch_increase_interval='5000 samples': .* the epoch's start"):
+        AdaptiveBatchFinder(batch_increase_function=double_after_the_first, batch_increase_interval="5000 samples")
     model = Regression()
     with pytest.raises(ConfigError, match="accumulate_grad_batches=2 with batch_increase_function=.*double_after_the_first"):
         _trainer(_growing(), accumulate_grad_batches=2).fit(model)
