@@ -187,7 +187,10 @@ class AdaptiveBatch:
             self._dataloader.load_state_dict(self._resumed["dataloader"])
         if "lr_scheduler" in self._resumed and self._lr_scheduler is not None:
             self._lr_scheduler.load_state_dict(self._resumed["lr_scheduler"])
-        ctl.attach_lr(self.optimizer, self._lr_scheduler, read_lr=lambda: self.optimizer.param_groups[0]["lr"])
+        # The optimizer, not self: a cycle through self left the loader's workers to the garbage
+        # collector, whose order stalls their shutdown 5 s (their queues' feeders end first).
+        optimizer = self.optimizer
+        ctl.attach_lr(optimizer, self._lr_scheduler, read_lr=lambda: optimizer.param_groups[0]["lr"])
 
     def _forward_backward(self, piece: Any):
         """One micro-batch's summed loss (its mean times its count) and count, backward run."""

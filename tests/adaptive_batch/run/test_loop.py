@@ -84,6 +84,28 @@ def test_a_dataloader_handed_over_gives_its_dataset_collate_shuffle_workers_and_
     assert AdaptiveBatch(model, optimizer, loader, loss_fn, batch_size=12, log=lambda m: None).batch_size == 12
 
 
+def test_a_dropped_loop_ends_its_loaders_workers_at_once():
+    """A cycle through the loop left it to the garbage collector, which ends the loader's worker
+    queues before the loader: its shutdown then waited 5 s for each worker, which lived on."""
+    import gc
+    import multiprocessing
+    import weakref
+
+    data, model, optimizer, loss_fn = _parts()
+    adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, num_workers=1, persistent_workers=True,
+                             log=lambda m: None)
+    assert len(list(adaptive.batches(0))) == 12 and adaptive.batch_size == 4
+    workers = [p for p in multiprocessing.active_children() if p.is_alive()]
+    dropped = weakref.ref(adaptive)
+    gc.disable()
+    try:
+        del adaptive
+        assert dropped() is None  # freed by its count of references, not left to a collection
+    finally:
+        gc.enable()
+    assert workers and not any(p.is_alive() for p in workers)
+
+
 def test_a_data_source_that_cannot_be_resized_is_one_line_before_any_step():
     from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler
 
