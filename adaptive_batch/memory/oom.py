@@ -2,6 +2,7 @@
 
 from contextlib import contextmanager
 import gc
+import threading
 from typing import Callable, Iterator, Optional, Tuple, TypeVar
 
 import torch
@@ -83,6 +84,7 @@ def first_line(exc: BaseException) -> str:
 
 _collections_of_new_objects = 0  # the depth of nested collections_of_new_objects blocks
 _froze_here = False  # whether the outermost block set the objects aside (and so puts them back)
+_collections_lock = threading.Lock()  # entry and exit, from any thread
 
 
 @contextmanager
@@ -96,20 +98,26 @@ def collections_of_new_objects() -> Iterator[None]:
     (``gc.freeze``) until the block ends, and collected as before after it. Blocks nest: the
     outermost one sets them aside and puts them back. A process that froze its own objects
     (a server after its imports) keeps its freeze: nothing is set aside or put back here.
+
+    Within the block, an object from before it that becomes cyclic garbage waits for the block's
+    end (a step that drops one holds its memory until then), and a ``gc.freeze()`` made inside
+    the block is undone with the block's own.
     """
     global _collections_of_new_objects, _froze_here
-    if _collections_of_new_objects == 0:
-        _froze_here = gc.get_freeze_count() == 0
-        gc.collect()
-        if _froze_here:
-            gc.freeze()
-    _collections_of_new_objects += 1
+    with _collections_lock:
+        _collections_of_new_objects += 1
+        if _collections_of_new_objects == 1:
+            _froze_here = gc.get_freeze_count() == 0
+            gc.collect()
+            if _froze_here:
+                gc.freeze()
     try:
         yield
     finally:
-        _collections_of_new_objects -= 1
-        if _collections_of_new_objects == 0 and _froze_here:
-            gc.unfreeze()
+        with _collections_lock:
+            _collections_of_new_objects -= 1
+            if _collections_of_new_objects == 0 and _froze_here:
+                gc.unfreeze()
 
 
 def release_memory(device: Optional[torch.device] = None, *, cublas_workspaces: bool = False) -> None:

@@ -68,8 +68,8 @@ def probe_max_batch_size(
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
     Each trial runs ``target.train_step(target.make_batch(b))``, measuring each phase's peak and,
-    on CPU, the memory after each operator (:func:`measure_training_step`), said in a line; the
-    state and RNG are put back after the last trial, also when one raises.
+    on CPU, the memory after each operator (:func:`measure_training_step`), said in a line; state
+    and RNG are put back after the last trial, also when one raises.
 
     Args:
         target: what the trials train, on its resolved device.
@@ -79,8 +79,8 @@ def probe_max_batch_size(
         wrap_trial: wraps the measured trial, e.g. ``LockstepTrial`` (ranks agree on every outcome).
         trial_limit: a context the trials (not the snapshot) run in (``trial_memory_limit``).
         budget_source: what set ``budget_bytes``, for the advice when batch 1 does not fit.
-        time_budget_s, oom_scars_caller, estimate_only, first_guess, agree: as
-            :func:`search_max_batch_size` takes them. restore_state: ``False``: no snapshot.
+        time_budget_s, oom_scars_caller, estimate_only, first_guess, agree: as :func:`search_max_batch_size`.
+        restore_state: ``False``: no snapshot (a process that ends after the trials).
 
     Returns:
         The search result with every trial.
