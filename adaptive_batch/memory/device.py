@@ -345,6 +345,15 @@ def glibc_mmap_threshold_set() -> Optional[int]:
     return _mmap_threshold_set
 
 
+@functools.lru_cache(maxsize=None)
+def _glibc() -> Optional[ctypes.CDLL]:
+    """glibc, whose ``mallopt`` sets the allocator's options; ``None`` on another C library."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:
     """Makes glibc's address space follow live memory, for runs under an address-space limit.
 
@@ -360,9 +369,8 @@ def return_freed_memory_to_os(threshold_bytes: int = 256 * 1024) -> bool:
     Returns:
         ``True`` when glibc accepted both settings, ``False`` on another C library.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return False
     global _mmap_threshold_set
     mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes))
@@ -387,8 +395,8 @@ def relax_allocator_for_training(device: torch.device, *, soft_budget: bool) -> 
     global _mmap_threshold_set
     if device.type != "cpu" or not soft_budget or address_space_limit() is not None or _mmap_threshold_set is None:
         return False
-    libc = ctypes.CDLL("libc.so.6")
-    if not libc.mallopt(_M_MMAP_THRESHOLD, _FAST_MMAP_THRESHOLD):
+    libc = _glibc()
+    if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, _FAST_MMAP_THRESHOLD):
         return False
     _mmap_threshold_set = None  # what children are told, whether or not the trim threshold follows
     libc.mallopt(_M_TRIM_THRESHOLD, _FAST_TRIM_THRESHOLD)
