@@ -245,12 +245,10 @@ def test_after_a_soft_probe_training_gets_glibcs_fast_thresholds(monkeypatch, so
     """The probe's mmap threshold of 256 KiB made a tiny config train 1.5x as long; after a probe
     judged by tensor bytes, with no limit over the process, glibc's thresholds go back to where its
     dynamic ones end, and the process no longer tells children it trains on the probe's."""
-    import ctypes
-
     import adaptive_batch.memory.device as device
 
     libc = _FakeLibc()
-    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: libc)
+    monkeypatch.setattr(device, "_glibc", lambda: libc)
     monkeypatch.setattr(device, "_mmap_threshold_set", 256 * 1024)
     monkeypatch.setattr(device, "address_space_limit", lambda: limit)
     lines = []
