@@ -164,6 +164,26 @@ class RankGroup:
             raise error
         return result
 
+    def smallest(self, answer: Callable[[], int]) -> int:
+        """Runs ``answer`` (this rank's own probe) on every rank and returns the smallest result,
+        which data-parallel ranks all train. A rank whose ``answer`` raised still joins the
+        agreement, so no rank is left waiting in it for one that has gone.
+
+        Raises:
+            BaseException: ``answer``'s error, on the rank it happened on.
+            ConfigError: on every other rank, naming the rank that failed.
+        """
+        try:
+            mine, error = int(answer()), None
+        except BaseException as e:  # noqa: B036 - re-raised below, once every rank knows
+            mine, error = 0, e
+        failed, negated = self.max_each([self.rank + 1 if error is not None else 0, -mine])
+        if error is not None:
+            raise error
+        if failed:
+            raise ConfigError(f"rank {failed - 1}'s probe failed (its log says why): every rank stops with it.")
+        return -negated
+
     def check_together(self, check: Callable[[], Any]) -> Any:
         """Runs ``check`` on every rank; when it fails on any rank, every rank stops together.
 

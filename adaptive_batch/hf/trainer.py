@@ -234,11 +234,10 @@ class AdaptiveBatchTrainer(Trainer):
         if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
             eval_batch = RepeatedSample.longest(self.eval_dataset, self.data_collator)
             with self._forward_as_trained:
-                eval_found = find_max_batch_size(
+                state["per_device_eval_batch_size"] = self._ranks.smallest(lambda: find_max_batch_size(
                     self._eval_step, make_batch=eval_batch, model=self.model, optimizer=None,
                     max_memory=self.max_memory, max_batch_size=len(self.eval_dataset),
-                )
-            state["per_device_eval_batch_size"] = -self._ranks.max(-eval_found)
+                ))
         build = self._trial_build(make_batch)
         target = self.trial_target(make_batch)
         # The evaluation probe's trials ran here: the in-process margin for the heap they leave.
@@ -249,14 +248,17 @@ class AdaptiveBatchTrainer(Trainer):
                                   optimizer=target.optimizer, max_memory=self.max_memory,
                                   max_batch_size=min(largest, self.max_batch_size or largest),
                                   safety_margin=margin)
-        with self._forward_as_trained, _logged_metrics_kept(self):
+
+        def probe_here_or_in_children() -> int:
             try:
-                found = probe(build=build)
+                return probe(build=build)
             except (TrialProcessNotStartedError, TrialBuildError) as e:
                 logs.info(f"adaptive-batch: {_why_trials_stay_here(e)}; the trials run in this process.")
-                found = probe(build=None)
-        # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
-        found = -self._ranks.max(-found)
+                return probe(build=None)
+
+        with self._forward_as_trained, _logged_metrics_kept(self):
+            # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
+            found = self._ranks.smallest(probe_here_or_in_children)
         per_device, accumulation = split_effective_batch(effective, found, uneven_allowed=uneven_allowed(self))
         state.update(effective_batch_size=effective, asked_effective_batch_size=effective, max_micro_batch_size=found,
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,

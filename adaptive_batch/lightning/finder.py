@@ -12,28 +12,28 @@ back afterwards, and the answer is written where Lightning reads the batch size
 does) before the fit loop builds its dataloader.
 """
 
-from contextlib import contextmanager
 from dataclasses import dataclass
+import functools
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
-from lightning.pytorch.loggers.logger import DummyLogger
-from lightning.pytorch.trainer.call import _call_strategy_hook
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
-from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.worst_case import RepeatedSample
+from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.rng import rng_state, set_rng_state
+from adaptive_batch.lightning.trials import training_step_of, trials_leave_no_trace, trials_on_this_rank_alone
 from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
-from adaptive_batch.schedule.global_batch import equal_micro_batches, micro_batches_per_trial
+from adaptive_batch.schedule.global_batch import check_global_batch, equal_micro_batches
 from adaptive_batch.schedule.growth import GrowthOptions, function_name
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 from adaptive_batch.validation import check_positive_int
@@ -129,16 +129,24 @@ class AdaptiveBatchFinder(Callback):
         )
         self.optimal_batch_size: Optional[int] = None
         self._checkpoint_state: Optional[Dict[str, Any]] = None
+        self._world_size, self._rank_share = 1, global_batch_size  # set for each fit in setup
 
     def state_dict(self) -> Dict[str, Any]:
         return {} if self.batch.state is None else self.batch.state.to_dict()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self._checkpoint_state = dict(state_dict) or None
+        state = dict(state_dict) or None
+        if state is not None:  # fits saved before several processes were supported ran on one
+            state["settings"] = {"world_size": 1, **state["settings"]}
+        self._checkpoint_state = state
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":  # before any other callback's work and the model's move to its device
             self._refuse_what_it_cannot_probe(trainer, pl_module)
+            # Each rank's share of a global batch (the batch of Lightning's loader is one rank's).
+            self._world_size = trainer.world_size
+            self._rank_share = None if self.global_batch_size is None else check_global_batch(
+                self.global_batch_size, world_size=trainer.world_size, gradient_accumulation_steps=1)
             # First among the callbacks, as Lightning puts its own tuner callbacks, so the LR in
             # force is set before a monitor reads it. Moved in place: the hook loop over the list
             # goes on at the next index, which still holds the next callback.
@@ -153,7 +161,7 @@ class AdaptiveBatchFinder(Callback):
             self.batch.detach()  # hooks of a fit that ended in an error stay out of this one's trials
             previous = lightning_getattr(pl_module, self.batch_arg_name)
             if self._checkpoint_state is not None:
-                batch = FitBatch.of(self.batch.resume(self._checkpoint_state, self._settings()), self.batch.state.found)
+                batch = FitBatch.of(self.batch.resume(self._checkpoint_state, self._settings(), ranks=self._world_size), self.batch.state.found)
                 self._checkpoint_state = None  # a later fit of this callback without a checkpoint probes
                 self.optimal_batch_size = self.batch.state.found
                 # Set only: the loop builds the loader after restoring its state, and loads the
@@ -181,36 +189,43 @@ class AdaptiveBatchFinder(Callback):
         make_batch = self.make_batch or _worst_case_batch(loader)
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         schedulers = trainer.lr_scheduler_configs
-        with _trials_leave_no_trace(trainer):
-            found = find_max_batch_size(
-                _training_step(trainer, pl_module, optimizer, self.global_batch_size,
-                               grow_with_accumulation=self.batch.grows and self.batch.accumulates),
-                # As the loop hands a batch over: the precision's input dtype, then the device.
-                make_batch=lambda b: trainer.strategy.batch_to_device(
-                    trainer.precision_plugin.convert_input(make_batch(b))),
-                model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
-                lr_scheduler=schedulers[0].scheduler if schedulers else None,
-                # Growing, the batch passes the first one: any micro-batch up to the dataset may train.
-                max_batch_size=_smallest(self.max_batch_size or _dataset_size(loader),
-                                         None if self.batch.grows else self.global_batch_size),
-            )
+        share = self._rank_share
+        probe = functools.partial(
+            find_max_batch_size,
+            training_step_of(trainer, pl_module, optimizer, share,
+                             grow_with_accumulation=self.batch.grows and self.batch.accumulates),
+            # As the loop hands a batch over: the precision's input dtype, then the device.
+            make_batch=lambda b: trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(make_batch(b))),
+            model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
+            lr_scheduler=schedulers[0].scheduler if schedulers else None,
+            # Growing, the batch passes the first one: any micro-batch up to the dataset may train.
+            max_batch_size=_smallest(self.max_batch_size or _dataset_size(loader), None if self.batch.grows else share),
+        )
+        own = []  # this rank's answer, beside the one every rank takes
+        with trials_leave_no_trace(trainer), trials_on_this_rank_alone(trainer):
+            # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
+            found = RankGroup(pl_module.device).smallest(lambda: own.append(probe()) or own[0])
         self.optimal_batch_size = found
         accumulate = int(trainer.accumulate_grad_batches)  # the user's, where neither growth nor a global batch set it
-        configured = self.global_batch_size or previous * accumulate
-        first = self.global_batch_size or (None if self.batch.grows else found * accumulate)
-        batch = FitBatch.of(self.batch.start(found, configured, self._settings(), first=first), found)
+        configured = share or previous * accumulate
+        first = share or (None if self.batch.grows else found * accumulate)
+        batch = FitBatch.of(self.batch.start(found, configured, self._settings(), first=first, ranks=self._world_size),
+                            found)
         set_rng_state(before)
         self._set_batch(trainer, pl_module, batch)
         trainer._logger_connector.reset_results()  # what the trials' self.log() said is no epoch's
         within = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
+        if trainer.world_size > 1:
+            within += f" on every rank (this one alone: {own[0]})"
         if batch.accumulate == 1 and self.global_batch_size is None:
             logs.info(f"adaptive-batch: {self.batch_arg_name}={batch.micro_batch} (was {previous}); the largest that "
                       f"trains within {within} is {found}.")
         else:
-            what = "global_batch_size" if self.global_batch_size is not None else "the batch"
-            logs.info(f"adaptive-batch: {what}={batch.effective} trains as {batch.accumulate} x {batch.micro_batch} "
-                      f"({self.batch_arg_name}={batch.micro_batch}, was {previous}; accumulate_grad_batches="
-                      f"{batch.accumulate}); the largest that trains within {within} is {found}.")
+            what = f"the batch={batch.effective}" if share is None else f"global_batch_size={self.global_batch_size}"
+            where = f" on each of {trainer.world_size} ranks" if trainer.world_size > 1 else ""
+            logs.info(f"adaptive-batch: {what} trains as {batch.accumulate} x {batch.micro_batch}{where} "
+                      f"({self.batch_arg_name}={batch.micro_batch}, was {previous}; "
+                      f"accumulate_grad_batches={batch.accumulate}); the largest that trains within {within} is {found}.")
 
     def _set_batch(self, trainer: Trainer, pl_module: LightningModule, batch: FitBatch, *, build: bool = True) -> None:
         """Sets the loader's batch size and Lightning's accumulation, and rebuilds the loader
@@ -254,8 +269,8 @@ class AdaptiveBatchFinder(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.batch.state is not None:
-            pl_module.log("batch_size", float(self.batch.state.effective), on_step=True, on_epoch=False,
-                          batch_size=self.batch.state.effective)
+            samples = self.batch.state.effective * self._world_size  # of the optimizer step, over every rank
+            pl_module.log("batch_size", float(samples), on_step=True, on_epoch=False, batch_size=self.batch.state.effective)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.batch.detach()
@@ -267,7 +282,8 @@ class AdaptiveBatchFinder(Callback):
 
     def _settings(self) -> Dict[str, Any]:
         return dict(max_memory=self.max_memory, max_batch_size=self.max_batch_size,
-                    global_batch_size=self.global_batch_size, **growth_settings(self.batch.growth, self.batch.lr))
+                    global_batch_size=self.global_batch_size, world_size=self._world_size,
+                    **growth_settings(self.batch.growth, self.batch.lr))
 
     def _refuse_what_it_cannot_probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
         name = self.batch_arg_name
@@ -286,10 +302,12 @@ class AdaptiveBatchFinder(Callback):
                 f"batch_arg_name={name!r}: neither the LightningModule, its hparams nor the datamodule has it; "
                 f"give the module a `{name}` its train_dataloader reads, or name the attribute that holds the batch size."
             )
-        if trainer.world_size > 1:
+        strategy = trainer.strategy
+        if trainer.world_size > 1 and (not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy)):
             raise ConfigError(
-                f"AdaptiveBatchFinder on {trainer.world_size} processes is not supported yet (each rank would "
-                "need the smallest rank's answer): probe on one device, then pass the answer as the batch size."
+                f"strategy={type(strategy).__name__} on {trainer.world_size} processes: it shards the model, and the "
+                "probe's trials run each rank's whole module; use strategy='ddp', or probe on one device and pass "
+                "the answer as the batch size."
             )
         if any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
             raise ConfigError("BatchSizeFinder and AdaptiveBatchFinder both set the batch size: keep one of them.")
@@ -301,53 +319,6 @@ class AdaptiveBatchFinder(Callback):
                 "train_dataloaders passed to fit() are built already, so the batch size found cannot reach them: "
                 f"return the DataLoader from train_dataloader() (the module's or a datamodule's), built with self.{name}."
             )
-
-
-@contextmanager
-def _trials_leave_no_trace(trainer: Trainer) -> Iterator[None]:
-    """Puts back what the trials may change beyond the model, optimizer, scheduler and RNG (which
-    the probe's snapshot puts back): the precision plugin's state (a GradScaler's scale, halved by
-    an overflowing trial under manual optimization), and the loggers, swapped for a dummy one so
-    that a callback's hook run by a trial's backward writes nothing to the run's logs."""
-    precision, loggers = trainer.precision_plugin.state_dict(), trainer.loggers
-    trainer.loggers = [DummyLogger()] if loggers else []
-    try:
-        yield
-    finally:
-        trainer.loggers = loggers
-        trainer.precision_plugin.load_state_dict(precision)
-
-
-def _training_step(trainer: Trainer, module: LightningModule, optimizer: Optional[torch.optim.Optimizer],
-                   global_batch_size: Optional[int] = None, *, grow_with_accumulation: bool = False):
-    """One optimizer step as the fit loop runs it: the trainer's precision context around the
-    module's ``training_step``, its ``backward`` through the strategy, clipping, the step and
-    ``zero_grad``; two micro-batches first where the trainer accumulates (or the global batch,
-    or growth, will be accumulated). Under manual optimization the module's ``training_step`` is
-    the whole step."""
-    accumulate = int(trainer.accumulate_grad_batches)
-
-    def step(batch: Any) -> None:
-        # Through the strategy, as the fit loop calls it: the precision context, and the hook's
-        # name set so that the module's self.log() works.
-        if not module.automatic_optimization:
-            _call_strategy_hook(trainer, "training_step", batch, 0)
-            return
-        pieces = micro_batches_per_trial(BatchLayout().rows(batch), gradient_accumulation_steps=accumulate,
-                                         global_batch_size=global_batch_size,
-                                         grow_with_accumulation=grow_with_accumulation)
-        for _ in range(pieces):
-            out = _call_strategy_hook(trainer, "training_step", batch, 0)
-            loss = out["loss"] if isinstance(out, dict) else out
-            if loss is not None:  # None: the loop skips the step's backward too
-                trainer.strategy.backward(loss / pieces, optimizer)
-        if trainer.gradient_clip_val:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), float(trainer.gradient_clip_val))
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return step
 
 
 def _train_loader(trainer: Trainer) -> Any:

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 
 from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
+from adaptive_batch.run.grower import per_rank_increase
 from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions, function_name, grow_batch_size
 from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRScalingOptions
 
@@ -53,7 +54,8 @@ class EpochGrowth:
 
     Args:
         growth: ``batch_increase_function`` (called at the start of every epoch, 0-based, as
-            ``f(epoch, current_batch_size) -> increment``) and ``grow_with_accumulation``.
+            ``f(epoch, current_batch_size) -> increment``, with the batch over every rank, as the
+            recipes call it) and ``grow_with_accumulation``.
         lr: how the LR (and weight decay) follow the batch.
         accumulates: the batch may pass what fits in accumulated micro-batches without
             ``grow_with_accumulation`` (a fixed global batch, or a Trainer's accumulation).
@@ -84,6 +86,7 @@ class EpochGrowth:
         self.state: Optional[EpochGrowthState] = None
         self.scaler: Optional[BatchLRScaler] = None
         self._hooks: list = []  # the optimizer's step hooks of this run
+        self.ranks = 1  # the data-parallel ranks, each training ``state.effective`` samples a step
 
     @property
     def grows(self) -> bool:
@@ -99,11 +102,13 @@ class EpochGrowth:
         already, as a Trainer whose first effective batch is larger than the answer)."""
         self._accumulates = True
 
-    def start(self, found: int, configured: int, settings: Dict[str, Any], *, first: Optional[int] = None) -> int:
-        """The first epoch's batch: ``first`` where the adapter fixes it (a global batch, a
+    def start(self, found: int, configured: int, settings: Dict[str, Any], *, first: Optional[int] = None,
+              ranks: int = 1) -> int:
+        """One rank's first batch: ``first`` where the adapter fixes it (a global batch's share, a
         Trainer's effective batch), else ``configured`` where it grows (clamped to what fits
         unless it accumulates), else the answer. The LR reference is the batch the configured LR
-        was set for (``configured``, or ``lr_scaling_reference``)."""
+        was set for, over the ``ranks`` (``configured`` on each, or ``lr_scaling_reference``)."""
+        self.ranks = ranks
         if first is not None:
             effective = first
         elif self.grows:
@@ -113,12 +118,13 @@ class EpochGrowth:
         else:
             effective = found
         reference = self.lr.lr_scaling_reference
-        self.state = EpochGrowthState(found, effective, float(configured if reference is None else reference), -1,
-                                      settings)
+        self.state = EpochGrowthState(found, effective, float(configured * ranks if reference is None else reference),
+                                      -1, settings)
         return effective
 
-    def resume(self, state: Dict[str, Any], settings: Dict[str, Any]) -> int:
-        """The batch a checkpoint's fit trained, its settings checked against these.
+    def resume(self, state: Dict[str, Any], settings: Dict[str, Any], *, ranks: int = 1) -> int:
+        """One rank's batch of the checkpoint's fit, its settings (the ranks among them, where the
+        adapter keeps them) checked against these.
 
         Raises:
             ConfigError: naming the first setting that differs, with both values.
@@ -130,7 +136,7 @@ class EpochGrowth:
                     f"{key}={value!r}, but the checkpoint's fit ran with {key}={restored.settings.get(key)!r}: its "
                     "batch would no longer be the one it trained. Resume with the checkpoint's setting, or start a new fit."
                 )
-        self.state = restored
+        self.state, self.ranks = restored, ranks
         return restored.effective
 
     def grow_at(self, epoch: int) -> Optional[GrowthDecision]:
@@ -144,7 +150,9 @@ class EpochGrowth:
         if not self.grows or epoch <= state.decided_epoch:
             return None
         state.decided_epoch = epoch
-        decision = grow_batch_size(self.growth.batch_increase_function, epoch=epoch, current_batch_size=state.effective,
+        # The function sees and grows the batch over every rank; each rank takes its share.
+        fn = per_rank_increase(self.growth.batch_increase_function, self.ranks)
+        decision = grow_batch_size(fn, epoch=epoch, current_batch_size=state.effective,
                                    bound=None if self.accumulates else state.found)
         if decision.batch_size == state.effective:
             if decision.clamped:
@@ -188,7 +196,7 @@ class EpochGrowth:
         """The factor the LR in force holds for the current batch (1 where nothing scales)."""
         if self.scaler is None or self.state is None:
             return 1.0
-        return self.scaler.lr_rule.factors(samples=self.state.effective, tokens=0.0).lr_factor
+        return self.scaler.lr_rule.factors(samples=self.state.effective * self.ranks, tokens=0.0).lr_factor
 
     def release_lr(self) -> None:
         """The unscaled LR back (idempotent)."""
@@ -199,7 +207,7 @@ class EpochGrowth:
         """The LR in force for the current batch: the schedule's (or the configured) LR times the
         rule's factor, where monitors and the optimizer step read it."""
         if self.scaler is not None:
-            self.scaler.apply(samples=self.state.effective, tokens=0.0)
+            self.scaler.apply(samples=self.state.effective * self.ranks, tokens=0.0)
 
 
 def growth_settings(growth: GrowthOptions, lr: LRScalingOptions) -> Dict[str, Any]:

@@ -157,7 +157,26 @@ def _norm_layer_noise(rank, out_dir):
             "alone": [both.estimate.trace, both.estimate.gradient_sq, both.tokens]}
 
 
-SCENARIOS = {"lockstep_search": _lockstep_search, "retry_together": _retry_together, "norm_layer_noise": _norm_layer_noise}
+def _smallest(rank, out_dir):
+    """Each rank's own answer agreed on, then a probe that fails on rank 1 alone."""
+    ranks = RankGroup(torch.device("cpu"))
+    agreed = ranks.smallest(lambda: [12, 5][rank])
+
+    def fails_on_rank_1():
+        if rank == 1:
+            raise MemoryError("batch 1 does not fit")
+        return 9
+
+    try:
+        ranks.smallest(fails_on_rank_1)
+        error = None
+    except BaseException as e:  # what each rank raised, by type and message
+        error = [type(e).__name__, str(e)]
+    return {"agreed": agreed, "error": error}
+
+
+SCENARIOS = {"lockstep_search": _lockstep_search, "retry_together": _retry_together, "norm_layer_noise": _norm_layer_noise,
+             "smallest": _smallest}
 
 
 def _worker(rank, world_size, out_dir):
@@ -191,6 +210,21 @@ def test_lockstep_search_ends_at_the_smallest_rank_s_largest_fit(two_ranks):
     assert not any(t["oom"] for t in rank0["mine"]["trials"])
     assert [t["oom"] for t in rank1["mine"]["trials"]] == [t["batch_size"] >= 8 for t in rank1["mine"]["trials"]]
     assert any(t["oom"] for t in rank1["mine"]["trials"])
+
+
+def test_ranks_take_the_smallest_answer_and_stop_together_when_one_rank_s_probe_fails(two_ranks):
+    rank0, rank1 = run_two_ranks("smallest", two_ranks)
+    assert rank0["agreed"] == rank1["agreed"] == 5
+    # the failing rank raises its own error; the other one, not left waiting, says which rank failed
+    assert rank1["error"] == ["MemoryError", "batch 1 does not fit"]
+    assert rank0["error"][0] == "ConfigError" and "rank 1's probe failed" in rank0["error"][1]
+
+
+def test_one_process_s_smallest_answer_is_its_own_and_its_error_is_raised():
+    ranks = RankGroup(torch.device("cpu"))
+    assert ranks.smallest(lambda: 7) == 7
+    with pytest.raises(MemoryError, match="no room"):
+        ranks.smallest(lambda: (_ for _ in ()).throw(MemoryError("no room")))
 
 
 def test_an_out_of_memory_error_on_one_rank_splits_the_step_on_both(two_ranks):

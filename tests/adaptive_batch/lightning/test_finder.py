@@ -347,3 +347,114 @@ def test_a_grown_batch_with_no_divisor_near_the_answer_is_said():
     assert FitBatch.of(13, 6) == FitBatch(13, 1, 13)
     assert "13 has no divisor near it" in _small_split(FitBatch.of(13, 6), 6)
     assert _small_split(FitBatch.of(12, 6), 6) == "" and _small_split(FitBatch.of(5, 6), 6) == ""
+
+
+DDP_SCRIPT = '''
+import json, os, sys
+sys.path.insert(0, os.environ["TEST_DIR"])
+import torch
+from torch import nn
+import torch.distributed as dist
+from test_finder import Regression, pl
+from adaptive_batch.lightning import AdaptiveBatchFinder
+
+rank, out = int(os.environ["RANK"]), {}
+seen = []  # the batches the growth function was called with
+
+
+def double_after_the_first(epoch, current_batch_size):
+    seen.append(current_batch_size)
+    return 0 if epoch == 0 else current_batch_size
+
+
+class Recorded(Regression):
+    def on_train_batch_start(self, batch, batch_idx):
+        self.trained.append((len(batch[0]), self.trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+def trainer(finder, **kwargs):
+    return pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[finder], **kwargs)
+
+
+# 1. Each rank its own budget; growth of the batch over both ranks, with the LR following it.
+lines, model = [], Recorded()
+finder = AdaptiveBatchFinder(max_memory=["40MiB", "24MiB"][rank], batch_increase_function=double_after_the_first,
+                             lr_scaling="linear", log=lines.append)
+fit = trainer(finder, max_epochs=2, limit_train_batches=2)
+fit.fit(model)
+out["growth"] = dict(found=finder.optimal_batch_size, own=[line for line in lines if "this one alone" in line],
+                     trained=model.trained, seen=seen, logged=float(fit.callback_metrics["batch_size"]),
+                     params=[p.detach().sum().item() for p in model.parameters()])
+
+# 2. A global batch: each rank's share in the equal micro-batches that fit.
+lines, model = [], Regression()
+finder = AdaptiveBatchFinder(max_memory="24MiB", global_batch_size=12, max_batch_size=4, log=lines.append)
+trainer(finder, max_steps=1).fit(model)
+out["global"] = dict(trained=model.trained, line=lines[-1])
+
+
+# 3. SyncBatchNorm gathers every rank's statistics in its forward: the trials, whose number differs
+# from rank to rank, must not. It runs on GPUs alone (DDP refuses it on CPU), so what is checked
+# here is the group it would gather over: this rank alone, which torch's SyncBatchNorm does not sync.
+from types import SimpleNamespace
+from adaptive_batch.lightning.trials import trials_on_this_rank_alone
+
+norm = nn.SyncBatchNorm(4)
+strategy = SimpleNamespace(lightning_module=nn.Sequential(norm), model="the DDP wrapper")
+with trials_on_this_rank_alone(SimpleNamespace(world_size=2, strategy=strategy)):
+    inside = [strategy.model is strategy.lightning_module, dist.get_world_size(norm.process_group)]
+out["sync_norm"] = dict(inside=inside, after=[strategy.model, norm.process_group is None])
+with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+from adaptive_batch.distributed import exit_past_teardown
+exit_past_teardown(0)
+'''
+
+
+@pytest.mark.slow
+def test_under_ddp_every_rank_trains_the_smallest_ranks_answer_and_grows_the_batch_over_both(tmp_path):
+    """torchrun with 2 CPU ranks, one budget each: the trials run each rank's bare module (no
+    gradient all-reduce, SyncBatchNorm over the rank alone), every rank takes the smallest
+    answer, the growth function sees the batch over both ranks, and the ranks stay one model."""
+    import json
+    import os
+    from pathlib import Path
+    import subprocess
+
+    script, out = tmp_path / "ddp.py", tmp_path / "out"
+    script.write_text(DDP_SCRIPT)
+    out.mkdir()
+    env = dict(os.environ, TEST_DIR=str(Path(__file__).parent), OUT=str(out),
+               PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    run = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rank0, rank1 = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    grown0, grown1 = rank0["growth"], rank1["growth"]
+    own = [int(g["own"][0].split("this one alone: ")[1].split(")")[0]) for g in (grown0, grown1)]
+    assert own[0] > own[1] and grown0["found"] == grown1["found"] == own[1]  # the 24 MiB rank's
+    # 2 a rank (4 in all) at epoch 0, doubled over both ranks at epoch 1, the LR with it
+    assert grown0["seen"] == grown1["seen"] == [4, 4]
+    assert grown0["trained"] == grown1["trained"] == [[2, 1e-3]] * 2 + [[4, 2e-3]] * 2
+    assert grown0["logged"] == 8.0  # the samples of the step over both ranks
+    assert grown0["params"] == pytest.approx(grown1["params"])  # DDP kept one model
+
+    assert rank0["global"]["trained"] == rank1["global"]["trained"] == [3, 3]  # 12 = 2 ranks x 2 x 3
+    assert rank0["global"]["line"].startswith("adaptive-batch: global_batch_size=12 trains as 2 x 3 on each of 2 ranks")
+
+    # the trials run the bare module, SyncBatchNorm over a group of one; afterwards, all as it was
+    assert rank0["sync_norm"] == rank1["sync_norm"] == {"inside": [True, 1], "after": ["the DDP wrapper", True]}
+
+
+def test_a_strategy_that_shards_the_model_is_refused_on_several_processes():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    trainer = SimpleNamespace(accumulate_grad_batches=1, world_size=2, strategy=FSDPStrategy(), callbacks=[])
+    with pytest.raises(ConfigError, match="strategy=FSDPStrategy on 2 processes: it shards the model.*strategy='ddp'"):
+        AdaptiveBatchFinder()._refuse_what_it_cannot_probe(trainer, Regression())

@@ -44,6 +44,26 @@ def test_growth_is_decided_once_an_epoch_up_to_the_answer_unless_it_accumulates(
     assert [accumulating.grow_at(e).batch_size for e in range(3)] == [4, 8, 16]
 
 
+def test_on_several_ranks_the_function_and_the_lr_rule_see_the_batch_over_every_rank():
+    """As the recipes call it: 2 ranks of 3 are a batch of 6 to the function, which adds 5 (each
+    rank's share rounded down, so ranks stay equal), and to the LR rule against 2 x 3."""
+    seen = []
+
+    def add_five(epoch, current_batch_size):
+        seen.append(current_batch_size)
+        return 5
+
+    growth = _growth(fn=add_five, accumulate=True)
+    assert growth.start(8, 3, {}, ranks=2) == 3 and growth.state.reference == 6
+    assert growth.grow_at(0).batch_size == 5 and seen == [6]  # 3 + 5 // 2 a rank: 10 in all
+    model = torch.nn.Linear(2, 1)
+    growth.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), None)
+    assert growth.lr_factor() == pytest.approx(10 / 6)
+    resumed = _growth(fn=add_five, accumulate=True)
+    resumed.resume(growth.state.to_dict(), {}, ranks=2)
+    assert resumed.grow_at(1).batch_size == 7 and seen == [6, 10]
+
+
 def test_a_resume_takes_the_checkpoints_batch_and_decided_epochs_or_refuses_other_settings():
     growth = _growth()
     growth.start(6, 2, {"lr_scaling": "linear"})
