@@ -87,8 +87,7 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
     """What growth per epoch cannot be decided or counted with, refused in one line.
 
     Raises:
-        ConfigError: for ``max_steps`` (growth is decided per epoch), several processes, a
-            dataset without a length, TRL's ``padding_free`` (a row holds many samples), or a schedule that cannot be counted in samples (a
+        ConfigError: for ``max_steps`` (growth is decided per epoch), a dataset without a length, TRL's ``padding_free`` (a row holds many samples), or a schedule that cannot be counted in samples (a
             ``LambdaLR``'s can: every ``lr_scheduler_type`` but ``reduce_lr_on_plateau``).
     """
     if str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == "reduce_lr_on_plateau" or (
@@ -107,11 +106,6 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
         raise ConfigError(
             "padding_free=True with batch_increase_function: a padding-free batch is one row of many samples, so "
             "the schedule could not count the samples it trains; set padding_free=False to grow the batch."
-        )
-    if args.world_size > 1:
-        raise ConfigError(
-            f"batch_increase_function on {args.world_size} processes: growth with the Trainer runs in one process "
-            "for now; train without it, or in one process."
         )
     if isinstance(train_dataset, IterableDataset):
         raise ConfigError(

@@ -80,7 +80,8 @@ class AdaptiveBatchTrainer(Trainer):
             must then be 1).
         probe_eval: also probe ``per_device_eval_batch_size`` with forward passes alone.
         batch_increase_function: ``f(epoch, current_batch_size) -> increment`` (or its dotted
-            path), called at the start of every epoch (0-based) with the effective batch: the
+            path), called at the start of every epoch (0-based) with the effective batch over
+            every rank (each rank grows by its share, rounded down, so ranks stay equal): the
             effective batch grows, trained in micro-batches no larger than the probe's answer,
             never past the answer unless the first one already accumulates (is larger than the
             answer) or ``grow_with_accumulation``;
@@ -102,7 +103,7 @@ class AdaptiveBatchTrainer(Trainer):
             ranks, before any step;
             for ``auto_find_batch_size=True`` or DeepSpeed or FSDP, which change or shard the
             batch the probe measures, before any step; for a bad growth or LR setting, and growth
-            beside ``max_steps``, several processes or a dataset without a length.
+            beside ``max_steps`` or a dataset without a length.
     """
 
     def __init__(
@@ -272,6 +273,8 @@ class AdaptiveBatchTrainer(Trainer):
         if self.args.world_size == 1:
             settings["max_memory"] = self.max_memory
         settings.update(growth_settings(self._growth.growth, self._growth.lr))
+        if self._growth.grows:  # its position and schedule count each rank's samples
+            settings["world_size"] = self.args.world_size
         return settings
 
     def _refuse_what_changed_since(self, saved: Dict[str, Any], checkpoint: str) -> None:
@@ -400,13 +403,13 @@ class AdaptiveBatchTrainer(Trainer):
         if "growth" in state:
             if state.get("asked_effective_batch_size", 0) > state["max_micro_batch_size"]:
                 self._growth.allow_accumulation()
-            self._growth.resume(state["growth"], self._settings())
+            self._growth.resume(state["growth"], self._settings(), ranks=self.args.world_size)
             self._resumed_position = RunPosition(**state["position"]) if "position" in state else None
             return
         effective, found = state["effective_batch_size"], state["max_micro_batch_size"]
         if effective > found:  # the Trainer accumulates already: growth goes on in micro-batches
             self._growth.allow_accumulation()
-        self._growth.start(found, effective, self._settings(), first=effective)
+        self._growth.start(found, effective, self._settings(), first=effective, ranks=self.args.world_size)
 
     def _checkpoint_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the batches: the settled ones, and where growth has them
@@ -456,8 +459,10 @@ class AdaptiveBatchTrainer(Trainer):
         state.update(effective_batch_size=effective, per_device_train_batch_size=per_device,
                      gradient_accumulation_steps=accumulation)
         clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
-        logs.info(f"adaptive-batch: epoch {decision.epoch}: the effective batch {decision.previous} -> {effective}{clamp}, "
-                  f"trained as {describe_micro_batches(effective, per_device)}; LR x {self._growth.lr_factor():.4g}.")
+        ranks = self.args.world_size
+        over = f" on each of {ranks} ranks ({effective * ranks} in all)" if ranks > 1 else ""
+        logs.info(f"adaptive-batch: epoch {decision.epoch}: the effective batch {decision.previous} -> {effective}{clamp}"
+                  f"{over}, trained as {describe_micro_batches(effective, per_device)}; LR x {self._growth.lr_factor():.4g}.")
 
     def _init_training_state(self, max_steps: int, *args: Any, **kwargs: Any) -> Any:
         """``Trainer``'s state; growing, a resumed run starts where the checkpoint's position

@@ -79,12 +79,13 @@ class AdaptiveBatchFinder(Callback):
         make_batch: ``f(batch_size)`` returning the worst-case batch, collated, on the CPU;
             ``None``: the largest of the first :data:`WORST_CASE_SCAN` training samples repeated.
         max_batch_size: the largest size worth trying; ``None``: the training set's size.
-        global_batch_size: the samples of one optimizer step: trained as the fewest equal
-            micro-batches that fit (``batch_arg_name`` set to the micro-batch, the trainer's
-            ``accumulate_grad_batches`` to their count), so the step and its LR stay yours.
+        global_batch_size: the samples of one optimizer step over every rank, each rank's share
+            trained as the fewest equal micro-batches that fit (``batch_arg_name`` set to the
+            micro-batch, the trainer's ``accumulate_grad_batches`` to their count), so the step
+            and its LR stay yours.
         batch_increase_function: ``f(epoch, current_batch_size) -> increment`` (or its dotted
             path), called at the start of every epoch (0-based) with the samples of one
-            optimizer step; the fit then starts at the configured batch (or
+            optimizer step over every rank; the fit then starts at the configured batch (or
             ``global_batch_size``) and grows, never past the answer unless it accumulates.
         batch_increase_interval: ``"epoch"``, the only interval Lightning's fit loop can grow at
             (it builds an epoch's dataloader at the epoch's start); others are refused.
@@ -92,17 +93,19 @@ class AdaptiveBatchFinder(Callback):
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR in force is the schedule's (or
             the configured) LR times the rule's factor for the step's batch against
             ``lr_scaling_reference`` (default: the configured batch, ``batch_arg_name`` x
-            ``accumulate_grad_batches`` or ``global_batch_size``).
+            ``accumulate_grad_batches`` on every rank, or ``global_batch_size``).
         lr_scaling_reference: the batch, in samples, the configured LR was tuned for.
         weight_decay_scaling: ``"timescale"`` keeps AdamW's ``B / (lr x weight_decay)``.
         stop_after: stop the fit once the batch is found (the tuner function sets it).
 
     Attributes:
-        optimal_batch_size: the answer, once found (``None`` before).
+        optimal_batch_size: the answer, once found (``None`` before); under several processes,
+            the smallest rank's, which every rank trains.
 
     Raises:
         ConfigError: for a bad ``max_memory``, growth or LR setting, here; at fit start, before any
-            trial, for a batch size Lightning cannot find, several devices, several optimizers or
+            trial, for a batch size Lightning cannot find, a strategy that shards the model on
+            several processes, several optimizers or
             an ``accumulate_grad_batches`` beside ``global_batch_size`` or growth, several
             training dataloaders, an iterable dataset without ``make_batch``, or
             ``BatchSizeFinder`` beside it; for a resumed fit whose settings differ from the

@@ -44,8 +44,8 @@ def _trainer(tmp_path, per_device=16, accumulation=1, seed=0, training=None, **k
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     args = TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
-        max_steps=2, save_steps=1, learning_rate=1e-3, report_to=[], use_cpu=True, seed=seed, data_seed=seed,
-        logging_steps=1, disable_tqdm=True, **(training or {}),
+        learning_rate=1e-3, report_to=[], use_cpu=True, seed=seed, data_seed=seed, logging_steps=1, disable_tqdm=True,
+        **{"max_steps": 2, "save_steps": 1, **(training or {})},
     )
     lines = []
     trainer = AdaptiveBatchTrainer(
@@ -393,15 +393,26 @@ sys.path.insert(0, os.environ["TEST_DIR"])
 import torch.distributed as dist
 from test_trainer import _trainer
 
-rank = int(os.environ["RANK"])
-trainer = _trainer(os.environ["OUT"], max_memory=["40MiB", "20MiB"][rank], probe_eval=False)
-trainer.args.max_steps = 1
+rank, seen = int(os.environ["RANK"]), []
+
+
+def double_after_the_first(epoch, current_batch_size):
+    seen.append(current_batch_size)
+    return 0 if epoch == 0 else current_batch_size
+
+
+# 64 samples, 32 a rank: 2 steps of 16 a rank at epoch 0, 1 of 32 at epoch 1
+trainer = _trainer(os.environ["OUT"], max_memory=["40MiB", "20MiB"][rank], probe_eval=False,
+                   batch_increase_function=double_after_the_first, lr_scaling="linear",
+                   training={"max_steps": -1, "num_train_epochs": 2, "save_strategy": "no", "lr_scheduler_type": "constant"})
 trainer.train()
 fits = [int(line.split("batch_size=")[1].split()[0]) for line in trainer.lines if line.startswith("probe trial") and " fits" in line]
+steps = [[h["batch_size"], h["learning_rate"]] for h in trainer.state.log_history if "loss" in h]
+params = [p.detach().sum().item() for p in trainer.model.parameters()][:4]
 # one file per rank: two ranks printing to one pipe can interleave their lines
 os.makedirs(os.environ["OUT"], exist_ok=True)
 with open(os.path.join(os.environ["OUT"], f"result{rank}.json"), "w") as f:
-    json.dump([str(rank), str(dist.get_world_size()), max(fits), trainer.adaptive_batch], f)
+    json.dump([str(rank), str(dist.get_world_size()), max(fits), trainer.adaptive_batch, seen, steps, params], f)
 # gloo's worker threads can abort a finished rank in the interpreter's teardown (SIGABRT,
 # "terminate called without an active exception"): end as docs/library.md tells users to
 dist.destroy_process_group()
@@ -412,7 +423,9 @@ exit_past_teardown(0)
 
 @pytest.mark.slow
 def test_two_ranks_on_gloo_take_the_smaller_ranks_batch(tmp_path):
-    """torchrun with 2 CPU processes, one budget each: both train the batch that fits the smaller."""
+    """torchrun with 2 CPU processes, one budget each: both train the batch that fits the smaller,
+    and grow it together: the function sees the batch over both ranks, the LR follows it, and the
+    ranks stay one model."""
     import subprocess
     import sys
 
@@ -425,12 +438,14 @@ def test_two_ranks_on_gloo_take_the_smaller_ranks_batch(tmp_path):
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads((tmp_path / "out" / f"result{rank}.json").read_text()) for rank in (0, 1)]
-    assert [(rank, world) for rank, world, _, _ in results] == [("0", "2"), ("1", "2")]
-    (own0, first), (own1, second) = [(fit, state) for _, _, fit, state in results]
-    assert first == second  # the same micro-batches on both ranks
+    assert [result[:2] for result in results] == [["0", "2"], ["1", "2"]]
+    (own0, first, seen, steps, params), (own1, second, *other) = [result[2:] for result in results]
+    assert first == second and other == [seen, steps, pytest.approx(params)]  # the same batches, one model
     # the 40 MiB rank fitted more on its own; both train what the 20 MiB rank's probe answered
     assert own0 > first["max_micro_batch_size"] and first["max_micro_batch_size"] <= own1
-    assert first["per_device_train_batch_size"] * first["gradient_accumulation_steps"] == 16
+    # 16 a rank (32 in all) at epoch 0, doubled over both ranks at epoch 1, the LR with it
+    assert seen == [32, 32] and steps == [[32, 1e-3], [32, 1e-3], [64, 2e-3]]
+    assert first["per_device_train_batch_size"] * first["gradient_accumulation_steps"] == 32
 
 
 LIMIT_SCRIPT = '''
