@@ -2,6 +2,7 @@
 up to what fits, the LR in force logged, the schedule counted in samples, and a resumed run that
 trains what the uninterrupted one trains."""
 
+import json
 import shutil
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from adaptive_batch import ConfigError
 from adaptive_batch.hf import AdaptiveBatchTrainer
+from adaptive_batch.hf.trainer import STATE_FILE
 from tests.adaptive_batch.hf.test_trainer import ByteCollator, _samples
 
 SAMPLES, EPOCHS, FIRST = 32, 3, 4
@@ -91,6 +93,18 @@ def test_a_resume_with_another_growth_setting_is_refused(whole, tmp_path):
     changed._growth.lr = type(changed._growth.lr)(lr_scaling="sqrt")
     with pytest.raises(ConfigError, match=r"it trained lr_scaling='linear', this Trainer asks for 'sqrt'"):
         changed.train(resume_from_checkpoint=f"{whole.args.output_dir}/checkpoint-10")
+
+
+def test_a_resume_on_another_number_of_ranks_is_refused(whole, tmp_path):
+    """The position and the schedule count each rank's samples: a checkpoint of 2 ranks resumed by
+    one would land elsewhere in its data and schedule."""
+    checkpoint = tmp_path / "checkpoint-10"
+    shutil.copytree(f"{whole.args.output_dir}/checkpoint-10", checkpoint)
+    state = json.loads((checkpoint / STATE_FILE).read_text())
+    assert state["world_size"] == 1
+    (checkpoint / STATE_FILE).write_text(json.dumps({**state, "world_size": 2}))
+    with pytest.raises(ConfigError, match=r"it trained world_size=2, this Trainer asks for 1"):
+        _trainer(tmp_path / "out", training={}).train(resume_from_checkpoint=str(checkpoint))
 
 
 def test_what_growth_cannot_follow_is_one_line_before_any_step(tmp_path):

@@ -458,3 +458,19 @@ def test_a_strategy_that_shards_the_model_is_refused_on_several_processes():
     trainer = SimpleNamespace(accumulate_grad_batches=1, world_size=2, strategy=FSDPStrategy(), callbacks=[])
     with pytest.raises(ConfigError, match="strategy=FSDPStrategy on 2 processes: it shards the model.*strategy='ddp'"):
         AdaptiveBatchFinder()._refuse_what_it_cannot_probe(trainer, Regression())
+
+
+def test_a_checkpoint_of_another_number_of_devices_is_refused_and_one_from_before_ranks_were_kept_resumes():
+    finder = _growing()
+    _growth_trainer(finder, epochs=1, enable_checkpointing=False).fit(Regression())
+    state = finder.state_dict()
+    assert state["settings"]["world_size"] == 1
+    two = _growing()
+    two.load_state_dict({**state, "settings": {**state["settings"], "world_size": 2}})
+    with pytest.raises(ConfigError, match=r"world_size=1, but the checkpoint's fit ran with world_size=2"):
+        _growth_trainer(two, epochs=2, enable_checkpointing=False).fit(Regression())
+    lines = []
+    before = _growing(log=lines.append)  # a checkpoint written when every fit ran on one device
+    before.load_state_dict({**state, "settings": {k: v for k, v in state["settings"].items() if k != "world_size"}})
+    _growth_trainer(before, epochs=2, enable_checkpointing=False).fit(Regression())
+    assert any(line.startswith("adaptive-batch: resumed at the checkpoint's batch") for line in lines)
