@@ -31,7 +31,7 @@ import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.rng import rng_state, set_rng_state
-from adaptive_batch.lightning.trials import training_step_of, trials_leave_no_trace, trials_on_this_rank_alone
+from adaptive_batch.lightning.fit_trials import training_step_of, trials_leave_no_trace, trials_on_this_rank_alone
 from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, equal_micro_batches
 from adaptive_batch.schedule.growth import GrowthOptions, function_name

@@ -398,7 +398,7 @@ out["global"] = dict(trained=model.trained, line=lines[-1])
 # from rank to rank, must not. It runs on GPUs alone (DDP refuses it on CPU), so what is checked
 # here is the group it would gather over: this rank alone, which torch's SyncBatchNorm does not sync.
 from types import SimpleNamespace
-from adaptive_batch.lightning.trials import trials_on_this_rank_alone
+from adaptive_batch.lightning.fit_trials import trials_on_this_rank_alone
 
 norm = nn.SyncBatchNorm(4)
 strategy = SimpleNamespace(lightning_module=nn.Sequential(norm), model="the DDP wrapper")
