@@ -87,8 +87,10 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
     """What growth per epoch cannot be decided or counted with, refused in one line.
 
     Raises:
-        ConfigError: for ``max_steps`` (growth is decided per epoch), a dataset without a length, TRL's ``padding_free`` (a row holds many samples), or a schedule that cannot be counted in samples (a
-            ``LambdaLR``'s can: every ``lr_scheduler_type`` but ``reduce_lr_on_plateau``).
+        ConfigError: for ``max_steps`` (growth is decided per epoch), a dataset without a
+            length, TRL's ``padding_free`` (a row holds many samples), or a schedule that cannot
+            be counted in samples (a ``LambdaLR``'s can: every ``lr_scheduler_type`` but
+            ``reduce_lr_on_plateau``).
     """
     if str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == "reduce_lr_on_plateau" or (
             lr_scheduler is not None and not isinstance(lr_scheduler, (LambdaLR, SampleCountedSchedule))):

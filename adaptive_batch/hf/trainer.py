@@ -461,8 +461,9 @@ class AdaptiveBatchTrainer(Trainer):
         clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
         ranks = self.args.world_size
         over = f" on each of {ranks} ranks ({effective * ranks} in all)" if ranks > 1 else ""
-        logs.info(f"adaptive-batch: epoch {decision.epoch}: the effective batch {decision.previous} -> {effective}{clamp}"
-                  f"{over}, trained as {describe_micro_batches(effective, per_device)}; LR x {self._growth.lr_factor():.4g}.")
+        logs.info(f"adaptive-batch: epoch {decision.epoch}: the effective batch {decision.previous} -> {effective}"
+                  f"{clamp}{over}, trained as {describe_micro_batches(effective, per_device)}; "
+                  f"LR x {self._growth.lr_factor():.4g}.")
 
     def _init_training_state(self, max_steps: int, *args: Any, **kwargs: Any) -> Any:
         """``Trainer``'s state; growing, a resumed run starts where the checkpoint's position

@@ -27,11 +27,11 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.lightning.fit_trials import training_step_of, trials_leave_no_trace, trials_on_this_rank_alone
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.rng import rng_state, set_rng_state
-from adaptive_batch.lightning.fit_trials import training_step_of, trials_leave_no_trace, trials_on_this_rank_alone
 from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, equal_micro_batches
 from adaptive_batch.schedule.growth import GrowthOptions, function_name
@@ -164,7 +164,8 @@ class AdaptiveBatchFinder(Callback):
             self.batch.detach()  # hooks of a fit that ended in an error stay out of this one's trials
             previous = lightning_getattr(pl_module, self.batch_arg_name)
             if self._checkpoint_state is not None:
-                batch = FitBatch.of(self.batch.resume(self._checkpoint_state, self._settings(), ranks=self._world_size), self.batch.state.found)
+                effective = self.batch.resume(self._checkpoint_state, self._settings(), ranks=self._world_size)
+                batch = FitBatch.of(effective, self.batch.state.found)
                 self._checkpoint_state = None  # a later fit of this callback without a checkpoint probes
                 self.optimal_batch_size = self.batch.state.found
                 # Set only: the loop builds the loader after restoring its state, and loads the
@@ -204,10 +205,15 @@ class AdaptiveBatchFinder(Callback):
             # Growing, the batch passes the first one: any micro-batch up to the dataset may train.
             max_batch_size=_smallest(self.max_batch_size or _dataset_size(loader), None if self.batch.grows else share),
         )
-        own = []  # this rank's answer, beside the one every rank takes
+        own: Dict[str, int] = {}  # this rank's answer, beside the one every rank takes
+
+        def probe_this_rank() -> int:
+            own["found"] = probe()
+            return own["found"]
+
         with trials_leave_no_trace(trainer), trials_on_this_rank_alone(trainer):
             # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
-            found = RankGroup(pl_module.device).smallest(lambda: own.append(probe()) or own[0])
+            found = RankGroup(pl_module.device).smallest(probe_this_rank)
         self.optimal_batch_size = found
         accumulate = int(trainer.accumulate_grad_batches)  # the user's, where neither growth nor a global batch set it
         configured = share or previous * accumulate
@@ -219,7 +225,7 @@ class AdaptiveBatchFinder(Callback):
         trainer._logger_connector.reset_results()  # what the trials' self.log() said is no epoch's
         within = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
         if trainer.world_size > 1:
-            within += f" on every rank (this one alone: {own[0]})"
+            within += f" on every rank (this one alone: {own['found']})"
         if batch.accumulate == 1 and self.global_batch_size is None:
             logs.info(f"adaptive-batch: {self.batch_arg_name}={batch.micro_batch} (was {previous}); the largest that "
                       f"trains within {within} is {found}.")
