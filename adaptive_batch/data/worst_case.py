@@ -1,9 +1,11 @@
 """The worst-case batch of a dataset, built from its own samples through its own collate
 function: the largest sample repeated, and, where samples differ in size, one of each batch
-smaller, so the collate function pads the batch as it pads the real ones."""
+smaller, so the collate function pads the batch as it pads the real ones. Where the longest
+sample of one field is not that of another (a seq2seq sample's input and its target), each
+field's longest sample is in the batch, so the collator pads every field to its longest."""
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -20,35 +22,51 @@ class RepeatedSample:
     sample: Any
     collate: Callable[[List[Any]], Any]
     shorter: Optional[Any] = None
+    longest_of_other_fields: Tuple[Any, ...] = ()
 
     def __call__(self, batch_size: int) -> Any:
         samples = [self.sample] * batch_size
-        if self.shorter is not None and batch_size > 1:
+        others = list(self.longest_of_other_fields[: batch_size - 1])
+        samples[1 : 1 + len(others)] = others
+        if self.shorter is not None and batch_size > 1 and not others:
             samples[-1] = self.shorter
         return self.collate(samples)
 
     @classmethod
-    def longest(cls, dataset: Any, collate: Callable) -> "RepeatedSample":
-        """The dataset's longest sample (by ``input_ids``): no batch the collator pads is longer.
-        Where samples differ in length, one of each batch is one token shorter, so the batch is
-        padded: a padded batch takes an attention mask, and with it attention's masked path (a
-        Llama's training at 16 x 512 tokens peaked 40 MiB higher padded than not, and the answer of
-        unpadded trials ran out of memory in training).
+    def longest(cls, dataset: Any, collate: Callable, *, scan_without_input_ids: int = 256) -> "RepeatedSample":
+        """The dataset's longest sample, by the sizes of its sequence and tensor fields (strings and
+        numbers aside): no batch the collator pads is longer. Where another field's longest sample is
+        another one (a seq2seq target longer than its input), it joins each batch, so every field is
+        padded to its longest. Where samples differ in length and one sample is longest in every
+        field, one of each batch is one token shorter, so the batch is padded: a padded batch takes
+        an attention mask, and with it attention's masked path (a Llama's training at 16 x 512
+        tokens peaked 40 MiB higher padded than not, and the answer of unpadded trials ran out of
+        memory in training). Samples without ``input_ids`` (images, audio) are sized over the first
+        ``scan_without_input_ids`` of them, as decoding every one could take minutes.
 
         Raises:
-            ConfigError: when the samples have no ``input_ids`` to measure (pass ``make_batch``).
+            ConfigError: when the samples are not mappings of fields, have no sequence or tensor
+                field to measure, or are all empty (pass ``make_batch``).
         """
-        try:
-            lengths = [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
-        except (KeyError, TypeError, IndexError) as e:
+        _refuse_empty(dataset)
+        first = _field_sizes(dataset[0])
+        count = len(dataset) if "input_ids" in first else min(len(dataset), scan_without_input_ids)
+        sizes = [first] + [_field_sizes(dataset[i]) for i in range(1, count)]
+        totals = [sum(size.values()) for size in sizes]
+        if max(totals) == 0:
             raise ConfigError(
-                f"the worst-case batch is built from the longest sample's input_ids, and the samples have none ({e!r}): "
-                "pass make_batch=f(b) -> a batch of b of your longest samples."
-            ) from None
-        _refuse_empty(lengths)
-        longest = max(range(len(lengths)), key=lengths.__getitem__)
+                f"the training samples have no tokens or values (fields {sorted(first)} are empty): there is nothing "
+                "to train; drop the empty samples, or pass make_batch=f(b) -> a batch of b of your longest samples."
+            )
+        longest = max(range(count), key=totals.__getitem__)
+        fields = {field for size in sizes for field in size}
+        others = {max(range(count), key=lambda i: (sizes[i].get(field, 0), totals[i])) for field in fields} - {longest}
+        others = sorted(others, key=lambda i: -totals[i])
         sample = dataset[longest]
-        return cls(sample, collate, None if min(lengths) == lengths[longest] else _one_token_shorter(sample))
+        shorter = None
+        if not others and min(totals) < totals[longest] and "input_ids" in sample:
+            shorter = _one_token_shorter(sample)
+        return cls(sample, collate, shorter, tuple(dataset[i] for i in others))
 
     @classmethod
     def largest(cls, dataset: Any, collate: Callable[[List[Any]], Any], *, scan: int) -> "RepeatedSample":
@@ -70,8 +88,42 @@ class RepeatedSample:
         return cls(dataset[largest], collate, shorter)
 
 
-def _refuse_empty(sizes: Any) -> None:
+def _field_sizes(sample: Any) -> Dict[str, int]:
+    """The elements of each sequence or tensor field of ``sample`` (a list of lists counted in
+    all); strings, numbers and ``None`` are not sized.
+
+    Raises:
+        ConfigError: for a sample that is not a mapping of fields, or has none to size.
+    """
+    if not isinstance(sample, Mapping):
+        raise ConfigError(
+            f"the worst-case batch is built from the longest sample's fields, and the samples are "
+            f"{type(sample).__name__}s, not mappings of fields: pass make_batch=f(b) -> a batch of b of your longest samples."
+        )
+    sizes = {key: _elements(value) for key, value in sample.items() if not isinstance(value, (str, bytes))}
+    sizes = {key: size for key, size in sizes.items() if size is not None}
     if not sizes:
+        raise ConfigError(
+            f"the worst-case batch is built from the longest sample's fields, and the samples' fields {sorted(sample)} "
+            "hold no sequence or tensor: pass make_batch=f(b) -> a batch of b of your longest samples."
+        )
+    return sizes
+
+
+def _elements(value: Any) -> Optional[int]:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if hasattr(value, "shape") and hasattr(value, "size") and isinstance(value.size, int):  # a NumPy array
+        return value.size
+    if isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], (list, tuple)) or value and hasattr(value[0], "shape"):
+            return sum(_elements(item) or 0 for item in value)
+        return len(value)
+    return None
+
+
+def _refuse_empty(sizes: Any) -> None:
+    if not len(sizes):
         raise ConfigError("the training dataset is empty: there is no sample to build the worst-case batch from; "
                           "give the trainer samples, or pass make_batch=f(b) -> a batch of b of your longest samples.")
 

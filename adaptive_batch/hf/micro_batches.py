@@ -6,15 +6,19 @@ divisor of 64 that fits). In one process the Trainer's own batches of the effect
 sampler, shuffling and ``group_by_length`` kept) are split instead into the fewest micro-batches
 that fit, sizes differing by one (4 x 7 + 6 x 6), and the loss of each is weighted by its rows
 where the Trainer does not weight it by its tokens (``num_items_in_batch``). Several processes
-keep equal micro-batches: Accelerate shards the batches among ranks by count.
+keep equal micro-batches: Accelerate shards the batches among ranks by count. A loss that ignores
+``num_items_in_batch`` though the Trainer takes it as read (:func:`loss_reads_item_count`) is
+averaged over the micro-batches, not summed.
 """
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from adaptive_batch.data.samplers import MicroBatchSampler
+from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.schedule.global_batch import equal_micro_batches, micro_batch_sizes, split_global_batch
 
 
@@ -80,3 +84,28 @@ def rows_weight(rows: int, update_rows: int, micro_batches: int) -> float:
     """What a micro-batch's mean loss is multiplied by so that, divided by the micro-batches
     of its step as the Trainer divides it, every sample of the step weighs the same."""
     return rows * micro_batches / update_rows
+
+
+def loss_reads_item_count(model: Any, inputs: Dict[str, Any]) -> bool:
+    """Whether ``model``'s loss on ``inputs`` is divided by the ``num_items_in_batch`` it is
+    given (a causal LM's is: the Trainer passes the step's token count, so micro-batch losses add
+    up to the step's mean), or ignores it (a classification head's mean, although its forward
+    takes ``**kwargs``, from which the Trainer infers it reads it). Two forward passes without
+    gradients, in eval mode, the RNG put back; ``True`` where it cannot tell (no labels, no loss,
+    a forward that refuses the count), which leaves the Trainer's own choice.
+    """
+    if "labels" not in inputs:
+        return True
+    training, state = model.training, rng_state()
+    model.eval()
+    try:
+        with torch.no_grad():
+            losses = [getattr(model(**inputs, num_items_in_batch=torch.tensor(n)), "loss", None) for n in (1, 2)]
+    except Exception:  # noqa: BLE001 - a forward that takes no count: the Trainer's choice stands
+        return True
+    finally:
+        model.train(training)
+        set_rng_state(state)
+    if any(not isinstance(loss, torch.Tensor) for loss in losses):
+        return True
+    return not torch.allclose(losses[0], losses[1])

@@ -22,13 +22,14 @@ import copy
 import functools
 import json
 import os
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import warnings
 
 from torch import nn
 
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.utils import is_datasets_available
 
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.worst_case import RepeatedSample
@@ -39,6 +40,7 @@ import adaptive_batch.logs as logs
 from adaptive_batch.hf.micro_batches import (
     describe_micro_batches,
     effective_batch_args,
+    loss_reads_item_count,
     rows_weight,
     split_effective_batch,
     split_into_micro_batches,
@@ -228,12 +230,12 @@ class AdaptiveBatchTrainer(Trainer):
         args = self.args
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
         # The worst-case batch first: samples it cannot be made from are refused before any trial.
-        make_batch = self._make_batch or RepeatedSample.longest(self.train_dataset, self.data_collator)
+        make_batch = self._make_batch or _collating(RepeatedSample.longest(*self._as_the_loader_takes(self.train_dataset)))
         state: Dict[str, int] = {}
         # Evaluation first: the training answer's check is then the last thing run on the heap
         # training gets, and no evaluation trial that runs out of memory comes after it.
         if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
-            eval_batch = RepeatedSample.longest(self.eval_dataset, self.data_collator)
+            eval_batch = _collating(RepeatedSample.longest(*self._as_the_loader_takes(self.eval_dataset, "evaluation")))
             with self._forward_as_trained:
                 state["per_device_eval_batch_size"] = self._ranks.smallest(lambda: find_max_batch_size(
                     self._eval_step, make_batch=eval_batch, model=self.model, optimizer=None,
@@ -265,6 +267,37 @@ class AdaptiveBatchTrainer(Trainer):
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
                      **self._settings())
         return state
+
+    def _average_a_loss_that_ignores_the_item_count(self) -> None:
+        """A step in several micro-batches is the whole batch's step only where each micro-batch's
+        loss is its share of the step's: the Trainer, which infers from the forward's ``**kwargs``
+        that the model divides its loss by the step's ``num_items_in_batch``, adds the losses up
+        undivided. A loss that ignores the count (BERT's classification head) then made a step of
+        4 micro-batches take 4 times the gradient of the batch, its LR in effect following the
+        memory budget. Such a loss is divided by the micro-batches instead, as the Trainer divides
+        a loss it knows to be a mean; said in one line."""
+        if (getattr(self, "loss_is_scaled_for_ga", None) is not None or self.compute_loss_func is not None
+                or not self.model_accepts_loss_kwargs):
+            return  # the Trainer divides it already, or a subclass decided
+        dataset, collate = self._as_the_loader_takes(self.train_dataset)
+        if len(dataset) == 0:
+            return
+        with self._forward_as_trained:  # in the precision training runs
+            if loss_reads_item_count(self.model, self._prepare_inputs(collate([dataset[0]]))):
+                return
+        self.loss_is_scaled_for_ga = False
+        logs.info(f"adaptive-batch: {type(self.model).__name__}'s loss ignores num_items_in_batch, so each micro-batch's "
+                  "loss is divided by the step's micro-batches (the Trainer would add them up undivided).")
+
+    def _as_the_loader_takes(self, dataset: Any, description: str = "training") -> Tuple[Any, Callable]:
+        """``dataset`` and the collator as ``Trainer``'s loaders take them: the columns the model's
+        forward does not take removed (a ``datasets.Dataset``'s text columns would not collate)."""
+        if is_datasets_available():
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                return self._remove_unused_columns(dataset, description=description), self.data_collator
+        return dataset, self._get_collator_with_removed_columns(self.data_collator, description=description)
 
     def _settings(self) -> Dict[str, Any]:
         """What decided the batches besides the device: kept in the checkpoint, compared on resume
@@ -385,6 +418,8 @@ class AdaptiveBatchTrainer(Trainer):
             args.per_device_eval_batch_size = state["per_device_eval_batch_size"]
         self.adaptive_batch = {k: v for k, v in state.items() if k not in ("growth", "position")}
         self._start_growth(state)
+        if state["gradient_accumulation_steps"] > 1 or self._growth.grows:
+            self._average_a_loss_that_ignores_the_item_count()
         budget = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
         logs.info(
             f"adaptive-batch ({source}): the effective batch of {state['effective_batch_size']} trains as "
@@ -570,6 +605,24 @@ def _logged_metrics_kept(trainer: Trainer) -> Iterator[None]:
         yield
     finally:
         vars(trainer).update(kept)
+
+
+def _collating(worst_case: RepeatedSample) -> RepeatedSample:
+    """``worst_case``, once it has collated a batch of one.
+
+    Raises:
+        ConfigError: where the collator fails on the longest sample (training's batches would fail
+            the same way), before any trial.
+    """
+    try:
+        worst_case(1)
+    except Exception as e:  # noqa: BLE001 - whatever the user's collator raises
+        raise ConfigError(
+            f"the data collator could not collate the longest training sample ({type(e).__name__}: {e}): training's "
+            "batches would fail the same way; give the samples the fields the collator reads, or pass "
+            "make_batch=f(b) -> a batch of b of your longest samples."
+        ) from e
+    return worst_case
 
 
 def _why_trials_stay_here(error: RuntimeError) -> str:

@@ -379,12 +379,44 @@ def test_a_bad_budget_is_one_line_before_the_model_is_touched(tmp_path):
         _trainer(tmp_path, max_memory="lots")
 
 
-def test_samples_without_input_ids_ask_for_make_batch_before_any_trial(tmp_path):
+def test_samples_the_worst_case_cannot_be_made_from_are_one_line_before_any_trial(tmp_path):
     trainer = _trainer(tmp_path, max_memory="20MiB")
+    # fields the collator does not read: training's batches would fail the same way
     trainer.train_dataset = [{"tokens": s["input_ids"]} for s in _samples(8)]
-    with pytest.raises(ConfigError, match="the samples have none .* pass make_batch=f"):
+    with pytest.raises(ConfigError, match=r"the data collator could not collate the longest training sample "
+                                          r"\(KeyError: 'input_ids'\).* pass make_batch=f"):
+        trainer.train()
+    trainer.train_dataset = [{"text": "no tokens"}] * 8  # nothing to size
+    with pytest.raises(ConfigError, match=r"fields \['text'\] hold no sequence or tensor: pass make_batch=f"):
+        trainer.train()
+    trainer.train_dataset = [{"input_ids": [], "labels": []}] * 8
+    with pytest.raises(ConfigError, match=r"the training samples have no tokens or values .* drop the empty samples"):
         trainer.train()
     assert not any(line.startswith("probe trial") for line in trainer.lines)
+
+
+def test_the_worst_case_pads_every_field_to_its_longest_and_skips_columns_the_model_does_not_take(tmp_path):
+    """A seq2seq sample's longest input is not its longest target: both are in the worst case, so
+    the collator pads each field to its longest (by input_ids alone, the probe answered 64 and
+    training ran out of memory at once). The Trainer drops the columns the model's forward does not
+    take before collating; so does the worst case (a text column once crashed the probe)."""
+    from adaptive_batch.data.worst_case import RepeatedSample
+
+    trainer = _trainer(tmp_path)
+    long_input = {"input_ids": list(range(1, 60)), "labels": [1, 2], "text": "a long question"}
+    long_target = {"input_ids": [1, 2, 3], "labels": list(range(1, 50)), "text": "a short one"}
+    dataset, collate = trainer._as_the_loader_takes([long_input, long_target] * 4)
+
+    class PadBoth:  # pads inputs and labels each to its own longest
+        def __call__(self, samples):
+            assert all("text" not in s for s in samples)
+            width = {key: max(len(s[key]) for s in samples) for key in ("input_ids", "labels")}
+            return {key: torch.tensor([s[key] + [0] * (width[key] - len(s[key])) for s in samples]) for key in width}
+
+    collate.data_collator = PadBoth()
+    batch = RepeatedSample.longest(dataset, collate)(3)
+    assert batch["input_ids"].shape == (3, 59) and batch["labels"].shape == (3, 49)
+    assert RepeatedSample.longest(dataset, collate)(1)["input_ids"].shape == (1, 59)  # the larger of the two
 
 
 RANKS_SCRIPT = '''
@@ -585,3 +617,39 @@ def test_group_by_length_groups_the_effective_batch_it_trains(tmp_path):
     batches = getattr(loader, "base_dataloader", loader).batch_sampler.batch_sampler
     assert type(batches.sampler).__name__ == "LengthGroupedSampler" and batches.sampler.batch_size == 16  # the user's batch
     assert [len(b) for b in list(getattr(loader, "base_dataloader", loader).batch_sampler)[:3]] == [6, 5, 5]
+
+
+def _classifier_run(tmp_path, trainer_class, **kwargs):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
+    generator = torch.Generator().manual_seed(1)
+    samples = [{"input_ids": ids.tolist(), "labels": int(label)}
+               for ids, label in zip(torch.randint(1, 128, (8, 12), generator=generator),
+                                     torch.randint(0, 3, (8,), generator=generator))]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=1, optim="sgd",
+                             learning_rate=0.5, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
+                             logging_steps=1)
+    trainer = trainer_class(model=BertForSequenceClassification(config), args=args, train_dataset=samples, **kwargs)
+    trainer.train()
+    return trainer
+
+
+def test_a_loss_that_ignores_the_item_count_is_averaged_over_the_micro_batches(tmp_path):
+    """BERT's classification loss is a mean that ignores num_items_in_batch, though its forward
+    takes **kwargs: split into 3 + 3 + 2, the Trainer added the three means up, a step of about
+    twice the batch's gradient and loss. Averaged, the step is the whole batch's."""
+    from transformers import Trainer
+
+    whole = _classifier_run(tmp_path / "whole", Trainer)
+    lines = []
+    split = _classifier_run(tmp_path / "split", AdaptiveBatchTrainer, max_batch_size=3, probe_eval=False,
+                            log=lines.append)
+    assert split.adaptive_batch["gradient_accumulation_steps"] == 3
+    assert any("BertForSequenceClassification's loss ignores num_items_in_batch" in line for line in lines)
+    for a, b in zip(split.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    losses = [h["loss"] for t in (split, whole) for h in t.state.log_history if "loss" in h]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
