@@ -87,8 +87,8 @@ def parse_memory(
     fraction, num_bytes = _amount(value, key, fix)
     if num_bytes is not None and num_bytes < MIN_MEMORY_BYTES:
         raise ValueError(
-            f"{key}={value!r} is {int(num_bytes)} bytes, too small for any training step: set {key} "
-            f"with a unit (e.g. '{value}GiB'), or to a fraction such as 0.8 for a share of the device."
+            f"{key}={value!r} is {int(num_bytes)} bytes, too small for any training step: set {key} to "
+            f"{_with_a_unit(value)}, or to a fraction such as 0.8 for a share of the device."
         )
 
     if fraction is not None:
@@ -106,6 +106,14 @@ def parse_memory(
             f"({format_bytes(capacity_bytes)}): lower {key}, or set it to null to use the whole device."
         )
     return result
+
+
+def _with_a_unit(value: MemorySpec) -> str:
+    """The size a value under 1 MiB most likely meant: its number in GiB where it has no unit."""
+    size = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if isinstance(value, (int, float)) or (size and size.group(2) == ""):
+        return f"a size with a unit (e.g. '{size.group(1) if size else value}GiB')"
+    return "a size of at least 1MiB (e.g. '6GiB')"
 
 
 def memory_fraction(value: MemorySpec) -> Optional[float]:
@@ -158,6 +166,8 @@ def _string_amount(value: str, key: str, fix: str) -> _Amount:
         if not 0 < fraction <= 1:
             raise ValueError(f"{key}={value!r} must be a percentage in (0, 100]: {fix}.")
         return fraction, None
+    if value.strip().startswith("-") and _SIZE_RE.match(value.strip()[1:]):
+        raise ValueError(f"{key}={value!r} must be greater than zero: {fix}.")
     if not size or size.group(2).lower() not in _UNITS:
         raise ValueError(f"{key}={value!r} cannot be parsed as a memory size: {fix}.")
     number, unit = float(size.group(1)), size.group(2)

@@ -130,8 +130,8 @@ def find_max_batch_size(
                 prepare_allocator(target.device, probing=True)
             if not in_children and build is None:
                 logs.info(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
-                          "leaves worse than a fresh one's: under an address-space limit (RLIMIT_AS), pass build=f() -> "
-                          "ProbeTarget to run them in fresh processes.")
+                          "leaves worse than a fresh one's (find_max_batch_size(build=f) with f() -> ProbeTarget runs "
+                          "them in fresh processes).")
         # The recipes' probe without their cache, ranks and report: each rank answers for itself.
         report = search_and_check(
             options, target, budget, capacity, TrialLimits.read(budget, capacity, target), rank_budgets=[budget.budget_bytes],

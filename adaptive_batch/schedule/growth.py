@@ -68,6 +68,10 @@ def accepts_statistics(fn: Callable) -> bool:
     )
 
 
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
+
+
 def _import_dotted(path: str) -> object:
     """Imports ``pkg.module.attr``, telling a missing module from a missing attribute."""
     parts = path.split(".")
@@ -125,7 +129,7 @@ def resolve_batch_increase_function(spec: Union[str, Callable]) -> BatchIncrease
         name = getattr(spec, "__qualname__", repr(spec))
     if not callable(fn):
         raise ConfigError(
-            f"{KEY}={name!r} is a {type(fn).__name__}, not a function: point it at a function "
+            f"{KEY}={name!r} is {_a(type(fn).__name__)}, not a function: point it at a function "
             "f(epoch, current_batch_size) -> increment."
         )
     try:

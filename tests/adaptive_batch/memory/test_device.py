@@ -69,6 +69,21 @@ def test_parse_memory_rejects_with_key_value_and_fix(spec, message):
     assert "set it to null" in text or "set max_memory" in text
 
 
+@pytest.mark.parametrize(
+    "spec, fix",
+    [(24, "'24GiB'"), ("512", "'512GiB'"), ("24 KiB", "at least 1MiB (e.g. '6GiB')"), ("24kb", "at least 1MiB")],
+)
+def test_a_size_under_a_mib_suggests_the_unit_it_left_out_or_one_that_fits(spec, fix):
+    with pytest.raises(ValueError, match="too small for any training step") as info:
+        parse_memory(spec, capacity_bytes=16 * GiB)
+    assert fix in str(info.value) and "KiBGiB" not in str(info.value) and "kbGiB" not in str(info.value)
+
+
+def test_a_negative_size_with_a_unit_is_said_to_be_negative():
+    with pytest.raises(ValueError, match=r"max_memory='-5MiB' must be greater than zero"):
+        parse_memory("-5MiB", capacity_bytes=16 * GiB)
+
+
 def test_fraction_needs_a_known_capacity():
     with pytest.raises(ValueError, match="capacity is unknown"):
         parse_memory(0.5, capacity_bytes=None)

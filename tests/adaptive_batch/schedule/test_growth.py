@@ -81,7 +81,7 @@ def test_resolves_a_user_function_by_dotted_path(user_module):
         ("grow", "is not a dotted path"),
         ("no_such_module.grow", "no module 'no_such_module' can be imported"),
         ("my_schedules.grw", "module 'my_schedules' has no attribute 'grw'"),
-        ("my_schedules.LIMIT", "is a int, not a function"),
+        ("my_schedules.LIMIT", "is an int, not a function"),
         ("my_schedules.one_arg", "cannot be called as f(epoch, current_batch_size)"),
         ("broken_schedules.grow", "importing 'broken_schedules' failed: ZeroDivisionError"),
     ],
@@ -179,7 +179,7 @@ def test_growth_options():
         (dict(grow_with_accumulation="yes"), "grow_with_accumulation='yes' must be true or false"),
         (dict(retry_on_oom=1), "retry_on_oom=1 must be true or false"),
         (dict(batch_increase_function="nosuch_module.grow"), "no module 'nosuch_module' can be imported"),
-        (dict(batch_increase_function=5), "is a int, not a function"),
+        (dict(batch_increase_function=5), "is an int, not a function"),
     ],
 )
 def test_bad_growth_options(changes, message):
