@@ -37,7 +37,7 @@ def test_max_memory_in_bytes():
         ("use_maximum_batch_size", 1, "use_maximum_batch_size=1 must be true or false"),
         ("max_memory", "lots", "max_memory='lots' cannot be parsed"),
         ("max_memory", 0, "max_memory=0 must be greater than zero"),
-        ("max_memory", "-1GiB", "max_memory='-1GiB' cannot be parsed"),
+        ("max_memory", "-1GiB", "max_memory='-1GiB' must be greater than zero"),
         ("memory_safety_margin", 1.0, "memory_safety_margin=1.0 must be a number in"),
         ("memory_safety_margin", -0.1, "memory_safety_margin=-0.1"),
         ("batch_size_rounding", "nearest", "batch_size_rounding='nearest' is not one of"),
