@@ -235,7 +235,8 @@ class AdaptiveBatchTrainer(Trainer):
         # Evaluation first: the training answer's check is then the last thing run on the heap
         # training gets, and no evaluation trial that runs out of memory comes after it.
         if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
-            eval_batch = _collating(RepeatedSample.longest(*self._as_the_loader_takes(self.eval_dataset, "evaluation")))
+            eval_batch = _collating(RepeatedSample.longest(*self._as_the_loader_takes(self.eval_dataset, "evaluation")),
+                                    "evaluation")
             with self._forward_as_trained:
                 state["per_device_eval_batch_size"] = self._ranks.smallest(lambda: find_max_batch_size(
                     self._eval_step, make_batch=eval_batch, model=self.model, optimizer=None,
@@ -607,7 +608,7 @@ def _logged_metrics_kept(trainer: Trainer) -> Iterator[None]:
         vars(trainer).update(kept)
 
 
-def _collating(worst_case: RepeatedSample) -> RepeatedSample:
+def _collating(worst_case: RepeatedSample, samples: str = "training") -> RepeatedSample:
     """``worst_case``, once it has collated a batch of one.
 
     Raises:
@@ -618,7 +619,7 @@ def _collating(worst_case: RepeatedSample) -> RepeatedSample:
         worst_case(1)
     except Exception as e:  # noqa: BLE001 - whatever the user's collator raises
         raise ConfigError(
-            f"the data collator could not collate the longest training sample ({type(e).__name__}: {e}): training's "
+            f"the data collator could not collate the longest {samples} sample ({type(e).__name__}: {e}): {samples}'s "
             "batches would fail the same way; give the samples the fields the collator reads, or pass "
             "make_batch=f(b) -> a batch of b of your longest samples."
         ) from e
