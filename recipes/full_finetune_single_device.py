@@ -536,6 +536,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             dataset=dataset,
             batch_sampler=self._batching.batch_sampler(dataset, shuffle=shuffle),
             collate_fn=self._batching.collate(collate),
+            # Its own generator: an iterator draws a seed at each epoch's start, from the global
+            # RNG where the loader has none, so a run resumed mid-epoch (the RNG restored from its
+            # step checkpoint) drew once more than the uninterrupted run, and dropout differed.
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def _is_base_weight(self, key: str) -> bool:

@@ -116,6 +116,12 @@ class AdaptiveBatch:
         )
         self._dataloader: Optional[StatefulDataLoader] = None
         self._resumed: Dict[str, Any] = {}
+        # The loader's own generator: a data loader's iterator draws its workers' seed at each
+        # epoch's start, from the global RNG where it has none, so a run resumed inside an epoch
+        # (the RNG restored beside the model) drew once more than the uninterrupted one, and its
+        # dropout masks differed from there on.
+        self._loader_generator = torch.Generator().manual_seed(torch.initial_seed())
+        self._epoch_generator_state: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -131,6 +137,7 @@ class AdaptiveBatch:
         """
         self._settle()
         steps = self.controller.start_epoch(epoch, self._dataloader)
+        self._epoch_generator_state = self._loader_generator.get_state()  # before the epoch's draw
         return islice(self._dataloader, steps)
 
     def step(self, batch: Any) -> StepOutcome:
@@ -153,7 +160,9 @@ class AdaptiveBatch:
         """The batch, probe result, data position and LR schedule, for a checkpoint beside the
         model's and optimizer's."""
         self._settle()
-        state = dict(self.controller.state_dict(), dataloader=self._dataloader.state_dict())
+        state = dict(self.controller.state_dict(), dataloader=self._dataloader.state_dict(),
+                     loader_generator=(self._loader_generator.get_state() if self._epoch_generator_state is None
+                                       else self._epoch_generator_state))
         if self._lr_scheduler is not None:
             state["lr_scheduler"] = self._lr_scheduler.state_dict()
         return state
@@ -180,8 +189,11 @@ class AdaptiveBatch:
             probe = partial(probe_batch_size, target=target, seq_len=0)
         ctl.settle(dataset_size=len(self.dataset), probe=probe)
         sampler = ctl.batch_sampler(self.dataset, shuffle=self._shuffle)
+        if "loader_generator" in self._resumed:  # the epoch's, so its resumed iterator draws what it drew
+            self._loader_generator.set_state(self._resumed["loader_generator"])
         self._dataloader = StatefulDataLoader(
-            self.dataset, batch_sampler=sampler, collate_fn=self._collate, **self._loader_options
+            self.dataset, batch_sampler=sampler, collate_fn=self._collate, generator=self._loader_generator,
+            **self._loader_options
         )
         if "dataloader" in self._resumed:
             self._dataloader.load_state_dict(self._resumed["dataloader"])

@@ -32,9 +32,10 @@ MODES = {
     # optimizer, RNG and data as they were, so the run trains what "epoch" trains
     "probe": [SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "lr_scaling=linear",
               "use_maximum_batch_size=True"],
-    # the batch doubles every 2 steps, up to 8, under a cosine LR schedule counted in samples
+    # the batch doubles every 2 steps, up to 8, under a cosine LR schedule counted in samples, with
+    # attention dropout: a resumed run draws its masks where the uninterrupted one did
     "steps": [SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "batch_increase_interval=2 steps",
-              *COSINE],
+              *COSINE, "model.attn_dropout=0.3"],
     # token budgets of 256 padded tokens, shortest first, under a cosine LR schedule in steps
     "tokens": [SHORT, "epochs=2", "max_steps_per_epoch=3", FIXED, "max_tokens=256", "sequence_picking_order=seqlen",
                *COSINE],

@@ -9,10 +9,10 @@ from torch.utils.data import TensorDataset
 from adaptive_batch import AdaptiveBatch, ConfigError, double_every_epoch
 
 
-def _parts(seed=0, samples=48):
+def _parts(seed=0, samples=48, dropout=0.0):
     torch.manual_seed(seed)
     data = TensorDataset(torch.randn(samples, 8), torch.randn(samples, 1))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def loss_fn(batch):  # the micro-batch's mean loss, as any loop writes it
@@ -167,10 +167,11 @@ def test_without_probing_nothing_is_written(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def _run(state=None, stop_after=None):
+def _run(state=None, stop_after=None, dropout=0.0):
     """Three epochs of growth with a shuffled sampler and a step-counted scheduler; stops after
-    ``stop_after`` steps with the checkpoint, or resumes from ``state``."""
-    data, model, optimizer, loss_fn = _parts()
+    ``stop_after`` steps with the checkpoint (the RNG beside the model's, as a loop keeps it), or
+    resumes from ``state``."""
+    data, model, optimizer, loss_fn = _parts(dropout=dropout)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** (step // 5))
     adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, max_batch_size=16, lr_scheduler=scheduler,
                              batch_increase_function=double_every_epoch, log=lambda m: None)
@@ -179,6 +180,7 @@ def _run(state=None, stop_after=None):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         adaptive.load_state_dict(state["adaptive"])
+        torch.set_rng_state(state["rng"])
         start = state["epoch"]
     losses = []
     for epoch in range(start, 3):
@@ -186,14 +188,18 @@ def _run(state=None, stop_after=None):
             losses.append(adaptive.step(batch).loss)
             if len(losses) == stop_after:
                 return losses, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "adaptive": adaptive.state_dict(), "epoch": epoch}
+                                "adaptive": adaptive.state_dict(), "epoch": epoch, "rng": torch.get_rng_state()}
     return losses, None
 
 
-def test_stopped_inside_an_epoch_and_resumed_from_its_state_equals_the_uninterrupted_run():
-    whole, _ = _run()
-    first, state = _run(stop_after=5)
-    rest, _ = _run(state=state)
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_stopped_inside_an_epoch_and_resumed_from_its_state_equals_the_uninterrupted_run(dropout):
+    """With dropout, the resumed run's masks are the uninterrupted run's only where the loader
+    drew nothing from the global RNG at the resumed epoch's start (it drew one number, and the
+    losses differed from the next step on)."""
+    whole, _ = _run(dropout=dropout)
+    first, state = _run(stop_after=5, dropout=dropout)
+    rest, _ = _run(state=state, dropout=dropout)
     assert len(whole) == 21 and first + rest == pytest.approx(whole, rel=1e-6)
 
 
