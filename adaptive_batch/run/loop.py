@@ -26,6 +26,7 @@ from adaptive_batch.probe.service import probe_batch_size
 from adaptive_batch.probe.target import ProbeTarget, check_make_batch, step_device
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
 from adaptive_batch.run.options import AdaptiveBatchOptions
+from adaptive_batch.run.state import RunState
 
 
 class AdaptiveBatch:
@@ -114,6 +115,12 @@ class AdaptiveBatch:
             output_dir=output_dir or (tempfile.mkdtemp(prefix="adaptive-batch-") if options.needs_probe else "."),
             max_seq_len=0,
         )
+        # What a resumed loop must share with the one that saved its state: the settings as taken
+        # (a function by its name), the first batch, the data and how it is drawn.
+        self._run_state = RunState(self.controller, settings={
+            **options.trained_values(), "batch_size": data.batch_size, "shuffle": data.shuffle,
+            "dataset_size": len(data.dataset), "clip_grad_norm": clip_grad_norm,
+        }, resumed_by="load_state_dict()", fresh_start="train from the start without the saved state")
         self._dataloader: Optional[StatefulDataLoader] = None
         self._resumed: Dict[str, Any] = {}
         # The loader's own generator: a data loader's iterator draws its workers' seed at each
@@ -160,7 +167,7 @@ class AdaptiveBatch:
         """The batch, probe result, data position and LR schedule, for a checkpoint beside the
         model's and optimizer's."""
         self._settle()
-        state = dict(self.controller.state_dict(), dataloader=self._dataloader.state_dict(),
+        state = dict(self._run_state.state_dict(), dataloader=self._dataloader.state_dict(),
                      loader_generator=(self._loader_generator.get_state() if self._epoch_generator_state is None
                                        else self._epoch_generator_state))
         if self._lr_scheduler is not None:
@@ -172,10 +179,14 @@ class AdaptiveBatch:
 
         Raises:
             ValueError: when batches have already been drawn.
+            ConfigError: when a setting that changes what is trained (``max_batch_size``, the
+                growth function, ``lr_scaling``, ``batch_size``, the dataset's size, ...) differs
+                from the saved loop's, naming it and both values.
         """
         if self._dataloader is not None:
             raise ValueError("load_state_dict() after batches(): load the state first, then draw the batches.")
-        self.controller.load_state_dict(state)
+        self._run_state.load_state_dict(state)
+        self._run_state.check_resume()
         self._resumed = state
 
     def _settle(self) -> None:

@@ -46,6 +46,10 @@ class RunContext:
     max_seq_len: Optional[int] = None
 
 
+# Adaptive keys that change nothing trained: where the probe's plot and cache go.
+UNTRAINED_KEYS = frozenset({"plot", "probe_cache", "probe_cache_dir"})
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdaptiveBatchOptions:
     """Every adaptive-batch setting, one section per owner; each section checks itself.
@@ -77,6 +81,18 @@ class AdaptiveBatchOptions:
     def keys(cls) -> FrozenSet[str]:
         """The flat setting names (the config keys), from the sections' fields."""
         return frozenset(f.name for section in fields(cls) for f in fields(section.default_factory))
+
+    def trained_values(self) -> Dict[str, Any]:
+        """Each flat setting that changes what is trained (:data:`UNTRAINED_KEYS` aside), as the
+        run takes it, for :class:`~adaptive_batch.run.state.RunState`'s fingerprint: a function as
+        its dotted name, any other object as its text."""
+        def plain(value: Any) -> Any:
+            if value is None or isinstance(value, (bool, int, float, str)):
+                return value
+            return function_name(value) if callable(value) else str(value)
+
+        return {f.name: plain(getattr(getattr(self, s.name), f.name)) for s in fields(self)
+                for f in fields(getattr(self, s.name)) if f.name not in UNTRAINED_KEYS}
 
     @classmethod
     def defaults(cls) -> Dict[str, Any]:

@@ -60,18 +60,23 @@ class RunState:
         session: the run's batch decisions (batch state, probe result, noise scale): a
             :class:`~adaptive_batch.run.session.BatchSession`, or the controller over one.
 
-    Raises:
-        TypeError: for anything else, when built (not at the first checkpoint).
         settings: the settings that change what is trained (see
             :func:`adaptive_batch.torchtune.config.trained_settings`), fingerprinted.
+        resumed_by: what resumed the run, for the refusal's line (a recipe's key).
+        fresh_start: how to train from the start instead, for the same line.
+
+    Raises:
+        TypeError: for anything else, when built (not at the first checkpoint).
     """
 
-    def __init__(self, session: Any, *, settings: Mapping[str, Any]) -> None:
+    def __init__(self, session: Any, *, settings: Mapping[str, Any], resumed_by: str = "resume_from_checkpoint=True",
+                 fresh_start: str = "start a new output_dir") -> None:
         # The session, or what adapts it (a controller, ``AdaptiveBatch``'s): its decisions.
         self.session: BatchSession = getattr(session, "session", session)
         if not isinstance(self.session, BatchSession):
             raise TypeError(f"RunState takes a BatchSession or its controller, not {type(session).__name__}.")
         self._settings = dict(settings)
+        self._resumed_by, self._fresh_start = resumed_by, fresh_start
         self._fingerprint: Optional[Dict[str, str]] = None
         self.saved: Optional[Dict[str, Any]] = None  # what the checkpoint resumed from recorded
 
@@ -154,9 +159,9 @@ class RunState:
                 if set(changed) <= BUDGET_KEYS else ""
             )
             raise ConfigError(
-                f"resume_from_checkpoint=True: {key} was {before.get(key, 'unset')} in the run that wrote the "
+                f"{self._resumed_by}: {key} was {before.get(key, 'unset')} in the run that wrote the "
                 f"checkpoint and is {self.fingerprint.get(key, 'unset')} now{more}; it changes what is trained{budget}: "
-                f"put it back to resume, or start a new output_dir."
+                f"put it back to resume, or {self._fresh_start}."
             )
 
     @property

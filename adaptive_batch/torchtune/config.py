@@ -20,7 +20,7 @@ import yaml
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.memory.device import format_bytes
 from adaptive_batch.memory.oom import is_oom_error
-from adaptive_batch.run.options import AdaptiveBatchOptions
+from adaptive_batch.run.options import UNTRAINED_KEYS, AdaptiveBatchOptions
 
 # The keys torchtune 0.6.1's full_finetune_single_device recipe reads.
 TORCHTUNE_KEYS = frozenset(
@@ -52,14 +52,12 @@ TRAINED_KEYS = (
     "lr_scheduler", "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer_in_bwd", "clip_grad_norm",
     "dtype", "collate_fn",
 )
-# Adaptive keys that change nothing trained: where the probe's plot and cache go.
-UNTRAINED_ADAPTIVE_KEYS = frozenset({"plot", "probe_cache", "probe_cache_dir"})
 
 
 def trained_settings(cfg: DictConfig) -> Dict[str, Any]:
     """The config's settings that change what is trained, as plain values, for
     :class:`~adaptive_batch.run.state.RunState`'s fingerprint."""
-    keys = list(TRAINED_KEYS) + sorted(AdaptiveBatchOptions.keys() - UNTRAINED_ADAPTIVE_KEYS)
+    keys = list(TRAINED_KEYS) + sorted(AdaptiveBatchOptions.keys() - UNTRAINED_KEYS)
     settings = {}
     for key in keys:
         value = cfg.get(key, None)

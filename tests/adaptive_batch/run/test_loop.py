@@ -272,3 +272,33 @@ def test_a_probe_under_a_global_batch_gives_a_loss_that_takes_its_labels_a_batch
                              make_batch=lambda b: {"x": torch.randn(b, 8), "y": torch.randn(b, 1)}, log=lambda m: None)
     step = adaptive.step(next(iter(adaptive.batches(0))))
     assert step.global_samples == 48
+
+
+def _loop(samples=48, **settings):
+    data, model, optimizer, loss_fn = _parts(samples=samples)
+    settings = {"batch_size": 4, "max_batch_size": 16, "batch_increase_function": double_every_epoch, **settings}
+    return AdaptiveBatch(model, optimizer, data, loss_fn, log=lambda m: None, **settings)
+
+
+def _grow_twice(epoch, current_batch_size):
+    return 2 * current_batch_size
+
+
+@pytest.mark.parametrize("changed, key", [
+    (dict(max_batch_size=8), "max_batch_size"),  # once grown past the new cap without a word
+    (dict(batch_increase_function=_grow_twice), "batch_increase_function"),
+    (dict(lr_scaling="sqrt"), "lr_scaling"),
+    (dict(batch_size=2), "batch_size"),  # the LR reference: the scaled LR doubled mid-run
+    (dict(samples=40), "dataset_size"),
+])
+def test_a_resume_with_a_setting_that_changes_what_is_trained_is_refused_naming_it(changed, key):
+    saved = _loop()
+    for batch in saved.batches(0):
+        saved.step(batch)
+        break
+    state = saved.state_dict()
+    samples = changed.pop("samples", 48)
+    with pytest.raises(ConfigError, match=rf"load_state_dict\(\): {key} was .* now.*put it back to resume, or train "
+                                          "from the start without the saved state"):
+        _loop(samples=samples, **changed).load_state_dict(state)
+    _loop(lr_scaling="none").load_state_dict(state)  # a default said out loud is the same setting
