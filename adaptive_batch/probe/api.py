@@ -73,7 +73,9 @@ def find_max_batch_size(
         make_batch: the worst-case batch of a given size (the longest inputs the run will see).
         model: the model ``train_step`` trains.
         optimizer: its optimizer, if the step keeps state.
-        max_memory: the budget for a step's peak, parameters and optimizer state included:
+        max_memory: the budget for a step's peak, parameters and optimizer state included (a
+            soft budget counts the tensors of ``model``, ``optimizer`` and the step; others alive
+            beside them, a frozen teacher passed to neither, are not: lower it by their size):
             bytes, a size (``"6GiB"``), or a fraction of the device (``0.9``, ``"90%"``). A size is
             a soft budget, judged by tensor bytes; a fraction of an address-space limit
             (``RLIMIT_AS``) is that limit less the rest, judged by real allocation failures.

@@ -51,9 +51,17 @@ def step_device(model: nn.Module, device: Optional[Union[str, torch.device]]) ->
     """Where the step runs: ``device``, or the model's when ``None``.
 
     Raises:
-        ConfigError: for a model without parameters and no ``device``, or a device this torch
-            does not have (CUDA on a CPU-only build, an index past the last card).
+        ConfigError: for a model without parameters and no ``device``, a model with parameters
+            on the meta device, or a device this torch does not have (CUDA on a CPU-only build,
+            an index past the last card).
     """
+    meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ConfigError(
+            f"model={type(model).__name__}'s parameter {meta!r} is on the meta device, which holds no memory to "
+            "measure and no values to train: materialize the model first (load its weights, or "
+            "model.to_empty(device=...) and initialize them), then probe."
+        )
     if device is None:
         first = next(model.parameters(), None)
         if first is None:

@@ -30,7 +30,8 @@ class SampleProgressLR:
         if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
             raise TypeError(
                 f"{type(lr_scheduler).__name__} is not a LambdaLR: counting the schedule in samples "
-                "needs one of torchtune's schedulers (LambdaLR-based) or lr_scheduler=null."
+                "needs a LambdaLR-based schedule (torchtune's and transformers' are; or a LambdaLR of your own), "
+                "or no scheduler."
             )
         if samples_per_step <= 0:
             raise ValueError(f"samples_per_step={samples_per_step} must be positive.")

@@ -12,7 +12,7 @@ import importlib.util
 import json
 from pathlib import Path
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, FrozenSet, List, Optional
 
 from omegaconf import DictConfig
 import torch
@@ -25,7 +25,7 @@ from adaptive_batch.probe.report import ProbeReport
 from adaptive_batch.probe.search import Trial
 from adaptive_batch.memory.budget import default_safety_margin
 from adaptive_batch.schedule.global_batch import check_global_batch, split_global_batch
-from adaptive_batch.validation import check_positive_int, check_safety_margin
+from adaptive_batch.validation import check_known_keys, check_positive_int, check_safety_margin
 
 # The repository's `recipes/` folder, installed as this package (see pyproject.toml).
 RECIPES_PACKAGE = "adaptive_batch_recipes"
@@ -83,6 +83,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     from adaptive_batch.torchtune.planning import plan_from_config
 
     cfg = load_config(args.config, args.overrides)
+    # As strictly as `probe` and `tune run` read it: a typo or a batch of 0 planned without a word.
+    check_known_keys(cfg.keys(), _known_keys_of_the_recipes())
+    check_positive_int("batch_size", cfg.get("batch_size", None), allow_none=True)
     check_finite_numbers(cfg)
     # The model only: the planner plans optimizers it cannot import (bitsandbytes) by their state.
     check_components(cfg, only=("model",))
@@ -148,6 +151,17 @@ def plan_report(plan: MemoryPlan) -> ProbeReport:
 
 
 # ---------------------------------------------------------------- probe
+
+
+def _known_keys_of_the_recipes() -> FrozenSet[str]:
+    """Every key one of the installed recipes reads (a plan serves any of them)."""
+    keys: set = set()
+    for name in ("full_finetune_single_device", "lora_finetune_single_device", "full_finetune_distributed"):
+        module = importlib.import_module(f"{RECIPES_PACKAGE}.{name}")
+        for value in vars(module).values():
+            if isinstance(value, type) and value.__module__ == module.__name__ and hasattr(value, "known_keys"):
+                keys |= set(value.known_keys)
+    return frozenset(keys)
 
 
 def load_recipe_class(cfg: DictConfig, recipe: Optional[str]) -> Callable:

@@ -20,6 +20,17 @@ def test_the_device_is_the_models_or_a_clear_line():
             step_device(model, "cuda")
 
 
+def test_a_model_on_the_meta_device_is_told_to_materialize_whatever_device_is_asked():
+    """It once met a recipe's key (device='meta' has no memory backend ... use_maximum_batch_size),
+    or, with device='cpu', torch's own error inside the first trial."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    for device in (None, "cpu"):
+        with pytest.raises(ConfigError, match=r"model=Sequential's parameter '0.weight' is on the meta device.*"
+                                              r"materialize the model first"):
+            step_device(model, device)
+
+
 def test_a_batch_maker_must_build_the_size_it_is_asked_for():
     check_make_batch(lambda n: {"x": torch.zeros(n, 3), "scale": torch.ones(1)})
     check_make_batch(lambda n: torch.zeros(7, n))  # the batch along another dimension

@@ -86,6 +86,9 @@ def test_plan_table_and_plot_for_the_lora_config(tmp_path):
          "global_batch_size=16 does not divide among 3 ranks"),
         (["plan", "--config", TINY, "--device-memory", "lots"], "--device-memory='lots' cannot be parsed"),
         (["plan", "--config", TINY, "batch_size"], "override 'batch_size' is not key=value"),
+        # the plan once read a typo and a batch of 0 without a word, where `probe` refused them
+        (["plan", "--config", TINY, "max_memroy=5"], "unknown config key 'max_memroy': this recipe does not read it; did you mean 'max_memory'?"),
+        (["plan", "--config", TINY, "batch_size=0"], "batch_size=0 must be a positive integer"),
         (["probe", "--config", TINY, "max_memory=lots"], "max_memory='lots' cannot be parsed"),
         (["plan", "--config", TINY, "--device-memory", "1e400"], "--device-memory='1e400' is not a finite size"),
         (["plan", "--config", TINY, "max_memory='1e400'"], "max_memory='1e400' is not a finite size"),
