@@ -115,12 +115,7 @@ class AdaptiveBatch:
             output_dir=output_dir or (tempfile.mkdtemp(prefix="adaptive-batch-") if options.needs_probe else "."),
             max_seq_len=0,
         )
-        # What a resumed loop must share with the one that saved its state: the settings as taken
-        # (a function by its name), the first batch, the data and how it is drawn.
-        self._run_state = RunState(self.controller, settings={
-            **options.trained_values(), "batch_size": data.batch_size, "shuffle": data.shuffle,
-            "dataset_size": len(data.dataset), "clip_grad_norm": clip_grad_norm,
-        }, resumed_by="load_state_dict()", fresh_start="train from the start without the saved state")
+        self._run_state = _run_state(self.controller, options, data, clip_grad_norm)
         self._dataloader: Optional[StatefulDataLoader] = None
         self._resumed: Dict[str, Any] = {}
         # The loader's own generator: a data loader's iterator draws its workers' seed at each
@@ -245,3 +240,13 @@ class AdaptiveBatch:
             piece = dict(batch) if isinstance(batch, dict) else batch
             total += float(self._forward_backward(piece)[1])
         self._optimizer_step(total)
+
+
+def _run_state(controller: AdaptiveBatchController, options: AdaptiveBatchOptions, data: Any,
+               clip_grad_norm: Optional[float]) -> RunState:
+    """What a resumed loop must share with the one that saved its state: the settings as taken
+    (a function by its name), the first batch, the data and how it is drawn."""
+    settings = {**options.trained_values(), "batch_size": data.batch_size, "shuffle": data.shuffle,
+                "dataset_size": len(data.dataset), "clip_grad_norm": clip_grad_norm}
+    return RunState(controller, settings=settings, resumed_by="load_state_dict()",
+                    fresh_start="train from the start without the saved state")
