@@ -170,12 +170,12 @@ class RankGroup:
         agreement, so no rank is left waiting in it for one that has gone.
 
         Raises:
-            BaseException: ``answer``'s error, on the rank it happened on.
+            Exception: ``answer``'s error, on the rank it happened on (an interrupt, at once).
             ConfigError: on every other rank, naming the rank that failed.
         """
         try:
             mine, error = int(answer()), None
-        except BaseException as e:  # noqa: B036 - re-raised below, once every rank knows
+        except Exception as e:  # re-raised below, once every rank knows (a Ctrl-C ends this rank at once)
             mine, error = 0, e
         failed, negated = self.max_each([self.rank + 1 if error is not None else 0, -mine])
         if error is not None:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
+from torch.utils.data import IterableDataset
 
 from adaptive_batch.errors import ConfigError
 
@@ -48,6 +49,11 @@ class RepeatedSample:
             ConfigError: when the samples are not mappings of fields, have no sequence or tensor
                 field to measure, or are all empty (pass ``make_batch``).
         """
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ConfigError(
+                f"the training dataset is a {type(dataset).__name__}, read in order: its longest sample cannot be "
+                "picked; pass make_batch=f(b) -> a batch of b of your longest samples."
+            )
         _refuse_empty(dataset)
         first = _field_sizes(dataset[0])
         count = len(dataset) if "input_ids" in first else min(len(dataset), scan_without_input_ids)
@@ -111,6 +117,7 @@ def _field_sizes(sample: Any) -> Dict[str, int]:
 
 
 def _elements(value: Any) -> Optional[int]:
+    """The elements of a tensor, an array or a (nested) list; ``None`` for anything else."""
     if isinstance(value, torch.Tensor):
         return value.numel()
     if hasattr(value, "shape") and hasattr(value, "size") and isinstance(value.size, int):  # a NumPy array

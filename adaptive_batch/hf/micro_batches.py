@@ -92,7 +92,8 @@ def loss_reads_item_count(model: Any, inputs: Dict[str, Any]) -> bool:
     up to the step's mean), or ignores it (a classification head's mean, although its forward
     takes ``**kwargs``, from which the Trainer infers it reads it). Two forward passes without
     gradients, in eval mode, the RNG put back; ``True`` where it cannot tell (no labels, no loss,
-    a forward that refuses the count), which leaves the Trainer's own choice.
+    a loss of 0 or not finite, a forward that refuses the count), which leaves the Trainer's own
+    choice.
     """
     if "labels" not in inputs:
         return True
@@ -106,6 +107,6 @@ def loss_reads_item_count(model: Any, inputs: Dict[str, Any]) -> bool:
     finally:
         model.train(training)
         set_rng_state(state)
-    if any(not isinstance(loss, torch.Tensor) for loss in losses):
-        return True
+    if any(not isinstance(loss, torch.Tensor) or not torch.isfinite(loss).all() or not loss.any() for loss in losses):
+        return True  # no loss, or one that reads the same at any count (0: a sample without a label)
     return not torch.allclose(losses[0], losses[1])

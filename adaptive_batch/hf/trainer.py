@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import warnings
 
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -281,12 +282,14 @@ class AdaptiveBatchTrainer(Trainer):
                 or not self.model_accepts_loss_kwargs):
             return  # the Trainer divides it already, or a subclass decided
         dataset, collate = self._as_the_loader_takes(self.train_dataset)
-        if len(dataset) == 0:
-            return
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
+            return  # no sample to try it on (a stream takes make_batch): the Trainer's choice stands
         with self._forward_as_trained:  # in the precision training runs
             if loss_reads_item_count(self.model, self._prepare_inputs(collate([dataset[0]]))):
                 return
-        self.loss_is_scaled_for_ga = False
+        # As for a model whose forward takes no count: the Trainer divides its loss by the
+        # micro-batches and, under several processes, does not multiply it by their number.
+        self.model_accepts_loss_kwargs = False
         logs.info(f"adaptive-batch: {type(self.model).__name__}'s loss ignores num_items_in_batch, so each micro-batch's "
                   "loss is divided by the step's micro-batches (the Trainer would add them up undivided).")
 

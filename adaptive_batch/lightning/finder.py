@@ -138,10 +138,7 @@ class AdaptiveBatchFinder(Callback):
         return {} if self.batch.state is None else self.batch.state.to_dict()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        state = dict(state_dict) or None
-        if state is not None:  # fits saved before several processes were supported ran on one
-            state["settings"] = {"world_size": 1, **state["settings"]}
-        self._checkpoint_state = state
+        self._checkpoint_state = dict(state_dict) or None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":  # before any other callback's work and the model's move to its device

@@ -8,13 +8,15 @@ no collective, or a rank would wait in one the others never reach
 """
 
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional
+import functools
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.strategies import ddp
 from lightning.pytorch.trainer.call import _call_strategy_hook
 
 from adaptive_batch.data.layout import BatchLayout
@@ -25,9 +27,11 @@ from adaptive_batch.schedule.global_batch import micro_batches_per_trial
 def trials_on_this_rank_alone(trainer: Trainer) -> Iterator[None]:
     """Runs the trials inside the block on this rank's module alone, where the fit runs on
     several processes: the module bare instead of inside ``DistributedDataParallel`` (whose
-    backward all-reduces the gradients), and each ``SyncBatchNorm`` over a group of this rank
-    alone (its forward gathers the batch statistics of every rank). The memory of a step is the
-    same; the buckets DDP made when it wrapped the module are there already. One process: as it is.
+    backward all-reduces the gradients), each ``SyncBatchNorm`` over a group of this rank alone
+    (its forward gathers the batch statistics of every rank), and the DDP strategy's reduce and
+    barrier this rank's own (``self.log(..., sync_dist=True)`` reduces over the ranks at every
+    step). The memory of a step is the same; the buckets DDP made when it wrapped the module are
+    there already. One process: as it is.
     """
     strategy = trainer.strategy
     if trainer.world_size == 1:
@@ -36,17 +40,29 @@ def trials_on_this_rank_alone(trainer: Trainer) -> Iterator[None]:
     module = strategy.lightning_module
     norms: List[nn.SyncBatchNorm] = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
     groups = [norm.process_group for norm in norms]
-    if norms:  # every rank holds the same module, so every rank makes the groups, as it must
-        alone, _ = dist.new_subgroups(group_size=1)
+    if norms:  # every rank holds the same module, so every rank asks for the group, as it must
         for norm in norms:
-            norm.process_group = alone
+            norm.process_group = _this_rank_alone(trainer.world_size)
     wrapped, strategy.model = strategy.model, module
+    # The reduce's collective, not the strategy's method: self.log() keeps the method with what it
+    # logged, and a key logged again with another one is refused ("twice with different arguments").
+    synced, ddp._sync_ddp_if_available = ddp._sync_ddp_if_available, lambda tensor, *args, **kwargs: tensor
+    strategy.barrier = lambda *args, **kwargs: None  # an instance attribute over the method
     try:
         yield
     finally:
+        ddp._sync_ddp_if_available = synced
+        del strategy.barrier
         strategy.model = wrapped
         for norm, group in zip(norms, groups):
             norm.process_group = group
+
+
+@functools.lru_cache(maxsize=None)
+def _this_rank_alone(world_size: int) -> Any:
+    """A process group of this rank alone, made once a process (every rank makes every group)."""
+    alone, _ = dist.new_subgroups(group_size=1)
+    return alone
 
 
 @contextmanager
@@ -65,7 +81,8 @@ def trials_leave_no_trace(trainer: Trainer) -> Iterator[None]:
 
 
 def training_step_of(trainer: Trainer, module: LightningModule, optimizer: Optional[torch.optim.Optimizer],
-                   global_batch_size: Optional[int] = None, *, grow_with_accumulation: bool = False):
+                     global_batch_size: Optional[int] = None, *,
+                     grow_with_accumulation: bool = False) -> Callable[[Any], None]:
     """One optimizer step as the fit loop runs it: the trainer's precision context around the
     module's ``training_step``, its ``backward`` through the strategy, clipping, the step and
     ``zero_grad``; two micro-batches first where the trainer accumulates (or the global batch,

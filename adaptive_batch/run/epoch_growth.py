@@ -130,6 +130,7 @@ class EpochGrowth:
             ConfigError: naming the first setting that differs, with both values.
         """
         restored = EpochGrowthState.from_dict(state)
+        restored.settings = {"world_size": 1, **restored.settings}  # every fit before ranks were kept ran on one
         for key, value in settings.items():
             if restored.settings.get(key) != value:
                 raise ConfigError(

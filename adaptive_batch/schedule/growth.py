@@ -20,6 +20,7 @@ The built-ins are factories, so a config can parameterise them with a ``_compone
 """
 
 from dataclasses import dataclass
+import functools
 import importlib
 import inspect
 import math
@@ -156,10 +157,18 @@ def resolve_batch_increase_function(spec: Union[str, Callable]) -> BatchIncrease
 
 
 def function_name(fn: Callable) -> str:
-    """A readable name for logs and errors."""
+    """A readable name for logs and errors, the same in every process (checkpoints compare it):
+    a function's dotted path; a ``functools.partial``'s function and arguments; a callable
+    object's type (never a ``repr`` holding a memory address)."""
+    if isinstance(fn, functools.partial):
+        arguments = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in sorted(fn.keywords.items())]
+        return f"{function_name(fn.func)}({', '.join(arguments)})"
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
-    return f"{module}.{qualname}" if module and qualname else repr(fn)
+    if module and qualname:
+        return f"{module}.{qualname}"
+    kind = type(fn)
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def call_batch_increase_function(

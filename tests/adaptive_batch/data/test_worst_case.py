@@ -47,3 +47,16 @@ def test_numpy_fields_are_cut_a_stacking_collate_is_never_padded_and_no_samples_
     for make in (lambda: RepeatedSample.longest([], list), lambda: RepeatedSample.largest([], list, scan=256)):
         with pytest.raises(ConfigError, match="the training dataset is empty.*make_batch"):
             make()
+
+
+def test_a_stream_is_told_to_pass_make_batch():
+    import pytest
+
+    from adaptive_batch import ConfigError
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": [1, 2]}
+
+    with pytest.raises(ConfigError, match="the training dataset is a Stream, read in order.*pass make_batch=f"):
+        RepeatedSample.longest(Stream(), list)

@@ -1,6 +1,7 @@
 """How the Trainer's effective batch splits into the micro-batches that fit."""
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -46,3 +47,29 @@ def test_uneven_only_in_one_process_on_one_device_with_fixed_batches():
             return iter(())
 
     assert not uneven_allowed(trainer(dataset=Stream())) and not uneven_allowed(trainer(dataset=None))
+
+
+class _Head(torch.nn.Module):
+    """A loss that reads the count (a sum over it) or ignores it (a mean), or is 0."""
+
+    def __init__(self, reads, zero=False):
+        super().__init__()
+        self.weight, self.reads, self.zero = torch.nn.Parameter(torch.ones(1)), reads, zero
+
+    def forward(self, labels, num_items_in_batch=None, **kwargs):
+        loss = (labels.float() * self.weight * (0 if self.zero else 1)).sum()
+        return type("Out", (), {"loss": loss / num_items_in_batch if self.reads else loss / labels.numel()})()
+
+
+def test_whether_a_loss_reads_the_item_count_and_where_it_cannot_tell():
+    from adaptive_batch.hf.micro_batches import loss_reads_item_count
+
+    inputs = {"labels": torch.tensor([[1, 2, 3]])}
+    assert loss_reads_item_count(_Head(reads=True), inputs)
+    assert not loss_reads_item_count(_Head(reads=False), inputs)
+    # a sample whose labels are all masked has a loss of 0 whatever the count: no verdict, the Trainer's stands
+    assert loss_reads_item_count(_Head(reads=True, zero=True), inputs)
+    assert loss_reads_item_count(_Head(reads=False), {"input_ids": torch.tensor([[1]])})  # no labels
+    head = _Head(reads=False)
+    loss_reads_item_count(head, inputs)
+    assert head.training  # its mode put back

@@ -368,6 +368,11 @@ def double_after_the_first(epoch, current_batch_size):
 
 
 class Recorded(Regression):
+    def training_step(self, batch, batch_idx):  # a log reduced over the ranks at every step, as DDP fits do
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced_loss", loss, sync_dist=True)
+        return loss
+
     def on_train_batch_start(self, batch, batch_idx):
         self.trained.append((len(batch[0]), self.trainer.optimizers[0].param_groups[0]["lr"]))
 

@@ -64,6 +64,15 @@ def test_on_several_ranks_the_function_and_the_lr_rule_see_the_batch_over_every_
     assert resumed.grow_at(1).batch_size == 7 and seen == [6, 10]
 
 
+def test_a_checkpoint_from_before_ranks_were_kept_resumes_on_one_rank_alone():
+    growth = _growth()
+    growth.start(6, 2, {"lr_scaling": "linear"})
+    saved = growth.state.to_dict()  # settings without world_size, as every fit wrote them before
+    assert _growth().resume(saved, {"lr_scaling": "linear", "world_size": 1}) == 2
+    with pytest.raises(ConfigError, match=r"world_size=2, but the checkpoint's fit ran with world_size=1"):
+        _growth().resume(saved, {"lr_scaling": "linear", "world_size": 2}, ranks=2)
+
+
 def test_a_resume_takes_the_checkpoints_batch_and_decided_epochs_or_refuses_other_settings():
     growth = _growth()
     growth.start(6, 2, {"lr_scaling": "linear"})

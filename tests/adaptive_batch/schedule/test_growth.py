@@ -259,3 +259,19 @@ def test_statistics_reach_only_the_functions_that_take_them():
     assert call_batch_increase_function(keyword, 1, 4, stats=stats) == 8
     assert call_batch_increase_function(catch_all, 1, 4, stats=stats) == 0
     assert seen == [stats, stats]
+
+
+def test_a_partial_or_a_callable_object_is_named_without_a_memory_address():
+    """Checkpoints compare the name across processes: a repr with an address refused every resume."""
+    import functools
+
+    from adaptive_batch.schedule.growth import function_name
+
+    class Grow:
+        def __call__(self, epoch, current_batch_size):
+            return 0
+
+    partial = functools.partial(multiply_every, factor=2)
+    assert function_name(partial) == "adaptive_batch.schedule.growth.multiply_every(factor=2)"
+    assert function_name(Grow()).endswith("<locals>.Grow") and " at 0x" not in function_name(Grow())
+
