@@ -410,6 +410,14 @@ strategy = SimpleNamespace(lightning_module=nn.Sequential(norm), model="the DDP 
 with trials_on_this_rank_alone(SimpleNamespace(world_size=2, strategy=strategy)):
     inside = [strategy.model is strategy.lightning_module, dist.get_world_size(norm.process_group)]
 out["sync_norm"] = dict(inside=inside, after=[strategy.model, norm.process_group is None])
+
+# 4. A synced log reduces at every step: inside the trials, over this rank alone (rank 1 reduces
+# three times where rank 0 reduces once; reduced together, rank 1 would wait for a partner).
+real = fit.strategy
+with trials_on_this_rank_alone(SimpleNamespace(world_size=2, strategy=real)):
+    out["reduced"] = [float(real.reduce(torch.tensor(float(rank + 1)))) for _ in range(1 + 2 * rank)]
+    real.barrier()
+out["reduced_after"] = float(real.reduce(torch.tensor(float(rank + 1))))  # both ranks: the mean again
 with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()
@@ -453,6 +461,8 @@ def test_under_ddp_every_rank_trains_the_smallest_ranks_answer_and_grows_the_bat
 
     # the trials run the bare module, SyncBatchNorm over a group of one; afterwards, all as it was
     assert rank0["sync_norm"] == rank1["sync_norm"] == {"inside": [True, 1], "after": ["the DDP wrapper", True]}
+    assert (rank0["reduced"], rank1["reduced"]) == ([1.0], [2.0] * 3)
+    assert rank0["reduced_after"] == rank1["reduced_after"] == 1.5
 
 
 def test_a_strategy_that_shards_the_model_is_refused_on_several_processes():
