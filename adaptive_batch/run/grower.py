@@ -189,12 +189,16 @@ class Grower:
 def per_rank_increase(fn: Optional[BatchIncreaseFunction], world_size: int) -> Optional[BatchIncreaseFunction]:
     """``fn`` seen from one rank: the user's function gets and returns global batch sizes
     (per-rank batch x ``world_size``); each rank grows by its share, rounded down so every
-    rank keeps the same batch."""
+    rank keeps the same batch (an increment under ``world_size`` is none, said in a line)."""
     if fn is None or world_size == 1:
         return fn
 
     def per_rank(epoch: int, current_batch_size: int, *, stats: Optional[GrowthStatistics] = None) -> int:
         increment = call_batch_increase_function(fn, epoch, current_batch_size * world_size, stats=stats)
+        if 0 < increment < world_size:
+            logs.info(f"adaptive-batch: {function_name(fn)} asked for {increment} more samples at {epoch}, fewer than "
+                      f"the {world_size} ranks: every rank keeps the same batch, so the batch stays; return a "
+                      f"multiple of {world_size} to grow it.")
         return increment // world_size
 
     per_rank.needs_gradient_noise_scale = getattr(fn, "needs_gradient_noise_scale", False)

@@ -181,7 +181,11 @@ class AdaptiveBatch:
         if self._dataloader is not None:
             raise ValueError("load_state_dict() after batches(): load the state first, then draw the batches.")
         self._run_state.load_state_dict(state)
-        self._run_state.check_resume()
+        try:
+            self._run_state.check_resume()
+        except ConfigError:
+            self._run_state.load_state_dict({})  # as built: a refused state is not left half taken
+            raise
         self._resumed = state
 
     def _settle(self) -> None:

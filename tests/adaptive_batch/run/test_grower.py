@@ -23,6 +23,12 @@ def test_per_rank_increase_shows_the_function_global_batches():
     assert grow(0, 2) == 1  # 6 over 4 ranks, rounded down so every rank keeps the same batch
     assert seen == [8]
     assert per_rank_increase(double, 2)(1, 3) == 3
+    from adaptive_batch.logs import lines_to
+
+    lines = []
+    with lines_to(lines.append):  # fewer samples than ranks: no rank grows, and a line says why
+        assert per_rank_increase(lambda epoch, size: 3, 4)(2, 8) == 0
+    assert lines and "asked for 3 more samples at 2, fewer than the 4 ranks" in lines[0]
 
     def broken(epoch, current_batch_size):
         return 1.5

@@ -298,7 +298,9 @@ def test_a_resume_with_a_setting_that_changes_what_is_trained_is_refused_naming_
         break
     state = saved.state_dict()
     samples = changed.pop("samples", 48)
+    refused = _loop(samples=samples, **changed)
     with pytest.raises(ConfigError, match=rf"load_state_dict\(\): {key} was .* now.*put it back to resume, or train "
                                           "from the start without the saved state"):
-        _loop(samples=samples, **changed).load_state_dict(state)
+        refused.load_state_dict(state)
+    assert refused.batch_size == changed.get("batch_size", 4)  # nothing of the refused state taken
     _loop(lr_scaling="none").load_state_dict(state)  # a default said out loud is the same setting
