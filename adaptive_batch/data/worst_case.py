@@ -123,14 +123,14 @@ def _elements(value: Any) -> Optional[int]:
     if hasattr(value, "shape") and hasattr(value, "size") and isinstance(value.size, int):  # a NumPy array
         return value.size
     if isinstance(value, (list, tuple)):
-        if value and isinstance(value[0], (list, tuple)) or value and hasattr(value[0], "shape"):
+        if value and (isinstance(value[0], (list, tuple)) or hasattr(value[0], "shape")):  # nested
             return sum(_elements(item) or 0 for item in value)
         return len(value)
     return None
 
 
-def _refuse_empty(sizes: Any) -> None:
-    if not len(sizes):
+def _refuse_empty(samples: Any) -> None:
+    if not len(samples):
         raise ConfigError("the training dataset is empty: there is no sample to build the worst-case batch from; "
                           "give the trainer samples, or pass make_batch=f(b) -> a batch of b of your longest samples.")
 

@@ -40,9 +40,8 @@ def trials_on_this_rank_alone(trainer: Trainer) -> Iterator[None]:
     module = strategy.lightning_module
     norms: List[nn.SyncBatchNorm] = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
     groups = [norm.process_group for norm in norms]
-    if norms:  # every rank holds the same module, so every rank asks for the group, as it must
-        for norm in norms:
-            norm.process_group = _this_rank_alone(trainer.world_size)
+    for norm in norms:  # every rank holds the same module, so every rank asks for the group, as it must
+        norm.process_group = _this_rank_alone(trainer.world_size)
     wrapped, strategy.model = strategy.model, module
     # The reduce's collective, not the strategy's method: self.log() keeps the method with what it
     # logged, and a key logged again with another one is refused ("twice with different arguments").
