@@ -1,5 +1,6 @@
-"""Batch samplers: one that follows a batch size changing during training, one that splits
-each batch of another into the micro-batches that fit.
+"""Batch samplers: one that follows a batch size changing during training, one whose batch sizes
+a plan decides as it cuts them, one that splits each batch of another into the micro-batches
+that fit.
 
 :class:`ResizableBatchSampler` yields an epoch's indices in batches of whatever size it is set
 to (the run's :class:`~adaptive_batch.run.progress.BatchProgress` decides it), and resumes in
@@ -9,7 +10,7 @@ each batch of a framework's own batch sampler as the fewest micro-batches no lar
 
 import itertools
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sized
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sized, Tuple
 
 from torch.utils.data import Sampler
 
@@ -97,6 +98,52 @@ class ResizableBatchSampler(Sampler[List[int]]):
         elif state["taken"]:
             raise ValueError("a mid-epoch batch-sampler state needs a stateful sampler to resume from.")
         self._resume_at = self._taken = int(state["taken"])
+
+
+class BatchPlan(Protocol):
+    """Decides each batch's size as a loader cuts it (:class:`~adaptive_batch.run.epoch_growth.EpochGrowth`)."""
+
+    def next_batch_size(self) -> int: ...
+
+    def cut_batch(self, rows: int) -> None: ...
+
+    def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, Any]: ...
+
+
+class PlannedBatchSampler(Sampler[List[int]]):
+    """Batches of ``sampler``'s indices (its order, shuffling and grouping kept), each of the size
+    ``plan`` has in force when the batch is cut, told to ``plan`` before it is handed out (a loader
+    draws ahead of training, so the plan, not the training step, counts the batches). The last
+    batch of an epoch may be smaller, unless ``drop_last``. Its length is the plan's, simulated
+    from where the plan stands, so it is read before the epoch's batches are cut.
+    """
+
+    def __init__(self, sampler: Sized, plan: BatchPlan, drop_last: bool = False) -> None:
+        self.sampler, self.plan, self.drop_last = sampler, plan, drop_last
+
+    @property
+    def batch_size(self) -> int:
+        """The size of the next batch (what a loader's users read as its batch)."""
+        return self.plan.next_batch_size()
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return self.plan.batches_in_epoch(len(self.sampler), self.drop_last)[0]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        batch: List[int] = []
+        for index in self.sampler:
+            batch.append(int(index))
+            if len(batch) == self.plan.next_batch_size():
+                self.plan.cut_batch(len(batch))
+                yield batch
+                batch = []
+        if batch and not self.drop_last:
+            self.plan.cut_batch(len(batch))
+            yield batch
 
 
 class MicroBatchSampler(Sampler[List[int]]):

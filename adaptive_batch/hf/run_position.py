@@ -1,5 +1,6 @@
-"""Growth of the Trainer's effective batch at each epoch's start, with what the Trainer cannot
-know once the batch changes: the LR schedule counted in samples, and the run's position.
+"""Growth of the Trainer's effective batch (at each epoch's start, or within epochs in batches
+its loader cuts at the size in force), with what the Trainer cannot know once the batch changes:
+the LR schedule counted in samples, and the run's position.
 
 ``Trainer`` sizes its LR schedule in optimizer steps once (``max_steps`` at the first batch), and
 on resume finds its place by dividing the global step by the steps of an epoch at the first
@@ -10,12 +11,15 @@ steps into it (:class:`RunPosition`), from which a resume starts.
 """
 
 from dataclasses import asdict, dataclass
+import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import IterableDataset
 
+from adaptive_batch.data.samplers import BatchPlan, PlannedBatchSampler
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.schedule.growth import GrowthOptions
 from adaptive_batch.schedule.lr_progress import SampleProgressLR
 
 
@@ -101,8 +105,8 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
         )
     if args.max_steps and args.max_steps > 0:
         raise ConfigError(
-            f"max_steps={args.max_steps} with batch_increase_function: the batch grows at each epoch's start and an "
-            "epoch then takes fewer steps; set num_train_epochs and max_steps=-1 (the default)."
+            f"max_steps={args.max_steps} with batch_increase_function: as the batch grows an epoch takes fewer "
+            "steps, so a count of steps would not be the run's length; set num_train_epochs and max_steps=-1 (the default)."
         )
     if getattr(args, "padding_free", False):
         raise ConfigError(
@@ -116,10 +120,50 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
         )
 
 
+def refuse_growth_within_epochs_where_batches_are_shared(growth: GrowthOptions, one_process: bool) -> None:
+    """Growth within epochs needs each step's batch whole in one process (several processes,
+    ``DataParallel`` and ``batch_rebalance`` share each batch out by count).
+
+    Raises:
+        ConfigError: where the batches are shared out.
+    """
+    if not one_process:
+        raise ConfigError(
+            f"batch_increase_interval='{growth.batch_increase_interval}' with several processes (or several GPUs in "
+            "one, or train_sampling_strategy='batch_rebalance'): the batches are shared out by count, so a batch "
+            "cut at a new size mid-epoch would not be one rank's step; set batch_increase_interval='epoch' there."
+        )
+
+
+def cut_as_planned(loader: Any, plan: BatchPlan) -> Any:
+    """``loader`` (as the Trainer and Accelerate made it, its sampler's order and grouping kept)
+    cutting each batch at the size ``plan`` has in force.
+
+    Raises:
+        ValueError: for a loader without a batch sampler to replace.
+    """
+    torch_loader = getattr(loader, "base_dataloader", loader)  # Accelerate's wraps a torch one
+    inner = getattr(torch_loader, "batch_sampler", None)
+    if inner is None or not hasattr(inner, "sampler"):
+        raise ValueError(f"{type(loader).__name__} has no batch sampler of a sampler to cut as planned.")
+    # A DataLoader refuses a new batch sampler once made; the rest stays as the Trainer made it.
+    planned = PlannedBatchSampler(inner.sampler, plan, drop_last=bool(getattr(inner, "drop_last", False)))
+    object.__setattr__(torch_loader, "batch_sampler", planned)
+    return loader
+
+
+def first_batch_steps(args: Any, samples: int, first: int) -> int:
+    """The run's optimizer steps at its first effective batch of ``first`` (the length the LR
+    schedule is counted over), as the Trainer counts them from its loader."""
+    per_epoch = samples // first if args.dataloader_drop_last else math.ceil(samples / first)
+    return math.ceil(args.num_train_epochs * max(per_epoch, 1))
+
+
 def updates_in(steps_in_epoch: int, accumulation: int) -> int:
     """The optimizer steps of an epoch of ``steps_in_epoch`` micro-batches, as the Trainer counts
     them (a last step of the micro-batches left)."""
     return max(steps_in_epoch // accumulation + int(steps_in_epoch % accumulation > 0), 1)
 
 
-__all__ = ["RunPosition", "SampleCountedSchedule", "refuse_what_growth_cannot_follow", "updates_in"]
+__all__ = ["RunPosition", "SampleCountedSchedule", "cut_as_planned", "first_batch_steps",
+           "refuse_growth_within_epochs_where_batches_are_shared", "refuse_what_growth_cannot_follow", "updates_in"]

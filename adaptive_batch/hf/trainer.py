@@ -17,6 +17,7 @@ batch needs to hold from step to step and says so in one line (on CPU glibc's
 expandable segments): :func:`adaptive_batch.memory.device.prepare_allocator`.
 """
 
+import contextlib
 from contextlib import contextmanager
 import copy
 import functools
@@ -25,6 +26,7 @@ import os
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import warnings
 
+import torch
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -47,7 +49,15 @@ from adaptive_batch.hf.micro_batches import (
     split_into_micro_batches,
     uneven_allowed,
 )
-from adaptive_batch.hf.run_position import RunPosition, SampleCountedSchedule, refuse_what_growth_cannot_follow, updates_in
+from adaptive_batch.hf.run_position import (
+    RunPosition,
+    SampleCountedSchedule,
+    cut_as_planned,
+    first_batch_steps,
+    refuse_growth_within_epochs_where_batches_are_shared,
+    refuse_what_growth_cannot_follow,
+    updates_in,
+)
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
 from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator
@@ -56,7 +66,7 @@ from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedEr
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
-from adaptive_batch.schedule.global_batch import check_global_batch, micro_batches_per_trial
+from adaptive_batch.schedule.global_batch import check_global_batch, micro_batch_sizes, micro_batches_per_trial
 from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 from adaptive_batch.validation import check_positive_int
@@ -82,15 +92,17 @@ class AdaptiveBatchTrainer(Trainer):
             share trains in the fewest micro-batches that fit (``gradient_accumulation_steps``
             must then be 1).
         probe_eval: also probe ``per_device_eval_batch_size`` with forward passes alone.
-        batch_increase_function: ``f(epoch, current_batch_size) -> increment`` (or its dotted
-            path), called at the start of every epoch (0-based) with the effective batch over
-            every rank (each rank grows by its share, rounded down, so ranks stay equal): the
-            effective batch grows, trained in micro-batches no larger than the probe's answer,
-            never past the answer unless the first one already accumulates (is larger than the
-            answer) or ``grow_with_accumulation``;
+        batch_increase_function: ``f(k, current_batch_size) -> increment`` (or its dotted
+            path), called at the start of every epoch ``k`` (0-based), or at boundary ``k`` of
+            ``batch_increase_interval``, with the effective batch over every rank (each rank
+            grows by its share, rounded down, so ranks stay equal): the effective batch grows,
+            trained in micro-batches no larger than the probe's answer, never past the answer
+            unless the first one already accumulates (is larger than the answer) or
+            ``grow_with_accumulation``;
             the LR schedule is then counted in samples (in steps of the first effective batch).
-        batch_increase_interval: ``"epoch"``, the only interval the Trainer's loop can grow at
-            (it sizes an epoch's loader and steps at the epoch's start); others are refused.
+        batch_increase_interval: ``"epoch"``, or ``"<N> steps"`` or ``"<N> samples"`` in one
+            process: each optimizer step's batch is then one batch of the loader, cut at the
+            size in force, and split into the micro-batches that fit by :meth:`training_step`.
         grow_with_accumulation: growth passes the answer in accumulated micro-batches.
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR in force is the schedule's LR
             times the rule's factor for the effective batch against ``lr_scaling_reference``
@@ -132,6 +144,7 @@ class AdaptiveBatchTrainer(Trainer):
                           grow_with_accumulation=grow_with_accumulation),
             LRScalingOptions(lr_scaling=lr_scaling, lr_scaling_reference=lr_scaling_reference,
                              weight_decay_scaling=weight_decay_scaling),
+            within_epochs=True,
         )
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
         check_positive_int("global_batch_size", global_batch_size, allow_none=True)
@@ -146,6 +159,8 @@ class AdaptiveBatchTrainer(Trainer):
         refuse_what_changes_the_batch(self)
         if self._growth.grows:
             refuse_what_growth_cannot_follow(self.args, self.train_dataset)
+            if self._growth.within_epochs:
+                refuse_growth_within_epochs_where_batches_are_shared(self._growth.growth, uneven_allowed(self))
         self._position = RunPosition()  # the run's epoch and samples, for growth's schedule and resume
         self._resumed_position: Optional[RunPosition] = None
         self._epoch_loader: Optional[tuple] = None  # (effective batch, the loader of its epochs)
@@ -154,6 +169,7 @@ class AdaptiveBatchTrainer(Trainer):
         self._settle: Optional[Callable[[], None]] = None  # the probe or the checkpoint's batches, at the loop's start
         self._ranks = RankGroup(self.args.device)
         self._update_rows: list = []  # the rows of each micro-batch of the step being trained
+        self._epoch_start_growth: Optional[dict] = None  # growing within epochs: the state a resume replays from
         self.add_callback(_SaveTheBatch(self))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -220,8 +236,10 @@ class AdaptiveBatchTrainer(Trainer):
         over every rank (``batch_size``) and the micro-batch each rank trains it in, so the
         monitors that show the learning rate in force show the batch beside it."""
         if "loss" in logs and self.adaptive_batch is not None:
-            logs = {**logs, "batch_size": self.adaptive_batch["effective_batch_size"] * self.args.world_size,
-                    "micro_batch_size": self.args.per_device_train_batch_size}
+            effective = self.adaptive_batch["effective_batch_size"]
+            micro_batch = min(effective, self.adaptive_batch["max_micro_batch_size"]) if self._steps_are_loader_batches \
+                else self.args.per_device_train_batch_size
+            logs = {**logs, "batch_size": effective * self.args.world_size, "micro_batch_size": micro_batch}
         super().log(logs, *args, **kwargs)
 
     def _probe(self) -> Dict[str, int]:
@@ -344,9 +362,19 @@ class AdaptiveBatchTrainer(Trainer):
         return state is not None and (
             state["per_device_train_batch_size"] * state["gradient_accumulation_steps"] != state["effective_batch_size"])
 
+    @property
+    def _steps_are_loader_batches(self) -> bool:
+        """Whether each optimizer step is one batch of the loader (growth within epochs), split
+        into micro-batches by :meth:`training_step`."""
+        return self._growth.grows and self._growth.within_epochs and self._growth.state is not None
+
     def get_train_dataloader(self) -> Any:
         """``Trainer``'s loader; where the micro-batches are uneven, its batches of the effective
-        size (its sampler and grouping kept), each split into the micro-batches that fit."""
+        size (its sampler and grouping kept), each split into the micro-batches that fit; where
+        the batch grows within epochs, batches of the size in force as each is cut."""
+        if self._steps_are_loader_batches:
+            with effective_batch_args(self, self._growth.next_batch_size()):
+                return cut_as_planned(super().get_train_dataloader(), self._growth)
         if not self._uneven():
             return super().get_train_dataloader()
         with effective_batch_args(self, self.adaptive_batch["effective_batch_size"]):
@@ -356,17 +384,40 @@ class AdaptiveBatchTrainer(Trainer):
     def get_total_train_batch_size(self, args: Any) -> int:
         """The samples of one optimizer step over every rank (the effective batch where the
         micro-batches are uneven, not the largest of them times their count)."""
-        if not self._uneven():
+        if not (self._uneven() or self._steps_are_loader_batches):
             return super().get_total_train_batch_size(args)
         return self.adaptive_batch["effective_batch_size"] * args.world_size
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer``'s micro-batches of one optimizer step, their rows remembered for the loss."""
+        """``Trainer``'s micro-batches of one optimizer step, their rows remembered for the loss;
+        where a step is one batch of the loader, the rows of the micro-batches it splits into,
+        and the batch in force at this step."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
-        self._update_rows = [BatchLayout().rows(batch) for batch in batches] if self._uneven() else []
+        rows = [BatchLayout().rows(batch) for batch in batches]
+        self._update_rows = rows if self._uneven() else []
+        if self._steps_are_loader_batches and batches:
+            self.adaptive_batch["effective_batch_size"] = self._growth.train_step(self.state.global_step)
+            self._update_rows = micro_batch_sizes(rows[0], self.adaptive_batch["max_micro_batch_size"])
         if self._growth.grows:  # the schedule's progress: samples, not steps
-            self._position.samples_seen += sum(BatchLayout().rows(batch) for batch in batches)
+            self._position.samples_seen += sum(rows)
         return batches, num_items
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        """``Trainer``'s step; where an optimizer step is one batch of the loader larger than
+        what fits, that batch in the micro-batches that fit, the gradients of all but the last
+        kept local (``no_sync``), each loss its share of the step's (the step's
+        ``num_items_in_batch``, or the rows' weights), the step's loss returned."""
+        sizes = self._update_rows
+        if not (self._steps_are_loader_batches and model.training and len(sizes) > 1):
+            return super().training_step(model, inputs, num_items_in_batch)
+        self.current_gradient_accumulation_steps = len(sizes)
+        pieces = BatchLayout().split(inputs, sizes)
+        losses = []
+        for i, piece in enumerate(pieces):
+            local = i < len(pieces) - 1
+            with self.accelerator.no_sync(model) if local else contextlib.nullcontext():
+                losses.append(super().training_step(model, piece, num_items_in_batch))
+        return torch.stack(losses).sum()
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None, **kwargs: Any) -> Any:
@@ -375,7 +426,7 @@ class AdaptiveBatchTrainer(Trainer):
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch, **kwargs)
         rows = self._update_rows
-        if not model.training or not self._uneven() or not rows or self._loss_weighted_by_items(num_items_in_batch):
+        if not model.training or not rows or self._loss_weighted_by_items(num_items_in_batch):
             return result
         weight = rows_weight(BatchLayout().rows(inputs), sum(rows), len(rows))
         return (result[0] * weight, *result[1:]) if isinstance(result, tuple) else result * weight
@@ -418,6 +469,8 @@ class AdaptiveBatchTrainer(Trainer):
                                                              uneven_allowed=False)
             state = {**state, "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation}
         self._take_micro_batches(state["per_device_train_batch_size"], state["gradient_accumulation_steps"])
+        if self._growth.grows and self._growth.within_epochs:  # a step is one batch of the loader
+            self._take_micro_batches(min(effective, state["max_micro_batch_size"]), 1)
         if "per_device_eval_batch_size" in state:
             args.per_device_eval_batch_size = state["per_device_eval_batch_size"]
         self.adaptive_batch = {k: v for k, v in state.items() if k not in ("growth", "position")}
@@ -455,7 +508,10 @@ class AdaptiveBatchTrainer(Trainer):
         and the run is."""
         state = dict(self.adaptive_batch)
         if self._growth.state is not None:
-            state.update(growth=self._growth.state.to_dict(), position=self._position.to_dict())
+            # Growing within epochs, the loader has cut past the step saved: a resume replays
+            # the epoch's batches from its start.
+            growth = self._epoch_start_growth if self._steps_are_loader_batches else self._growth.state.to_dict()
+            state.update(growth=growth, position=self._position.to_dict())
         return state
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
@@ -463,6 +519,8 @@ class AdaptiveBatchTrainer(Trainer):
         epoch's optimizer steps are those of the epoch's own batch."""
         if not self._growth.grows:
             return super()._run_epoch(*args, **kwargs)
+        if self._steps_are_loader_batches:
+            return self._run_epoch_of_planned_batches(*args, **kwargs)
         epoch = kwargs["epoch"]
         with logs.lines_to(self._log):
             decision = self._growth.grow_at(epoch)
@@ -478,11 +536,29 @@ class AdaptiveBatchTrainer(Trainer):
         steps = len(loader)
         kwargs.update(train_dataloader=loader, steps_in_epoch=steps,
                       num_update_steps_per_epoch=updates_in(steps, self.args.gradient_accumulation_steps))
+        self._mark_epoch_start(epoch, kwargs["num_update_steps_per_epoch"], kwargs)
+        return super()._run_epoch(*args, **kwargs)
+
+    def _run_epoch_of_planned_batches(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer``'s epoch where its batches grow as they are cut: its length is the plan's
+        from the epoch's start (kept, for a resume to replay the epoch from)."""
+        epoch = kwargs["epoch"]
+        if self._epoch_loader[1] is None:  # the loop's own, built at the batch in force
+            self._epoch_loader = (None, kwargs["train_dataloader"])
+        loader = self._epoch_loader[1]
+        self._epoch_start_growth = self._growth.state.to_dict()
+        steps = len(loader)
+        kwargs.update(train_dataloader=loader, steps_in_epoch=steps, num_update_steps_per_epoch=steps)
+        self._mark_epoch_start(epoch, steps, kwargs)
+        with logs.lines_to(self._log):
+            return super()._run_epoch(*args, **kwargs)
+
+    def _mark_epoch_start(self, epoch: int, updates: int, kwargs: Dict[str, Any]) -> None:
+        """The position's epoch: where it started, unless a resume goes on with the checkpoint's."""
         resuming = kwargs.get("resume_from_checkpoint") is not None and epoch == kwargs.get("epochs_trained")
         if not (resuming and self._resumed_position is not None and self._resumed_position.epoch == epoch):
             self._position.epoch, self._position.epoch_start_step = epoch, self.state.global_step
-        self._position.epoch_updates = kwargs["num_update_steps_per_epoch"]
-        return super()._run_epoch(*args, **kwargs)
+        self._position.epoch_updates = updates
 
     def _take_micro_batches(self, per_device: int, accumulation: int) -> None:
         """The arguments the Trainer builds its loader and steps from, for these micro-batches."""
@@ -513,11 +589,17 @@ class AdaptiveBatchTrainer(Trainer):
             return epochs_trained, steps_in_epoch
         position = self._resumed_position
         if position is None:
+            if self._steps_are_loader_batches:  # the loader's length has its growth: count at the first batch
+                max_steps = self.state.max_steps = first_batch_steps(self.args, len(self.train_dataset),
+                                                                     self._asked_batch[0] * self._asked_batch[1])
             self._position = RunPosition(schedule_steps=max_steps)
             return epochs_trained, steps_in_epoch
         self._position = RunPosition(**position.to_dict())
         self.state.max_steps = position.schedule_steps
-        return position.resume_point(self.state.global_step, self.args.gradient_accumulation_steps)
+        epoch, into = position.resume_point(self.state.global_step, self.args.gradient_accumulation_steps)
+        if self._steps_are_loader_batches and epoch > position.epoch:  # the checkpoint's epoch had ended
+            self._growth.finish_epoch(len(self.train_dataset), self.args.dataloader_drop_last)
+        return epoch, into
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """``Trainer``'s scheduler; growing, counted in samples (steps of the first effective

@@ -1,6 +1,7 @@
-"""The batch of a framework's run across its epochs, for the adapters of loops we do not own
-(Lightning's fit loop, Hugging Face's Trainer): where it starts, how it grows at each epoch's
-start, and the LR that follows it.
+"""The batch of a framework's run, for the adapters of loops we do not own (Lightning's fit
+loop, Hugging Face's Trainer): where it starts, how it grows (at each epoch's start, or, where the
+loop takes batches of any size, at each boundary of ``N steps`` or ``N samples`` as its loader
+cuts them), and the LR that follows it.
 
 The decisions are the recipes' (:func:`~adaptive_batch.schedule.growth.grow_batch_size`,
 :class:`~adaptive_batch.schedule.lr_scaling.BatchLRScaler`); this module holds what a run needs
@@ -9,8 +10,9 @@ the batch the stopped one would have trained. How a batch splits into the micro-
 is the adapter's (Lightning accumulates equal ones by count; the Trainer may split unevenly).
 """
 
+import copy
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
@@ -30,8 +32,11 @@ class EpochGrowthState:
         effective: the batch (samples of one optimizer step) of the epoch the checkpoint was
             taken in (or is about to start).
         reference: the batch, in samples, the configured LR was set for.
-        decided_epoch: the last epoch whose growth was decided.
+        decided_epoch: the last epoch (or boundary of a steps or samples interval) whose growth
+            was decided.
         settings: the callback's settings, so a resume with other ones is refused.
+        steps: the batches cut so far, where the batch grows within epochs.
+        samples: their samples on this rank.
     """
 
     found: int
@@ -39,6 +44,8 @@ class EpochGrowthState:
     reference: float
     decided_epoch: int
     settings: Dict[str, Any]
+    steps: int = 0
+    samples: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(asdict(self), version=STATE_VERSION)
@@ -46,34 +53,45 @@ class EpochGrowthState:
     @classmethod
     def from_dict(cls, state: Dict[str, Any]) -> "EpochGrowthState":
         fields = {key: state[key] for key in ("found", "effective", "reference", "decided_epoch", "settings")}
-        return cls(**fields)
+        return cls(**fields, steps=state.get("steps", 0), samples=state.get("samples", 0))
 
 
 class EpochGrowth:
     """A run's batch (the samples of one optimizer step) from the probe's answer on, epoch by epoch.
 
     Args:
-        growth: ``batch_increase_function`` (called at the start of every epoch, 0-based, as
-            ``f(epoch, current_batch_size) -> increment``, with the batch over every rank, as the
-            recipes call it) and ``grow_with_accumulation``.
+        growth: ``batch_increase_function`` (called as ``f(k, current_batch_size) -> increment``
+            with the batch over every rank, as the recipes call it, at the start of every epoch
+            ``k``, 0-based, or at boundary ``k`` of ``batch_increase_interval``, the first before
+            the first step) and ``grow_with_accumulation``.
         lr: how the LR (and weight decay) follow the batch.
         accumulates: the batch may pass what fits in accumulated micro-batches without
             ``grow_with_accumulation`` (a fixed global batch, or a Trainer's accumulation).
+        within_epochs: the adapter's loader cuts batches of the size in force as it draws them
+            (:meth:`cut_batch`), so the batch may grow every ``N steps`` or ``N samples``.
 
     Raises:
         ConfigError: for a growth function that needs the gradient noise scale (not measured
-            here), or a ``batch_increase_interval`` other than the epoch; for a rule the
-            optimizer cannot take (:meth:`attach_optimizer`).
+            here); for a ``batch_increase_interval`` other than the epoch where the adapter
+            cannot grow within epochs, or of tokens; for a rule the optimizer cannot take
+            (:meth:`attach_optimizer`).
     """
 
-    def __init__(self, growth: GrowthOptions, lr: LRScalingOptions, *, accumulates: bool = False) -> None:
+    def __init__(self, growth: GrowthOptions, lr: LRScalingOptions, *, accumulates: bool = False,
+                 within_epochs: bool = False) -> None:
         interval = growth.batch_increase_interval
-        if not interval.per_epoch:
-            # The loops size an epoch's loader, its steps and its accumulation at its start.
+        if not interval.per_epoch and not within_epochs:
+            # Lightning's loop counts an epoch's accumulation from its start.
             raise ConfigError(
-                f"batch_increase_interval='{interval}': a framework's loop builds each epoch's batches, and counts its "
+                f"batch_increase_interval='{interval}': this loop builds each epoch's batches, and counts its "
                 "steps, at the epoch's start, so the batch grows there alone here; set batch_increase_interval='epoch' "
-                "(the default), or grow every N steps, samples or tokens with the recipes or adaptive_batch.AdaptiveBatch."
+                "(the default), or grow every N steps, samples or tokens with the recipes, AdaptiveBatchTrainer or "
+                "adaptive_batch.AdaptiveBatch."
+            )
+        if interval.unit == "tokens":
+            raise ConfigError(
+                f"batch_increase_interval='{interval}': this loop's loader counts the steps and samples it cuts, not "
+                "their tokens; grow every N steps or N samples, or by tokens with the recipes."
             )
         fn = growth.batch_increase_function
         if getattr(fn, "needs_gradient_noise_scale", False):
@@ -87,6 +105,13 @@ class EpochGrowth:
         self.scaler: Optional[BatchLRScaler] = None
         self._hooks: list = []  # the optimizer's step hooks of this run
         self.ranks = 1  # the data-parallel ranks, each training ``state.effective`` samples a step
+        self._cut: Dict[int, int] = {}  # the batch in force at each step cut and not yet trained
+        self._trained: Optional[int] = None  # the batch in force at the step being trained, where it grows within epochs
+
+    @property
+    def within_epochs(self) -> bool:
+        """Whether the batch grows at boundaries of steps or samples, as the loader cuts them."""
+        return not self.growth.batch_increase_interval.per_epoch
 
     @property
     def grows(self) -> bool:
@@ -120,7 +145,10 @@ class EpochGrowth:
         reference = self.lr.lr_scaling_reference
         self.state = EpochGrowthState(found, effective, float(configured * ranks if reference is None else reference),
                                       -1, settings)
-        return effective
+        self._cut, self._trained = {}, None
+        if self.grows and self.within_epochs:
+            self._decide_reached(self.state, log=True)  # boundary 0, before the first step
+        return self.state.effective
 
     def resume(self, state: Dict[str, Any], settings: Dict[str, Any], *, ranks: int = 1) -> int:
         """One rank's batch of the checkpoint's fit, its settings (the ranks among them, where the
@@ -138,6 +166,7 @@ class EpochGrowth:
                     "batch would no longer be the one it trained. Resume with the checkpoint's setting, or start a new fit."
                 )
         self.state, self.ranks = restored, ranks
+        self._cut, self._trained = {}, None
         return restored.effective
 
     def grow_at(self, epoch: int) -> Optional[GrowthDecision]:
@@ -151,10 +180,7 @@ class EpochGrowth:
         if not self.grows or epoch <= state.decided_epoch:
             return None
         state.decided_epoch = epoch
-        # The function sees and grows the batch over every rank; each rank takes its share.
-        fn = per_rank_increase(self.growth.batch_increase_function, self.ranks)
-        decision = grow_batch_size(fn, epoch=epoch, current_batch_size=state.effective,
-                                   bound=None if self.accumulates else state.found)
+        decision = self._decide(state, epoch, "epoch")
         if decision.batch_size == state.effective:
             if decision.clamped:
                 logs.info(f"adaptive-batch: epoch {epoch}: {decision.requested} asked, {state.effective} kept (the "
@@ -162,6 +188,69 @@ class EpochGrowth:
             return None
         state.effective = decision.batch_size
         return decision
+
+    def _decide(self, state: EpochGrowthState, k: int, label: str) -> GrowthDecision:
+        # The function sees and grows the batch over every rank; each rank takes its share.
+        fn = per_rank_increase(self.growth.batch_increase_function, self.ranks)
+        return grow_batch_size(fn, epoch=k, current_batch_size=state.effective,
+                               bound=None if self.accumulates else state.found, label=label)
+
+    def next_batch_size(self) -> int:
+        """The size the loader cuts its next batch at."""
+        return self.state.effective
+
+    def cut_batch(self, rows: int) -> None:
+        """A batch of ``rows`` samples cut by the loader at the batch in force: counted, and the
+        growth of every boundary it reaches decided (the next batch takes it). A loader draws
+        ahead of training, so the batch in force at each step is kept for :meth:`train_step`.
+
+        Raises:
+            BatchIncreaseFunctionError: when the function raises or returns a bad increment.
+        """
+        self._cut[self.state.steps] = self.state.effective
+        self._count(self.state, rows)
+        self._decide_reached(self.state, log=True)
+
+    def train_step(self, step: int) -> int:
+        """The batch in force at the step ``step`` (0-based, of the run) being trained: the LR
+        rule and the logs follow it, not the batch the loader has cut ahead of it."""
+        for earlier in [s for s in self._cut if s < step]:  # cut and skipped (a resume's fast-forward)
+            del self._cut[earlier]
+        self._trained = self._cut.pop(step, self.state.effective)
+        return self._trained
+
+    def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, EpochGrowthState]:
+        """The batches an epoch of ``samples`` samples takes from here, growing as it goes, and
+        the state after them: the epoch's length before its batches are cut. The growth function
+        is called for the boundaries on the way, and again when the loader reaches them."""
+        state, batches = copy.deepcopy(self.state), 0
+        while samples >= state.effective or (samples > 0 and not drop_last):
+            rows = min(samples, state.effective)
+            samples, batches = samples - rows, batches + 1
+            self._count(state, rows)
+            self._decide_reached(state, log=False)
+        return batches, state
+
+    def finish_epoch(self, samples: int, drop_last: bool) -> None:
+        """The state after the rest of an epoch of ``samples`` samples, taken without cutting
+        it (a resume from a checkpoint written at an epoch's end)."""
+        self.state = self.batches_in_epoch(samples, drop_last)[1]
+
+    def _count(self, state: EpochGrowthState, rows: int) -> None:
+        state.steps, state.samples = state.steps + 1, state.samples + rows
+
+    def _decide_reached(self, state: EpochGrowthState, *, log: bool) -> None:
+        """The growth of every boundary ``state``'s steps or samples (over every rank) reach, in order."""
+        reached = self.growth.batch_increase_interval.index(steps=state.steps, samples=state.samples * self.ranks,
+                                                            tokens=0)
+        for k in range(state.decided_epoch + 1, reached + 1):
+            decision = self._decide(state, k, "interval")
+            state.decided_epoch, state.effective = k, decision.batch_size
+            if log and decision.batch_size != decision.previous:
+                where = self.growth.batch_increase_interval.describe(k)
+                clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
+                lr = "" if self.scaler is None else f"; LR x {self._factor_at(decision.batch_size):.4g} from its first step"
+                logs.info(f"adaptive-batch: {where}: the batch {decision.previous} -> {decision.batch_size}{clamp}{lr}.")
 
     def attach_optimizer(self, optimizer: Any, lr_scheduler: Any, *, hold_before_step: bool = False) -> None:
         """Scales ``optimizer``'s LR for the batch (``lr_scheduler``'s LR is the base, when given):
@@ -193,11 +282,20 @@ class EpochGrowth:
             hook.remove()
         self._hooks = []
 
+    @property
+    def trained(self) -> int:
+        """The batch of the step being trained (where it grows within epochs, the loader has
+        cut further)."""
+        return self.state.effective if self._trained is None else self._trained
+
     def lr_factor(self) -> float:
         """The factor the LR in force holds for the current batch (1 where nothing scales)."""
         if self.scaler is None or self.state is None:
             return 1.0
-        return self.scaler.lr_rule.factors(samples=self.state.effective * self.ranks, tokens=0.0).lr_factor
+        return self._factor_at(self.trained)
+
+    def _factor_at(self, batch: int) -> float:
+        return self.scaler.lr_rule.factors(samples=batch * self.ranks, tokens=0.0).lr_factor
 
     def release_lr(self) -> None:
         """The unscaled LR back (idempotent)."""
@@ -208,7 +306,7 @@ class EpochGrowth:
         """The LR in force for the current batch: the schedule's (or the configured) LR times the
         rule's factor, where monitors and the optimizer step read it."""
         if self.scaler is not None:
-            self.scaler.apply(samples=self.state.effective * self.ranks, tokens=0.0)
+            self.scaler.apply(samples=self.trained * self.ranks, tokens=0.0)
 
 
 def growth_settings(growth: GrowthOptions, lr: LRScalingOptions) -> Dict[str, Any]:

@@ -6,7 +6,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from torch.utils.data import BatchSampler, DataLoader
 
-from adaptive_batch.data.samplers import MicroBatchSampler, ResizableBatchSampler
+from adaptive_batch.data.samplers import MicroBatchSampler, PlannedBatchSampler, ResizableBatchSampler
 
 
 class Data:
@@ -112,3 +112,32 @@ def test_micro_batches_split_each_batch_in_order_into_the_fewest_that_fit(drop_l
     assert micro.sampler is inner  # where an older Accelerate looks for set_epoch
     with pytest.raises(ValueError, match="limit=0"):
         MicroBatchSampler(batches, 0)
+
+
+class _Plan:
+    """Doubles the batch after every 2 batches cut (a stand-in for EpochGrowth's plan)."""
+
+    def __init__(self):
+        self.size, self.cut = 2, []
+
+    def next_batch_size(self):
+        return self.size
+
+    def cut_batch(self, rows):
+        self.cut.append(rows)
+        if len(self.cut) % 2 == 0:
+            self.size *= 2
+
+    def batches_in_epoch(self, samples, drop_last):
+        return 99, None  # what the loader reads as the epoch's length
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_planned_batches_take_the_size_in_force_when_cut_and_tell_the_plan_first(drop_last):
+    plan = _Plan()
+    sampler = PlannedBatchSampler(range(15), plan, drop_last=drop_last)
+    batches = iter(sampler)
+    assert next(batches) == [0, 1] and plan.cut == [2]  # told before it is handed out
+    rest = list(batches)
+    assert rest == [[2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] + ([] if drop_last else [[12, 13, 14]])
+    assert len(sampler) == 99

@@ -1,6 +1,6 @@
-"""AdaptiveBatchTrainer growing its effective batch each epoch: the batch the function asks for
-up to what fits, the LR in force logged, the schedule counted in samples, and a resumed run that
-trains what the uninterrupted one trains."""
+"""AdaptiveBatchTrainer growing its effective batch each epoch or every N steps: the batch the
+function asks for up to what fits, the LR in force logged, the schedule counted in samples, and a
+resumed run that trains what the uninterrupted one trains."""
 
 import json
 import shutil
@@ -21,7 +21,7 @@ def double_after_the_first(epoch, current_batch_size):
     return current_batch_size if epoch > 0 else 0
 
 
-def _trainer(out, **kwargs):
+def _trainer(out, net=None, samples=None, **kwargs):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -31,9 +31,11 @@ def _trainer(out, **kwargs):
     training.update(kwargs.pop("training", {}))
     lines = []
     trainer = AdaptiveBatchTrainer(
-        model=LlamaForCausalLM(config), args=TrainingArguments(**training), train_dataset=_samples(SAMPLES),
-        data_collator=ByteCollator(), max_memory="20MiB", max_batch_size=6, probe_eval=False, log=lines.append,
-        **{"batch_increase_function": double_after_the_first, "lr_scaling": "linear", **kwargs},
+        model=net() if net else LlamaForCausalLM(config), args=TrainingArguments(**training),
+        train_dataset=samples or _samples(SAMPLES),
+        data_collator=ByteCollator(), probe_eval=False, log=lines.append,
+        **{"max_memory": "20MiB", "max_batch_size": 6, "batch_increase_function": double_after_the_first,
+           "lr_scaling": "linear", **kwargs},
     )
     trainer.lines = lines
     return trainer
@@ -112,9 +114,9 @@ def test_what_growth_cannot_follow_is_one_line_before_any_step(tmp_path):
         _trainer(tmp_path, training={"max_steps": 5})
     with pytest.raises(ConfigError, match="no_such_module"):
         _trainer(tmp_path, batch_increase_function="no_such_module.grow")
-    # the recipes' key, whose other intervals the Trainer's loop cannot follow mid-epoch
-    with pytest.raises(ConfigError, match=r"batch_increase_interval='100 steps': .* set batch_increase_interval='epoch'"):
-        _trainer(tmp_path, batch_increase_interval="100 steps")
+    # the recipes' key: the loader counts the steps and samples it cuts, not tokens
+    with pytest.raises(ConfigError, match=r"batch_increase_interval='100 tokens': .* grow every N steps or N samples"):
+        _trainer(tmp_path, batch_increase_interval="100 tokens")
     with pytest.raises(ConfigError, match=r"batch_increase_interval='weekly' is not an interval"):
         _trainer(tmp_path, batch_increase_interval="weekly")
     stepped = _trainer(tmp_path)  # a scheduler of the user's that cannot be counted in samples
@@ -169,3 +171,84 @@ def test_trials_of_a_run_that_grows_by_accumulation_run_two_micro_batches_here_a
     build = TrainerTrialBuild.of(trainer, _worst_case)
     assert isinstance(build, TrainerTrialBuild) and build.grows_by_accumulation
     assert not _trainer(tmp_path).trials_grow_by_accumulation()
+
+
+# ---------------------------------------------------------------- growth within epochs
+
+def double_every_boundary_after_the_first(k, current_batch_size):
+    return current_batch_size if k > 0 else 0
+
+
+EVERY_3_STEPS = dict(batch_increase_function=double_every_boundary_after_the_first, batch_increase_interval="3 steps",
+                     grow_with_accumulation=True)
+
+
+@pytest.fixture(scope="module")
+def every_3_steps(tmp_path_factory):
+    trainer = _trainer(tmp_path_factory.mktemp("steps"), training={"save_steps": 1}, **EVERY_3_STEPS)
+    trainer.train()
+    return trainer
+
+
+def test_every_n_steps_the_batch_grows_mid_epoch_with_the_lr_in_force(every_3_steps):
+    """4, then 8 after 3 steps, 16 after 6, 32 after 9, past the 6 that fit in micro-batches:
+    epoch 0 is 3 x 4 + 2 x 8 and the 4 left, epoch 1 two steps of 16, epoch 2 one of 16 and the
+    16 left at 32. The epochs' lengths are the plan's; the LR is the schedule's at the samples
+    seen times the batch in force over 4."""
+    steps = _steps(every_3_steps)
+    batches = [h["batch_size"] for h in steps]
+    assert batches == [4, 4, 4, 8, 8, 8, 16, 16, 16, 32]
+    assert [h["micro_batch_size"] for h in steps] == [4] * 3 + [6] * 7
+    assert [h["epoch"] for h in steps] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1, 1.5, 2, 2.5, 3])
+    trained = [4, 4, 4, 8, 8, 4, 16, 16, 16, 16]
+    seen = [sum(trained[:i]) for i in range(len(trained))]
+    expected = [1e-3 * (1 - s / (EPOCHS * SAMPLES)) * b / FIRST for s, b in zip(seen, batches)]
+    assert [h["learning_rate"] for h in steps] == pytest.approx(expected, rel=1e-6)
+    assert "adaptive-batch: interval 2 (6 steps): the batch 8 -> 16; LR x 4 from its first step." in every_3_steps.lines
+
+
+@pytest.mark.parametrize("model", ["weighted by tokens", "mean loss"])
+def test_a_step_past_what_fits_trains_what_the_whole_batch_trains(tmp_path, model):
+    """The same growth where 6 fit and where 32 do: steps of 8, 16 and 32 split into micro-batches
+    (4 + 4, 6 + 5 + 5, ...) train what the whole batches train, with a loss divided by the step's
+    tokens and with one that is each micro-batch's mean (weighted by its rows)."""
+    from tests.adaptive_batch.hf.test_trainer import MeanLossLM
+
+    def run(out, **kwargs):
+        if model == "mean loss":  # samples of one length: a token mean is a sample mean
+            kwargs.update(net=MeanLossLM, samples=[{"input_ids": s["input_ids"][:8]} for s in _samples(SAMPLES)])
+        trainer = _trainer(out, training={"save_strategy": "no"}, **EVERY_3_STEPS, **kwargs)
+        trainer.train()
+        return trainer
+
+    split, whole = run(tmp_path / "split"), run(tmp_path / "whole", max_batch_size=32, max_memory="2GiB")
+    assert [h["micro_batch_size"] for h in _steps(split)][-1] == 6 and [h["micro_batch_size"] for h in _steps(whole)][-1] == 32
+    assert [h["loss"] for h in _steps(split)] == pytest.approx([h["loss"] for h in _steps(whole)], rel=1e-5)
+    for a, b in zip(split.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("step", [4, 6, 7], ids=["mid-epoch, past a boundary", "at-an-epoch-end", "mid-epoch, later"])
+def test_a_run_growing_within_epochs_resumes_what_the_uninterrupted_run_trains(every_3_steps, tmp_path, step):
+    """The loader cuts ahead of training, so the checkpoint keeps the growth of its epoch's start
+    and the resume cuts the epoch's batches again, skipping those trained."""
+    resumed = _trainer(tmp_path, **EVERY_3_STEPS)
+    resumed.train(resume_from_checkpoint=f"{every_3_steps.args.output_dir}/checkpoint-{step}")
+    after = [h for h in _steps(resumed) if h["step"] > step]
+    expected = _steps(every_3_steps)[step:]
+    assert len(after) == len(expected) > 0
+    for key in ("batch_size", "learning_rate", "epoch"):
+        assert [h[key] for h in after] == pytest.approx([h[key] for h in expected], rel=1e-6), key
+    assert [h["loss"] for h in after] == pytest.approx([h["loss"] for h in expected], rel=1e-4)
+    for a, b in zip(resumed.model.parameters(), every_3_steps.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_growth_within_epochs_where_batches_are_shared_out_is_one_line(tmp_path, monkeypatch):
+    import adaptive_batch.hf.trainer as hf_trainer
+
+    monkeypatch.setattr(hf_trainer, "uneven_allowed", lambda trainer: False)  # as under several processes
+    with pytest.raises(ConfigError, match=r"batch_increase_interval='3 steps' with several processes .* "
+                                          r"set batch_increase_interval='epoch' there"):
+        _trainer(tmp_path, **EVERY_3_STEPS)
+    _trainer(tmp_path)  # per epoch, several processes grow

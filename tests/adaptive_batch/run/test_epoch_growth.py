@@ -127,3 +127,43 @@ def test_growth_toward_the_noise_scale_is_refused_where_nothing_measures_it():
 
     with pytest.raises(ConfigError, match="grows toward the gradient noise scale, which a framework's loop"):
         _growth(fn=noise_scale_growth())
+
+
+def _every(interval, fn=double, accumulate=False):
+    return EpochGrowth(GrowthOptions(batch_increase_function=fn, batch_increase_interval=interval,
+                                     grow_with_accumulation=accumulate), LRScalingOptions(lr_scaling="linear"),
+                       within_epochs=True)
+
+
+def test_within_epochs_each_batch_cut_counts_and_the_boundaries_it_reaches_are_decided_in_order():
+    """Every 8 samples, doubling up to the 6 that fit: boundary 0 before the first step (2 -> 4),
+    boundary 1 at 8 samples (4 -> 6, 8 asked); a partial batch counts its own rows."""
+    growth = _every("8 samples")
+    assert growth.start(6, 2, {}) == 4 and growth.state.decided_epoch == 0
+    cut = []
+    for rows in (4, 4, 6, 3):
+        cut.append(growth.next_batch_size())
+        growth.cut_batch(rows)
+    assert cut == [4, 4, 6, 6] and (growth.state.steps, growth.state.samples) == (4, 17)
+    assert growth.state.decided_epoch == 2  # 17 samples: boundaries 1 (8) and 2 (16)
+    # the loader cuts ahead: each step trains the batch in force when it was cut
+    assert [growth.train_step(s) for s in (1, 3, 9)] == [4, 6, 6]
+
+
+def test_an_epochs_length_is_simulated_without_cutting_and_its_end_taken_on_a_resume():
+    growth = _every("2 steps", accumulate=True)
+    growth.start(64, 2, {})  # 4 after boundary 0
+    before = growth.state.to_dict()
+    assert growth.batches_in_epoch(30, drop_last=False)[0] == 5  # 4, 4 | 8, 8 | 16 asked, 6 left
+    assert growth.batches_in_epoch(30, drop_last=True)[0] == 4
+    assert growth.state.to_dict() == before  # nothing cut
+    growth.finish_epoch(30, drop_last=False)
+    assert (growth.state.steps, growth.state.samples, growth.state.effective) == (5, 30, 16)
+
+
+def test_intervals_a_loop_cannot_follow_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"batch_increase_interval='2 steps': this loop builds each epoch's batches"):
+        EpochGrowth(GrowthOptions(batch_increase_function=double, batch_increase_interval="2 steps"),
+                    LRScalingOptions())
+    with pytest.raises(ConfigError, match=r"'100 tokens': .* grow every N steps or N samples"):
+        _every("100 tokens")
