@@ -4,19 +4,20 @@
 micro-batches, so an effective batch of 64 where 7 fit could only run as 16 x 4 (the largest
 divisor of 64 that fits). In one process the Trainer's own batches of the effective size (its
 sampler, shuffling and ``group_by_length`` kept) are split instead into the fewest micro-batches
-that fit, sizes differing by one (4 x 7 + 6 x 6), and the loss of each is weighted by its rows
+that fit, sizes differing by one (4 x 7 + 6 x 6), and the loss of each is weighted by its labels
 where the Trainer does not weight it by its tokens (``num_items_in_batch``). Several processes
 keep equal micro-batches: Accelerate shards the batches among ranks by count. A loss that ignores
 ``num_items_in_batch`` though the Trainer takes it as read (:func:`loss_reads_item_count`) is
-averaged over the micro-batches, not summed.
+weighted by each micro-batch's labels, not summed.
 """
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.samplers import MicroBatchSampler
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.schedule.global_batch import equal_micro_batches, micro_batch_sizes, split_global_batch
@@ -80,17 +81,31 @@ def split_into_micro_batches(loader: DataLoader, limit: int) -> DataLoader:
     return loader
 
 
-def rows_weight(rows: int, update_rows: int, micro_batches: int) -> float:
-    """What a micro-batch's mean loss is multiplied by so that, divided by the micro-batches
-    of its step as the Trainer divides it, every sample of the step weighs the same."""
-    return rows * micro_batches / update_rows
+def label_items(batch: Any, shifts_labels: bool = False) -> float:
+    """What a mean loss of ``batch`` averages over, counted as the Trainer counts
+    ``num_items_in_batch``: its labels that are not -100 (``shift_labels``, or all but each
+    row's first where the loss shifts them), else its rows."""
+    labels = batch.get("shift_labels", batch.get("labels")) if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor):
+        return float(BatchLayout().rows(batch))
+    if shifts_labels and "shift_labels" not in batch and labels.dim() > 1:
+        labels = labels[..., 1:]
+    return float(labels.ne(-100).sum())
 
 
-def loss_reads_item_count(model: Any, inputs: Dict[str, Any]) -> bool:
-    """Whether ``model``'s loss on ``inputs`` is divided by the ``num_items_in_batch`` it is
-    given (a causal LM's is: the Trainer passes the step's token count, so micro-batch losses add
-    up to the step's mean), or ignores it (a classification head's mean, although its forward
-    takes ``**kwargs``, from which the Trainer infers it reads it). Two forward passes without
+def micro_batch_weight(items: float, step_items: float, micro_batches: int) -> float:
+    """What a micro-batch's mean loss over its ``items`` is multiplied by so that, divided by the
+    micro-batches of its step as the Trainer divides it, the step's losses add up to the mean over
+    the step's ``step_items``: every label weighs the same, as in the whole batch's loss."""
+    return items * micro_batches / step_items if step_items > 0 else 1.0
+
+
+def loss_reads_item_count(model: Any, inputs: Dict[str, Any], compute_loss_func: Optional[Callable] = None) -> bool:
+    """Whether the loss on ``inputs`` (``model``'s own, or ``compute_loss_func(outputs, labels,
+    num_items_in_batch=...)`` where the Trainer has one) is divided by the ``num_items_in_batch``
+    it is given (a causal LM's is: the Trainer passes the step's token count, so micro-batch
+    losses add up to the step's mean), or ignores it (a classification head's mean, although its
+    forward takes ``**kwargs``, from which the Trainer infers it reads it). Two losses without
     gradients, in eval mode, the RNG put back; ``True`` where it cannot tell (no labels, no loss,
     a loss of 0 or not finite, a forward that refuses the count), which leaves the Trainer's own
     choice.
@@ -101,7 +116,11 @@ def loss_reads_item_count(model: Any, inputs: Dict[str, Any]) -> bool:
     model.eval()
     try:
         with torch.no_grad():
-            losses = [getattr(model(**inputs, num_items_in_batch=torch.tensor(n)), "loss", None) for n in (1, 2)]
+            if compute_loss_func is None:
+                losses = [getattr(model(**inputs, num_items_in_batch=torch.tensor(n)), "loss", None) for n in (1, 2)]
+            else:  # as the Trainer calls it: the labels apart from the forward's inputs
+                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+                losses = [compute_loss_func(outputs, inputs["labels"], num_items_in_batch=torch.tensor(n)) for n in (1, 2)]
     except Exception:  # noqa: BLE001 - a forward that takes no count: the Trainer's choice stands
         return True
     finally:

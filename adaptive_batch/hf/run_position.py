@@ -103,6 +103,7 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
             f"lr_scheduler_type with batch_increase_function: {name} is not a LambdaLR, so it cannot be counted in "
             "samples as the batch grows; use one of the Trainer's LambdaLR schedules (linear, cosine, constant, ...)."
         )
+    refuse_a_stream(train_dataset)
     if args.max_steps and args.max_steps > 0:
         raise ConfigError(
             f"max_steps={args.max_steps} with batch_increase_function: as the batch grows an epoch takes fewer "
@@ -113,10 +114,19 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
             "padding_free=True with batch_increase_function: a padding-free batch is one row of many samples, so "
             "the schedule could not count the samples it trains; set padding_free=False to grow the batch."
         )
+
+
+def refuse_a_stream(train_dataset: Any) -> None:
+    """Growth needs epochs of known length.
+
+    Raises:
+        ConfigError: for an ``IterableDataset``.
+    """
     if isinstance(train_dataset, IterableDataset):
         raise ConfigError(
-            "batch_increase_function with an IterableDataset: an epoch of unknown length has no start to grow at; "
-            "give the Trainer a dataset with a length."
+            "batch_increase_function with an IterableDataset: an epoch of unknown length has no start to grow at, "
+            "and no length to count the schedule over; give the Trainer a dataset with a length (a datasets.Dataset, "
+            "a list), or train without batch_increase_function."
         )
 
 
@@ -165,5 +175,5 @@ def updates_in(steps_in_epoch: int, accumulation: int) -> int:
     return max(steps_in_epoch // accumulation + int(steps_in_epoch % accumulation > 0), 1)
 
 
-__all__ = ["RunPosition", "SampleCountedSchedule", "cut_as_planned", "first_batch_steps",
+__all__ = ["RunPosition", "SampleCountedSchedule", "cut_as_planned", "first_batch_steps", "refuse_a_stream",
            "refuse_growth_within_epochs_where_batches_are_shared", "refuse_what_growth_cannot_follow", "updates_in"]

@@ -43,14 +43,16 @@ import adaptive_batch.logs as logs
 from adaptive_batch.hf.micro_batches import (
     describe_micro_batches,
     effective_batch_args,
+    label_items,
     loss_reads_item_count,
-    rows_weight,
+    micro_batch_weight,
     split_effective_batch,
     split_into_micro_batches,
     uneven_allowed,
 )
 from adaptive_batch.hf.run_position import (
     RunPosition,
+    refuse_a_stream,
     SampleCountedSchedule,
     cut_as_planned,
     first_batch_steps,
@@ -148,6 +150,8 @@ class AdaptiveBatchTrainer(Trainer):
         )
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
         check_positive_int("global_batch_size", global_batch_size, allow_none=True)
+        if self._growth.grows:  # before the Trainer's own line for a stream, which asks for max_steps
+            refuse_a_stream(kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
         super().__init__(*args, **kwargs)
         self._optimizer_passed = self.optimizer is not None  # a trial process cannot make that one again
         # The batch asked for: each train() probes for it again (a hyperparameter search sets only
@@ -169,8 +173,9 @@ class AdaptiveBatchTrainer(Trainer):
         self._settle: Optional[Callable[[], None]] = None  # the probe or the checkpoint's batches, at the loop's start
         self._ranks = RankGroup(self.args.device)
         self._update_rows: list = []  # the rows of each micro-batch of the step being trained
+        self._step_items = 0.0  # the labels of the step being trained, which its micro-batches' losses share
         self._epoch_start_growth: Optional[dict] = None  # growing within epochs: the state a resume replays from
-        self.add_callback(_SaveTheBatch(self))
+        self.add_callback(_BatchHooks(self))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Probes (or, resuming, reads the checkpoint's batches), then trains as ``Trainer`` does.
@@ -236,10 +241,9 @@ class AdaptiveBatchTrainer(Trainer):
         over every rank (``batch_size``) and the micro-batch each rank trains it in, so the
         monitors that show the learning rate in force show the batch beside it."""
         if "loss" in logs and self.adaptive_batch is not None:
-            effective = self.adaptive_batch["effective_batch_size"]
-            micro_batch = min(effective, self.adaptive_batch["max_micro_batch_size"]) if self._steps_are_loader_batches \
-                else self.args.per_device_train_batch_size
-            logs = {**logs, "batch_size": effective * self.args.world_size, "micro_batch_size": micro_batch}
+            samples = self._growth.trained if self._update_rows else self.adaptive_batch["effective_batch_size"]
+            micro_batch = max(self._update_rows, default=self.args.per_device_train_batch_size)
+            logs = {**logs, "batch_size": samples * self.args.world_size, "micro_batch_size": micro_batch}
         super().log(logs, *args, **kwargs)
 
     def _probe(self) -> Dict[str, int]:
@@ -296,20 +300,24 @@ class AdaptiveBatchTrainer(Trainer):
         4 micro-batches take 4 times the gradient of the batch, its LR in effect following the
         memory budget. Such a loss is divided by the micro-batches instead, as the Trainer divides
         a loss it knows to be a mean; said in one line."""
-        if (getattr(self, "loss_is_scaled_for_ga", None) is not None or self.compute_loss_func is not None
-                or not self.model_accepts_loss_kwargs):
+        if getattr(self, "loss_is_scaled_for_ga", None) is not None or not (
+                self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
             return  # the Trainer divides it already, or a subclass decided
         dataset, collate = self._as_the_loader_takes(self.train_dataset)
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
             return  # no sample to try it on (a stream takes make_batch): the Trainer's choice stands
         with self._forward_as_trained:  # in the precision training runs
-            if loss_reads_item_count(self.model, self._prepare_inputs(collate([dataset[0]]))):
+            if loss_reads_item_count(self.model, self._prepare_inputs(collate([dataset[0]])), self.compute_loss_func):
                 return
         # As for a model whose forward takes no count: the Trainer divides its loss by the
         # micro-batches and, under several processes, does not multiply it by their number.
-        self.model_accepts_loss_kwargs = False
-        logs.info(f"adaptive-batch: {type(self.model).__name__}'s loss ignores num_items_in_batch, so each micro-batch's "
-                  "loss is divided by the step's micro-batches (the Trainer would add them up undivided).")
+        if self.compute_loss_func is not None:
+            self.loss_is_scaled_for_ga = False
+        else:
+            self.model_accepts_loss_kwargs = False
+        whose = "compute_loss_func" if self.compute_loss_func is not None else f"{type(self.model).__name__}'s loss"
+        logs.info(f"adaptive-batch: {whose} ignores num_items_in_batch, so each micro-batch's loss is weighted by its "
+                  "share of the step's labels (the Trainer would add them up undivided).")
 
     def _as_the_loader_takes(self, dataset: Any, description: str = "training") -> Tuple[Any, Callable]:
         """``dataset`` and the collator as ``Trainer``'s loaders take them: the columns the model's
@@ -393,13 +401,13 @@ class AdaptiveBatchTrainer(Trainer):
         where a step is one batch of the loader, the rows of the micro-batches it splits into,
         and the batch in force at this step."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
-        rows = [BatchLayout().rows(batch) for batch in batches]
-        self._update_rows = rows if self._uneven() else []
+        self._update_rows = [BatchLayout().rows(batch) for batch in batches]
         if self._steps_are_loader_batches and batches:
-            self.adaptive_batch["effective_batch_size"] = self._growth.train_step(self.state.global_step)
-            self._update_rows = micro_batch_sizes(rows[0], self.adaptive_batch["max_micro_batch_size"])
+            self._update_rows = micro_batch_sizes(self._update_rows[0], self.adaptive_batch["max_micro_batch_size"])
+        self._step_items = sum(label_items(batch, self._shifts_labels) for batch in batches)
+        self._growth.train_samples(sum(self._update_rows))  # the LR of the step it trains
         if self._growth.grows:  # the schedule's progress: samples, not steps
-            self._position.samples_seen += sum(rows)
+            self._position.samples_seen += sum(self._update_rows)
         return batches, num_items
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -421,15 +429,23 @@ class AdaptiveBatchTrainer(Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None, **kwargs: Any) -> Any:
-        """``Trainer``'s loss; where the micro-batches are uneven and the loss is not weighted by
-        the step's tokens, weighted by the micro-batch's rows, so every sample weighs the same."""
+        """``Trainer``'s loss; where a step has several micro-batches and the loss is not weighted
+        by the step's tokens, each micro-batch's mean weighted by its labels (rows, where it has
+        none), so every label weighs the same as in the whole batch's mean: the Trainer weighs
+        micro-batches alike, and a seq2seq step split 3 ways moved its parameters by 1.5e-2."""
+        items = label_items(inputs, self._shifts_labels)  # before the Trainer takes the labels out for a loss function
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch, **kwargs)
         rows = self._update_rows
-        if not model.training or not rows or self._loss_weighted_by_items(num_items_in_batch):
+        if not model.training or len(rows) < 2 or self._loss_weighted_by_items(num_items_in_batch):
             return result
-        weight = rows_weight(BatchLayout().rows(inputs), sum(rows), len(rows))
+        weight = micro_batch_weight(items, self._step_items, len(rows))
         return (result[0] * weight, *result[1:]) if isinstance(result, tuple) else result * weight
+
+    @property
+    def _shifts_labels(self) -> bool:
+        """Whether the model's loss shifts its labels (a causal LM's), as the Trainer counts them."""
+        return bool(getattr(self, "_loss_shifts_labels", False))
 
     def _loss_weighted_by_items(self, num_items_in_batch: Any) -> bool:
         """Whether ``Trainer`` divides the loss by the step's tokens, as it decides it."""
@@ -442,7 +458,9 @@ class AdaptiveBatchTrainer(Trainer):
     def trial_target(self, make_batch: Callable[[int], Any]) -> ProbeTarget:
         """What a trial trains: this Trainer's own step (:meth:`_train_step`) on its model, with
         the optimizer training will use (``Trainer`` keeps the one made here)."""
-        return ProbeTarget(self._train_step, make_batch, self.model, self.create_optimizer())
+        optimizer = self.create_optimizer()
+        # A second train() finds the optimizer Accelerate wrapped in the first: the hooks go on the torch one.
+        return ProbeTarget(self._train_step, make_batch, self.model, getattr(optimizer, "optimizer", optimizer))
 
     @property
     def _forward_as_trained(self) -> Any:
@@ -578,7 +596,7 @@ class AdaptiveBatchTrainer(Trainer):
         over = f" on each of {ranks} ranks ({effective * ranks} in all)" if ranks > 1 else ""
         logs.info(f"adaptive-batch: epoch {decision.epoch}: the effective batch {decision.previous} -> {effective}"
                   f"{clamp}{over}, trained as {describe_micro_batches(effective, per_device)}; "
-                  f"LR x {self._growth.lr_factor():.4g}.")
+                  f"LR x {self._growth.lr_factor_for(effective):.4g}.")
 
     def _init_training_state(self, max_steps: int, *args: Any, **kwargs: Any) -> Any:
         """``Trainer``'s state; growing, a resumed run starts where the checkpoint's position
@@ -634,10 +652,14 @@ class AdaptiveBatchTrainer(Trainer):
         pieces = [batch] * micro_batches_per_trial(BatchLayout().rows(batch), global_batch_size=effective,
                                                    grow_with_accumulation=self.trials_grow_by_accumulation())
         self.current_gradient_accumulation_steps = len(pieces)
-        # No num_items_in_batch: the Trainer counts it across ranks (a collective), and ranks
-        # probe their own budgets in their own number of trials. The memory is the same.
+        # The step's count where the Trainer passes one (a compute_loss_func may divide by it), this
+        # rank's alone: the Trainer's sums it over the ranks (a collective), and ranks probe their
+        # own budgets in their own number of trials. The memory is the same.
+        items = None
+        if "labels" in batch and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            items = torch.tensor(label_items(batch, self._shifts_labels) * len(pieces), device=self.args.device)
         for piece in pieces:
-            self.training_step(self.model, piece)
+            self.training_step(self.model, piece, items)
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(self.model)
         self.optimizer.step()
@@ -741,11 +763,20 @@ def refuse_what_changes_the_batch(trainer: Trainer) -> None:
             )
 
 
-class _SaveTheBatch(TrainerCallback):
-    """Writes the batches into each checkpoint, beside ``trainer_state.json``."""
+class _BatchHooks(TrainerCallback):
+    """Writes the batches into each checkpoint, beside ``trainer_state.json``; growing, ends a
+    run of a fraction of an epoch at its last sample."""
 
     def __init__(self, trainer: AdaptiveBatchTrainer) -> None:
         self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The Trainer ends 1.5 epochs by its count of steps at the first batch, which a grown
+        # batch never reaches: it trained 2 whole epochs, the last half past its schedule's end.
+        trainer, epochs = self.trainer, args.num_train_epochs
+        if trainer._growth.grows and epochs != int(epochs) and trainer.train_dataset is not None and (
+                trainer._position.samples_seen * args.world_size >= epochs * len(trainer.train_dataset)):
+            control.should_training_stop = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")

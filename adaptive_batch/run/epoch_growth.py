@@ -80,6 +80,11 @@ class EpochGrowth:
     def __init__(self, growth: GrowthOptions, lr: LRScalingOptions, *, accumulates: bool = False,
                  within_epochs: bool = False) -> None:
         interval = growth.batch_increase_interval
+        if not interval.per_epoch and growth.batch_increase_function is None:
+            raise ConfigError(
+                f"batch_increase_interval='{interval}' without a batch_increase_function: nothing would grow; set "
+                "batch_increase_function, or leave batch_increase_interval='epoch'."
+            )
         if not interval.per_epoch and not within_epochs:
             # Lightning's loop counts an epoch's accumulation from its start.
             raise ConfigError(
@@ -105,8 +110,7 @@ class EpochGrowth:
         self.scaler: Optional[BatchLRScaler] = None
         self._hooks: list = []  # the optimizer's step hooks of this run
         self.ranks = 1  # the data-parallel ranks, each training ``state.effective`` samples a step
-        self._cut: Dict[int, int] = {}  # the batch in force at each step cut and not yet trained
-        self._trained: Optional[int] = None  # the batch in force at the step being trained, where it grows within epochs
+        self._trained: Optional[int] = None  # the samples of the step being trained, where the adapter says
 
     @property
     def within_epochs(self) -> bool:
@@ -145,7 +149,7 @@ class EpochGrowth:
         reference = self.lr.lr_scaling_reference
         self.state = EpochGrowthState(found, effective, float(configured * ranks if reference is None else reference),
                                       -1, settings)
-        self._cut, self._trained = {}, None
+        self._trained = None
         if self.grows and self.within_epochs:
             self._decide_reached(self.state, log=True)  # boundary 0, before the first step
         return self.state.effective
@@ -158,7 +162,8 @@ class EpochGrowth:
             ConfigError: naming the first setting that differs, with both values.
         """
         restored = EpochGrowthState.from_dict(state)
-        restored.settings = {"world_size": 1, **restored.settings}  # every fit before ranks were kept ran on one
+        # Every fit before ranks, or the interval, were kept ran on one rank, growing per epoch.
+        restored.settings = {"world_size": 1, "batch_increase_interval": "epoch", **restored.settings}
         for key, value in settings.items():
             if restored.settings.get(key) != value:
                 raise ConfigError(
@@ -166,7 +171,7 @@ class EpochGrowth:
                     "batch would no longer be the one it trained. Resume with the checkpoint's setting, or start a new fit."
                 )
         self.state, self.ranks = restored, ranks
-        self._cut, self._trained = {}, None
+        self._trained = None
         return restored.effective
 
     def grow_at(self, epoch: int) -> Optional[GrowthDecision]:
@@ -202,22 +207,19 @@ class EpochGrowth:
     def cut_batch(self, rows: int) -> None:
         """A batch of ``rows`` samples cut by the loader at the batch in force: counted, and the
         growth of every boundary it reaches decided (the next batch takes it). A loader draws
-        ahead of training, so the batch in force at each step is kept for :meth:`train_step`.
+        ahead of training: the LR follows the step trained (:meth:`train_samples`).
 
         Raises:
             BatchIncreaseFunctionError: when the function raises or returns a bad increment.
         """
-        self._cut[self.state.steps] = self.state.effective
         self._count(self.state, rows)
         self._decide_reached(self.state, log=True)
 
-    def train_step(self, step: int) -> int:
-        """The batch in force at the step ``step`` (0-based, of the run) being trained: the LR
-        rule and the logs follow it, not the batch the loader has cut ahead of it."""
-        for earlier in [s for s in self._cut if s < step]:  # cut and skipped (a resume's fast-forward)
-            del self._cut[earlier]
-        self._trained = self._cut.pop(step, self.state.effective)
-        return self._trained
+    def train_samples(self, samples: int) -> None:
+        """The samples (on this rank) of the step about to train: the LR rule follows them, as
+        the recipes' does (an epoch's last step may be short of the batch in force, and a loader
+        may have cut past it)."""
+        self._trained = samples
 
     def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, EpochGrowthState]:
         """The batches an epoch of ``samples`` samples takes from here, growing as it goes, and
@@ -249,7 +251,7 @@ class EpochGrowth:
             if log and decision.batch_size != decision.previous:
                 where = self.growth.batch_increase_interval.describe(k)
                 clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
-                lr = "" if self.scaler is None else f"; LR x {self._factor_at(decision.batch_size):.4g} from its first step"
+                lr = "" if self.scaler is None else f"; LR x {self.lr_factor_for(decision.batch_size):.4g} from its first step"
                 logs.info(f"adaptive-batch: {where}: the batch {decision.previous} -> {decision.batch_size}{clamp}{lr}.")
 
     def attach_optimizer(self, optimizer: Any, lr_scheduler: Any, *, hold_before_step: bool = False) -> None:
@@ -284,18 +286,18 @@ class EpochGrowth:
 
     @property
     def trained(self) -> int:
-        """The batch of the step being trained (where it grows within epochs, the loader has
-        cut further)."""
+        """The samples of the step being trained, where the adapter says them, else the batch."""
         return self.state.effective if self._trained is None else self._trained
 
     def lr_factor(self) -> float:
         """The factor the LR in force holds for the current batch (1 where nothing scales)."""
-        if self.scaler is None or self.state is None:
-            return 1.0
-        return self._factor_at(self.trained)
+        return self.lr_factor_for(self.trained) if self.state is not None else 1.0
 
-    def _factor_at(self, batch: int) -> float:
-        return self.scaler.lr_rule.factors(samples=batch * self.ranks, tokens=0.0).lr_factor
+    def lr_factor_for(self, samples: int) -> float:
+        """The factor the LR holds for a step of ``samples`` on each rank (1 where nothing scales)."""
+        if self.scaler is None:
+            return 1.0
+        return self.scaler.lr_rule.factors(samples=samples * self.ranks, tokens=0.0).lr_factor
 
     def release_lr(self) -> None:
         """The unscaled LR back (idempotent)."""
@@ -313,5 +315,6 @@ def growth_settings(growth: GrowthOptions, lr: LRScalingOptions) -> Dict[str, An
     """The growth and LR settings a resumed fit must share with the checkpoint's, as plain values."""
     fn = growth.batch_increase_function
     return dict(batch_increase_function=None if fn is None else function_name(fn),
+                batch_increase_interval=str(growth.batch_increase_interval),
                 grow_with_accumulation=growth.grow_with_accumulation, lr_scaling=lr.lr_scaling,
                 lr_scaling_reference=lr.lr_scaling_reference, weight_decay_scaling=lr.weight_decay_scaling)

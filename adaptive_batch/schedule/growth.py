@@ -19,6 +19,7 @@ The built-ins are factories, so a config can parameterise them with a ``_compone
       every_n_epochs: 1
 """
 
+import numbers
 from dataclasses import dataclass
 import functools
 import importlib
@@ -200,11 +201,12 @@ def call_batch_increase_function(
     except (Exception, KeyboardInterrupt) as e:  # a recipe notes a real Ctrl-C as a signal
 
         raise BatchIncreaseFunctionError(f"{where} raised {type(e).__name__}: {e}; fix the function") from e
-    if isinstance(increment, bool) or not isinstance(increment, int):
+    if isinstance(increment, bool) or not isinstance(increment, numbers.Integral):
         raise BatchIncreaseFunctionError(
             f"{where} returned {increment!r} ({type(increment).__name__}); it must return a "
             "non-negative int, the number of samples to add (0 for none)."
         )
+    increment = int(increment)  # numpy's integers too
     if increment < 0:
         raise BatchIncreaseFunctionError(
             f"{where} returned {increment}; the batch only grows: return 0 or a positive int."

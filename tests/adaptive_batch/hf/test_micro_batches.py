@@ -5,7 +5,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from adaptive_batch.hf.micro_batches import describe_micro_batches, rows_weight, split_effective_batch  # noqa: E402
+from adaptive_batch.hf.micro_batches import (  # noqa: E402
+    describe_micro_batches,
+    label_items,
+    micro_batch_weight,
+    split_effective_batch,
+)
 
 
 @pytest.mark.parametrize("effective, largest, uneven, expected", [
@@ -21,9 +26,18 @@ def test_the_fewest_micro_batches_uneven_in_one_process_equal_under_several(effe
 
 def test_the_split_is_said_by_size_and_every_sample_weighs_the_same():
     assert describe_micro_batches(64, 7) == "4 x 7 + 6 x 6" and describe_micro_batches(16, 4) == "4 x 4"
-    # micro-batches of 6, 5, 5: each mean loss, divided by 3 as the Trainer divides it, weighs its rows
-    weights = [rows_weight(rows, 16, 3) / 3 for rows in (6, 5, 5)]
+    # micro-batches of 6, 5, 5 labels: each mean loss, divided by 3 as the Trainer divides it, weighs its labels
+    weights = [micro_batch_weight(items, 16, 3) / 3 for items in (6, 5, 5)]
     assert weights == pytest.approx([6 / 16, 5 / 16, 5 / 16])
+
+
+def test_a_micro_batch_counts_the_labels_its_mean_is_over_as_the_trainer_counts_them():
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+    assert label_items({"labels": labels}) == 3
+    assert label_items({"labels": labels}, shifts_labels=True) == 1  # a causal LM's loss skips each row's first
+    assert label_items({"labels": labels, "shift_labels": labels[:, 1:]}, shifts_labels=True) == 1
+    assert label_items({"labels": torch.tensor([0, 1, 1])}) == 3  # a class a row
+    assert label_items({"input_ids": torch.zeros(4, 7)}) == 4  # no labels: its rows
 
 
 def test_uneven_only_in_one_process_on_one_device_with_fixed_batches():
@@ -73,3 +87,13 @@ def test_whether_a_loss_reads_the_item_count_and_where_it_cannot_tell():
     head = _Head(reads=False)
     loss_reads_item_count(head, inputs)
     assert head.training  # its mode put back
+
+
+def test_a_loss_function_of_the_trainers_is_asked_too():
+    from adaptive_batch.hf.micro_batches import loss_reads_item_count
+
+    inputs = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}
+    model = torch.nn.Module()
+    model.forward = lambda input_ids: {"logits": input_ids.float()}
+    assert loss_reads_item_count(model, inputs, lambda out, labels, num_items_in_batch: out["logits"].sum() / num_items_in_batch)
+    assert not loss_reads_item_count(model, inputs, lambda out, labels, num_items_in_batch: out["logits"].mean())

@@ -21,7 +21,7 @@ def double_after_the_first(epoch, current_batch_size):
     return current_batch_size if epoch > 0 else 0
 
 
-def _trainer(out, net=None, samples=None, **kwargs):
+def _trainer(out, net=None, samples=None, collator=None, **kwargs):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -33,7 +33,7 @@ def _trainer(out, net=None, samples=None, **kwargs):
     trainer = AdaptiveBatchTrainer(
         model=net() if net else LlamaForCausalLM(config), args=TrainingArguments(**training),
         train_dataset=samples or _samples(SAMPLES),
-        data_collator=ByteCollator(), probe_eval=False, log=lines.append,
+        data_collator=collator or ByteCollator(), probe_eval=False, log=lines.append,
         **{"max_memory": "20MiB", "max_batch_size": 6, "batch_increase_function": double_after_the_first,
            "lr_scaling": "linear", **kwargs},
     )
@@ -59,16 +59,14 @@ def whole(tmp_path_factory):
 def test_each_epoch_grows_up_to_the_answer_with_the_lr_in_force_on_a_schedule_counted_in_samples(whole):
     """4 a step, then 8, then 16 asked where 6 fit: 6. The linear schedule, sized for 3 epochs
     at 4 (24 steps), advances by samples (steps of 4) and ends with the last sample, its LR
-    times the batch over 4 logged with each step."""
+    times the step's samples over 4 logged with each step, as the recipes scale it."""
     steps = _steps(whole)
-    batches = [h["batch_size"] for h in steps]
-    assert batches == [4] * 8 + [6] * 6 + [6] * 6  # epoch 1: 8 asked, 6 fit (32 = 5 x 6 + 2)
+    trained = [4] * 8 + [6, 6, 6, 6, 6, 2] * 2  # epoch 1: 8 asked, 6 fit (32 = 5 x 6 + 2)
+    assert [h["batch_size"] for h in steps] == trained
     assert "adaptive-batch: epoch 1: the effective batch 4 -> 6 (8 asked; the largest that trains), trained as 1 x 6; " \
            "LR x 1.5." in whole.lines
-    # the samples each step trained (an epoch's last step has what is left) and the LR it trained at
-    trained = [4] * 8 + [6, 6, 6, 6, 6, 2] * 2
     seen = [sum(trained[:i]) for i in range(len(trained))]
-    expected = [1e-3 * max(0.0, 1 - s / FIRST / (EPOCHS * SAMPLES / FIRST)) * b / FIRST for s, b in zip(seen, batches)]
+    expected = [1e-3 * max(0.0, 1 - s / FIRST / (EPOCHS * SAMPLES / FIRST)) * b / FIRST for s, b in zip(seen, trained)]
     assert [h["learning_rate"] for h in steps] == pytest.approx(expected, rel=1e-6)
     assert sum(trained) == EPOCHS * SAMPLES and whole.state.global_step == len(trained)
 
@@ -194,35 +192,81 @@ def test_every_n_steps_the_batch_grows_mid_epoch_with_the_lr_in_force(every_3_st
     """4, then 8 after 3 steps, 16 after 6, 32 after 9, past the 6 that fit in micro-batches:
     epoch 0 is 3 x 4 + 2 x 8 and the 4 left, epoch 1 two steps of 16, epoch 2 one of 16 and the
     16 left at 32. The epochs' lengths are the plan's; the LR is the schedule's at the samples
-    seen times the batch in force over 4."""
+    seen times the step's samples over 4."""
     steps = _steps(every_3_steps)
-    batches = [h["batch_size"] for h in steps]
-    assert batches == [4, 4, 4, 8, 8, 8, 16, 16, 16, 32]
-    assert [h["micro_batch_size"] for h in steps] == [4] * 3 + [6] * 7
-    assert [h["epoch"] for h in steps] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1, 1.5, 2, 2.5, 3])
     trained = [4, 4, 4, 8, 8, 4, 16, 16, 16, 16]
+    assert [h["batch_size"] for h in steps] == trained
+    assert [h["micro_batch_size"] for h in steps] == [4, 4, 4, 4, 4, 4, 6, 6, 6, 6]  # 8 as 4 + 4, 16 as 6 + 5 + 5
+    assert [h["epoch"] for h in steps] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1, 1.5, 2, 2.5, 3])
     seen = [sum(trained[:i]) for i in range(len(trained))]
-    expected = [1e-3 * (1 - s / (EPOCHS * SAMPLES)) * b / FIRST for s, b in zip(seen, batches)]
+    expected = [1e-3 * (1 - s / (EPOCHS * SAMPLES)) * b / FIRST for s, b in zip(seen, trained)]
     assert [h["learning_rate"] for h in steps] == pytest.approx(expected, rel=1e-6)
     assert "adaptive-batch: interval 2 (6 steps): the batch 8 -> 16; LR x 4 from its first step." in every_3_steps.lines
 
 
-@pytest.mark.parametrize("model", ["weighted by tokens", "mean loss"])
+class Seq2SeqCollator:
+    """Pads sources with 0 and targets with -100: targets of different lengths, so a micro-batch's
+    token mean is not its rows' share of the batch's."""
+
+    def __call__(self, samples):
+        def pad(key, value):
+            longest = max(len(s[key]) for s in samples)
+            return torch.tensor([s[key] + [value] * (longest - len(s[key])) for s in samples])
+
+        ids = pad("input_ids", 0)
+        return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": pad("labels", -100)}
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=512, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+                                               decoder_start_token_id=0, pad_token_id=0,
+                                               dropout_rate=0.0))  # split or whole, the same steps
+
+
+def _seq2seq_samples():
+    generator = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(1, 512, (12,), generator=generator).tolist(),
+             "labels": torch.randint(1, 512, (int(n),), generator=generator).tolist()}
+            for n in torch.randint(2, 24, (SAMPLES,), generator=generator)]
+
+
+def _token_mean(outputs, labels, num_items_in_batch=None):
+    logits = outputs["logits"][:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def _token_sum_over_items(outputs, labels, num_items_in_batch=None):
+    logits = outputs["logits"][:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                             reduction="sum") / num_items_in_batch
+
+
+@pytest.mark.parametrize("model", ["weighted by tokens", "mean loss", "seq2seq token mean", "loss function's mean",
+                                   "loss function over the step's tokens"])
 def test_a_step_past_what_fits_trains_what_the_whole_batch_trains(tmp_path, model):
     """The same growth where 6 fit and where 32 do: steps of 8, 16 and 32 split into micro-batches
     (4 + 4, 6 + 5 + 5, ...) train what the whole batches train, with a loss divided by the step's
-    tokens and with one that is each micro-batch's mean (weighted by its rows)."""
+    tokens, one that is each micro-batch's mean (a row's, or a token's over targets of different
+    lengths), and a compute_loss_func of either kind. Each micro-batch's mean weighed as its rows
+    moved a T5's parameters by 1.5e-2; a loss function's mean was summed; one dividing by the
+    step's tokens failed in the probe, which passed it none."""
     from tests.adaptive_batch.hf.test_trainer import MeanLossLM
 
     def run(out, **kwargs):
         if model == "mean loss":  # samples of one length: a token mean is a sample mean
             kwargs.update(net=MeanLossLM, samples=[{"input_ids": s["input_ids"][:8]} for s in _samples(SAMPLES)])
+        elif model == "seq2seq token mean":
+            kwargs.update(net=_t5, samples=_seq2seq_samples(), collator=Seq2SeqCollator())
+        elif model.startswith("loss function"):
+            kwargs.update(compute_loss_func=_token_mean if model.endswith("mean") else _token_sum_over_items)
         trainer = _trainer(out, training={"save_strategy": "no"}, **EVERY_3_STEPS, **kwargs)
         trainer.train()
         return trainer
 
     split, whole = run(tmp_path / "split"), run(tmp_path / "whole", max_batch_size=32, max_memory="2GiB")
-    assert [h["micro_batch_size"] for h in _steps(split)][-1] == 6 and [h["micro_batch_size"] for h in _steps(whole)][-1] == 32
+    assert max(h["micro_batch_size"] for h in _steps(split)) == 6 and max(h["micro_batch_size"] for h in _steps(whole)) == 16
     assert [h["loss"] for h in _steps(split)] == pytest.approx([h["loss"] for h in _steps(whole)], rel=1e-5)
     for a, b in zip(split.model.parameters(), whole.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -252,3 +296,34 @@ def test_growth_within_epochs_where_batches_are_shared_out_is_one_line(tmp_path,
                                           r"set batch_increase_interval='epoch' there"):
         _trainer(tmp_path, **EVERY_3_STEPS)
     _trainer(tmp_path)  # per epoch, several processes grow
+
+
+def test_a_fraction_of_an_epoch_ends_at_its_last_sample(tmp_path):
+    """1.5 epochs of 32: the Trainer ends by its steps at the first batch, which a grown batch
+    never reaches (it trained 2 whole epochs); here the step past 48 samples is the last, and
+    the schedule, sized for 1.5 epochs, has ended there."""
+    trainer = _trainer(tmp_path, training={"save_strategy": "no", "num_train_epochs": 1.5}, **EVERY_3_STEPS)
+    trainer.train()
+    steps = _steps(trainer)
+    assert [h["batch_size"] for h in steps] == [4, 4, 4, 8, 8, 4, 16]
+    assert steps[-1]["learning_rate"] == pytest.approx(1e-3 * (1 - 32 / 48) * 16 / FIRST)
+
+
+def test_a_resume_with_another_interval_is_refused(every_3_steps, tmp_path):
+    """The interval decides which batches the checkpoint's run cut: resumed every 5 steps, or per
+    epoch, it trained other batches from the same position, silently."""
+    changed = _trainer(tmp_path, **{**EVERY_3_STEPS, "batch_increase_interval": "5 steps"})
+    with pytest.raises(ConfigError, match=r"it trained batch_increase_interval='3 steps', this Trainer asks for '5 steps'"):
+        changed.train(resume_from_checkpoint=f"{every_3_steps.args.output_dir}/checkpoint-4")
+
+
+def test_growth_over_a_stream_is_one_line_before_the_trainers_own(tmp_path):
+    """The Trainer asks a stream for max_steps, which growth then refused: a circle."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(_samples(SAMPLES))
+
+    with pytest.raises(ConfigError, match=r"batch_increase_function with an IterableDataset: .* a dataset with a length"):
+        _trainer(tmp_path, samples=Stream())

@@ -146,8 +146,10 @@ def test_within_epochs_each_batch_cut_counts_and_the_boundaries_it_reaches_are_d
         growth.cut_batch(rows)
     assert cut == [4, 4, 6, 6] and (growth.state.steps, growth.state.samples) == (4, 17)
     assert growth.state.decided_epoch == 2  # 17 samples: boundaries 1 (8) and 2 (16)
-    # the loader cuts ahead: each step trains the batch in force when it was cut
-    assert [growth.train_step(s) for s in (1, 3, 9)] == [4, 6, 6]
+    # the loader cuts ahead: the LR follows the samples of the step trained, as the recipes' does
+    growth.attach_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), None)
+    growth.train_samples(3)
+    assert growth.lr_factor() == pytest.approx(3 / 2) and growth.lr_factor_for(6) == pytest.approx(3)
 
 
 def test_an_epochs_length_is_simulated_without_cutting_and_its_end_taken_on_a_resume():
@@ -167,3 +169,5 @@ def test_intervals_a_loop_cannot_follow_are_refused_in_one_line():
                     LRScalingOptions())
     with pytest.raises(ConfigError, match=r"'100 tokens': .* grow every N steps or N samples"):
         _every("100 tokens")
+    with pytest.raises(ConfigError, match=r"'3 steps' without a batch_increase_function: nothing would grow"):
+        _every("3 steps", fn=None)

@@ -275,3 +275,11 @@ def test_a_partial_or_a_callable_object_is_named_without_a_memory_address():
     assert function_name(partial) == "adaptive_batch.schedule.growth.multiply_every(factor=2)"
     assert function_name(Grow()).endswith("<locals>.Grow") and " at 0x" not in function_name(Grow())
 
+
+
+def test_an_integer_of_another_type_is_an_int():
+    """numpy's integers (a schedule read from an array) are ints: 4 was refused as not one."""
+    import numpy as np
+
+    increment = call_batch_increase_function(lambda epoch, current_batch_size: np.int64(4), 1, 8)
+    assert increment == 4 and type(increment) is int
