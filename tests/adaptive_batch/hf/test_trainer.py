@@ -227,6 +227,16 @@ def test_a_second_train_does_not_weigh_its_trials_by_the_last_runs_step(tmp_path
     assert seen == [[]]
 
 
+def test_a_second_train_probes_and_trains_again(tmp_path):
+    """The first train() leaves the optimizer wrapped by Accelerate, which has no step hooks for
+    the probe's tracker: a second train() failed in its probe, where a plain Trainer trains twice."""
+    trainer = _trainer(tmp_path, max_memory="20MiB", probe_eval=False, training={"save_strategy": "no"})
+    trainer.train()
+    trainer.train()
+    probes = [line for line in trainer.lines if line.startswith("adaptive-batch (probed)")]
+    assert len(probes) == 2 and probes[0] == probes[1] and trainer.state.global_step == 2
+
+
 def test_a_max_batch_size_under_one_is_refused_before_the_model_is_touched(tmp_path):
     with pytest.raises(ConfigError, match="max_batch_size=0 must be a positive integer"):
         _trainer(tmp_path, max_batch_size=0)
