@@ -14,8 +14,10 @@ from dataclasses import asdict, dataclass
 import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import IterableDataset
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from adaptive_batch.data.samplers import BatchPlan, PlannedBatchSampler
 from adaptive_batch.errors import ConfigError
@@ -85,6 +87,21 @@ class SampleCountedSchedule:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
+
+
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """``group_by_length``'s order, drawn each epoch from a generator seeded with ``seed + epoch``
+    (``set_epoch``, which the loop calls). Transformers' sampler draws from torch's global RNG,
+    which a resume finds in the state of the checkpoint's step, not of its epoch's start: a run
+    resumed mid-epoch after the first epoch trained another order (a plain Trainer's too)."""
+
+    def __init__(self, sampler: LengthGroupedSampler, seed: int) -> None:
+        vars(self).update(vars(sampler))
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed + epoch)
 
 
 def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler: Any = None) -> None:
@@ -175,5 +192,5 @@ def updates_in(steps_in_epoch: int, accumulation: int) -> int:
     return max(steps_in_epoch // accumulation + int(steps_in_epoch % accumulation > 0), 1)
 
 
-__all__ = ["RunPosition", "SampleCountedSchedule", "cut_as_planned", "first_batch_steps", "refuse_a_stream",
+__all__ = ["EpochSeededLengthGroupedSampler", "RunPosition", "SampleCountedSchedule", "cut_as_planned", "first_batch_steps", "refuse_a_stream",
            "refuse_growth_within_epochs_where_batches_are_shared", "refuse_what_growth_cannot_follow", "updates_in"]

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import is_datasets_available
 
@@ -51,6 +52,7 @@ from adaptive_batch.hf.micro_batches import (
     uneven_allowed,
 )
 from adaptive_batch.hf.run_position import (
+    EpochSeededLengthGroupedSampler,
     RunPosition,
     refuse_a_stream,
     SampleCountedSchedule,
@@ -388,6 +390,15 @@ class AdaptiveBatchTrainer(Trainer):
         with effective_batch_args(self, self.adaptive_batch["effective_batch_size"]):
             loader = super().get_train_dataloader()
         return split_into_micro_batches(loader, self.adaptive_batch["per_device_train_batch_size"])
+
+    def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer``'s sampler; ``group_by_length``'s seeded each epoch, so a resume draws the
+        order of its epoch (the RNG it would draw from is restored at the checkpoint's step)."""
+        sampler = super()._get_train_sampler(*args, **kwargs)
+        if isinstance(sampler, LengthGroupedSampler) and sampler.generator is None:
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return EpochSeededLengthGroupedSampler(sampler, seed)
+        return sampler
 
     def get_total_train_batch_size(self, args: Any) -> int:
         """The samples of one optimizer step over every rank (the effective batch where the

@@ -288,6 +288,19 @@ def test_a_run_growing_within_epochs_resumes_what_the_uninterrupted_run_trains(e
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_group_by_length_resumes_its_epochs_order_after_the_first(tmp_path):
+    """Transformers' length-grouped sampler drew from the global RNG, which a resume restores at
+    the checkpoint's step: resumed in epoch 1 it trained another order (a plain Trainer too)."""
+    grouped = {"train_sampling_strategy": "group_by_length"}
+    whole = _trainer(tmp_path / "whole", training={"save_steps": 1, **grouped}, **EVERY_3_STEPS)
+    whole.train()
+    resumed = _trainer(tmp_path / "resumed", training=grouped, **EVERY_3_STEPS)
+    resumed.train(resume_from_checkpoint=f"{whole.args.output_dir}/checkpoint-7")
+    assert [h["loss"] for h in _steps(resumed)][7:] == pytest.approx([h["loss"] for h in _steps(whole)][7:], rel=1e-5)
+    for a, b in zip(resumed.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_growth_within_epochs_where_batches_are_shared_out_is_one_line(tmp_path, monkeypatch):
     import adaptive_batch.hf.trainer as hf_trainer
 

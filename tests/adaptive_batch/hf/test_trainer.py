@@ -625,7 +625,9 @@ def test_group_by_length_groups_the_effective_batch_it_trains(tmp_path):
     assert state["gradient_accumulation_steps"] == 3 and trainer.state.global_step == 2
     loader = trainer.get_train_dataloader()  # as train() built it: batches of 16 split 6 + 5 + 5
     batches = getattr(loader, "base_dataloader", loader).batch_sampler.batch_sampler
-    assert type(batches.sampler).__name__ == "LengthGroupedSampler" and batches.sampler.batch_size == 16  # the user's batch
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    assert isinstance(batches.sampler, LengthGroupedSampler) and batches.sampler.batch_size == 16  # the user's batch
     assert [len(b) for b in list(getattr(loader, "base_dataloader", loader).batch_sampler)[:3]] == [6, 5, 5]
 
 
