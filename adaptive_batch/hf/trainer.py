@@ -23,7 +23,7 @@ import copy
 import functools
 import json
 import os
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 import warnings
 
 import torch
@@ -54,10 +54,10 @@ from adaptive_batch.hf.micro_batches import (
 from adaptive_batch.hf.run_position import (
     EpochSeededLengthGroupedSampler,
     RunPosition,
-    refuse_a_stream,
     SampleCountedSchedule,
     cut_as_planned,
     first_batch_steps,
+    refuse_a_stream,
     refuse_growth_within_epochs_where_batches_are_shared,
     refuse_what_growth_cannot_follow,
     updates_in,
@@ -408,9 +408,9 @@ class AdaptiveBatchTrainer(Trainer):
         return self.adaptive_batch["effective_batch_size"] * args.world_size
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer``'s micro-batches of one optimizer step, their rows remembered for the loss;
-        where a step is one batch of the loader, the rows of the micro-batches it splits into,
-        and the batch in force at this step."""
+        """``Trainer``'s micro-batches of one optimizer step, their rows and labels remembered for
+        the loss (where a step is one batch of the loader, the rows of the micro-batches it splits
+        into), and its samples for the LR rule."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
         self._update_rows = [BatchLayout().rows(batch) for batch in batches]
         if self._steps_are_loader_batches and batches:
@@ -425,7 +425,7 @@ class AdaptiveBatchTrainer(Trainer):
         """``Trainer``'s step; where an optimizer step is one batch of the loader larger than
         what fits, that batch in the micro-batches that fit, the gradients of all but the last
         kept local (``no_sync``), each loss its share of the step's (the step's
-        ``num_items_in_batch``, or the rows' weights), the step's loss returned."""
+        ``num_items_in_batch``, or its labels' share: :meth:`compute_loss`), the step's loss returned."""
         sizes = self._update_rows
         if not (self._steps_are_loader_batches and model.training and len(sizes) > 1):
             return super().training_step(model, inputs, num_items_in_batch)
@@ -667,7 +667,8 @@ class AdaptiveBatchTrainer(Trainer):
         # rank's alone: the Trainer's sums it over the ranks (a collective), and ranks probe their
         # own budgets in their own number of trials. The memory is the same.
         items = None
-        if "labels" in batch and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+        if isinstance(batch, Mapping) and "labels" in batch and (
+                self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
             items = torch.tensor(label_items(batch, self._shifts_labels) * len(pieces), device=self.args.device)
         for piece in pieces:
             self.training_step(self.model, piece, items)
