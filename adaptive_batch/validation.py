@@ -45,6 +45,14 @@ def check_positive_int(key: str, value: Any, *, allow_none: bool = False) -> Opt
     return value
 
 
+def check_callable(key: str, value: Any, example: str, *, allow_none: bool = False) -> Any:
+    """Raises:
+    ConfigError: unless ``value`` can be called (or is ``None`` when allowed)."""
+    if (value is None and allow_none) or callable(value):
+        return value
+    raise ConfigError(f"{key}={value!r} is not a function: pass one, e.g. {key}={example}.")
+
+
 def check_fraction(key: str, value: Any, example: str) -> float:
     """Raises:
     ConfigError: unless ``value`` is a number in ``[0, 1)``; ``example`` shows a good one."""

@@ -73,7 +73,7 @@ from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, micro_batch_sizes, micro_batches_per_trial
 from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
-from adaptive_batch.validation import check_positive_int
+from adaptive_batch.validation import check_callable, check_positive_int
 
 STATE_FILE = "adaptive_batch.json"
 
@@ -151,6 +151,7 @@ class AdaptiveBatchTrainer(Trainer):
             within_epochs=True,
         )
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
+        check_callable("make_batch", make_batch, "lambda b: collator([longest_sample] * b)", allow_none=True)
         check_positive_int("global_batch_size", global_batch_size, allow_none=True)
         if self._growth.grows:  # before the Trainer's own line for a stream, which asks for max_steps
             refuse_a_stream(kwargs.get("train_dataset", args[3] if len(args) > 3 else None))

@@ -31,12 +31,13 @@ from adaptive_batch.lightning.fit_trials import training_step_of, trials_leave_n
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
+from adaptive_batch.probe.target import MAKE_BATCH_EXAMPLE
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, equal_micro_batches
 from adaptive_batch.schedule.growth import GrowthOptions, function_name
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
-from adaptive_batch.validation import check_positive_int
+from adaptive_batch.validation import check_callable, check_positive_int
 
 # Samples looked at for the worst case when no make_batch is given: the largest of them,
 # by the elements of its collated tensors, stands for every batch (padding collators pad to it).
@@ -121,6 +122,8 @@ class AdaptiveBatchFinder(Callback):
                  stop_after: bool = False, log: Optional[Callable[[str], None]] = None) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         self.global_batch_size = check_positive_int("global_batch_size", global_batch_size, allow_none=True)
+        check_positive_int("max_batch_size", max_batch_size, allow_none=True)
+        check_callable("make_batch", make_batch, MAKE_BATCH_EXAMPLE, allow_none=True)
         self.max_memory, self.batch_arg_name, self.make_batch = max_memory, batch_arg_name, make_batch
         self.max_batch_size, self.stop_after, self._log = max_batch_size, stop_after, log
         self.batch = EpochGrowth(
@@ -131,6 +134,7 @@ class AdaptiveBatchFinder(Callback):
             accumulates=self.global_batch_size is not None,
         )
         self.optimal_batch_size: Optional[int] = None
+        self._micro_batches_in_step = 0  # since the last optimizer step
         self._checkpoint_state: Optional[Dict[str, Any]] = None
         self._world_size, self._rank_share = 1, global_batch_size  # set for each fit in setup
 
@@ -154,6 +158,7 @@ class AdaptiveBatchFinder(Callback):
             trainer.callbacks.insert(0, self)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._micro_batches_in_step = 0
         with logs.lines_to(self._log):
             if len(trainer.optimizers) > 1:
                 raise ConfigError(f"{len(trainer.optimizers)} optimizers: AdaptiveBatchFinder puts back one after its "
@@ -246,15 +251,22 @@ class AdaptiveBatchFinder(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A fit resumed from a checkpoint taken at an epoch's last batch starts the next epoch as a
-        # restart, without on_train_epoch_start: that epoch's growth is decided here.
+        # restart, without on_train_epoch_start: that epoch's growth is decided here. The loop
+        # made the epoch's iterator when it built its loader and, restarting, makes none again:
+        # the rebuilt loader's is made here, from its seeded shuffle.
         if self.batch.state is not None and trainer.current_epoch > self.batch.state.decided_epoch:
-            self.on_train_epoch_start(trainer, pl_module)
+            if self._grow_at_epoch_start(trainer, pl_module):
+                iter(trainer.fit_loop._data_fetcher)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._grow_at_epoch_start(trainer, pl_module)
+
+    def _grow_at_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+        """The epoch's growth; whether the batch changed (and the loader was built again)."""
         with logs.lines_to(self._log):
             decision = self.batch.grow_at(trainer.current_epoch)
             if decision is None:
-                return
+                return False
             batch = FitBatch.of(decision.batch_size, self.batch.state.found)
             clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""
             logs.info(f"adaptive-batch: epoch {decision.epoch}: batch {decision.previous} -> {batch.effective}{clamp}, "
@@ -262,15 +274,35 @@ class AdaptiveBatchFinder(Callback):
             self._set_batch(trainer, pl_module, batch)
             # The loop set the epoch on the loader it built before this hook; the new one needs it too.
             for loader in trainer.fit_loop._combined_loader.flattened:
-                _set_sampler_epoch(loader, trainer.fit_loop.epoch_progress.current.processed)
+                _set_sampler_epoch(loader, decision.epoch)
+                _seed_the_shuffle(loader, decision.epoch)
+            return True
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.batch.hold_lr()  # the LR in force, where a monitor reads it
+        self._micro_batches_in_step += 1
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # Unscaled until the step itself (whose hooks scale it and put it back): a step a
         # GradScaler skips leaves it unscaled for the scheduler, which a chainable one multiplies.
-        self.batch.release_lr()
+        # Inside the step (Lightning runs its closure there) the scaled LR stays: released here,
+        # every update took the configured LR while every monitor showed the scaled one.
+        self.batch.release_lr_before_the_step()
+        self._weigh_a_short_step(trainer, optimizer)
+
+    def _weigh_a_short_step(self, trainer: Trainer, optimizer: Any) -> None:
+        """An epoch's last step of fewer micro-batches than the accumulation this callback set:
+        Lightning divided each micro-batch's loss by the full count, so its gradients are scaled to
+        the micro-batches it had (a plain fit's last step at the batch is a mean over its samples)."""
+        taken, self._micro_batches_in_step = self._micro_batches_in_step, 0
+        accumulate = int(trainer.accumulate_grad_batches)
+        if not (self.batch.grows or self.global_batch_size is not None) or not 0 < taken < accumulate:
+            return
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.mul_(accumulate / taken)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -358,6 +390,16 @@ def _rebuild_train_loader(trainer: Trainer, batch_arg_name: str, batch_size: int
             f"batch_arg_name={batch_arg_name!r} is now {batch_size}, but train_dataloader() still builds batches of "
             f"{built}: build its DataLoader with batch_size=self.{batch_arg_name}."
         )
+
+
+def _seed_the_shuffle(loader: Any, epoch: int) -> None:
+    """A loader rebuilt for a grown epoch shuffles from a generator seeded with the run's seed
+    (``seed_everything``'s) and the epoch: its sampler would draw its seed from the global RNG,
+    which a checkpoint does not keep, so a fit resumed before a growth epoch shuffled it otherwise
+    (a torchdata loader restored from the checkpoint takes up its state only at its next epoch)."""
+    sampler = getattr(loader, "sampler", None)
+    if sampler is not None and hasattr(sampler, "generator"):  # a shuffling one (DistributedSampler seeds by epoch)
+        sampler.generator = torch.Generator().manual_seed((torch.initial_seed() + epoch) % 2**63)
 
 
 def _small_split(batch: FitBatch, found: int) -> str:

@@ -12,6 +12,9 @@ from torch.utils._pytree import tree_leaves
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.snapshot import TrainingStateSnapshot
 from adaptive_batch.rng import rng_state, set_rng_state
+from adaptive_batch.validation import check_callable
+
+MAKE_BATCH_EXAMPLE = "lambda n: torch.randn(n, 3, 224, 224)"
 
 
 @dataclass
@@ -35,11 +38,20 @@ class ProbeTarget:
     lr_scheduler: Optional[Any] = None
 
     def on_its_device(self) -> "ProbeTarget":
-        """This target with its device resolved (:func:`step_device`).
+        """This target, checked, with its device resolved (:func:`step_device`).
 
         Raises:
-            ConfigError: see :func:`step_device`.
+            ConfigError: for a ``train_step`` or ``make_batch`` that cannot be called, a ``model``
+                that is no ``nn.Module``, an ``optimizer`` that is no torch optimizer; see
+                :func:`step_device`.
         """
+        check_callable("train_step", self.train_step, "lambda batch: ... (forward, backward, optimizer step)")
+        check_callable("make_batch", self.make_batch, MAKE_BATCH_EXAMPLE)
+        if not isinstance(self.model, nn.Module):
+            raise ConfigError(f"model={self.model!r} is not a torch.nn.Module: pass the module train_step trains.")
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer={self.optimizer!r} is not a torch.optim.Optimizer: pass the optimizer "
+                              "train_step steps (its state is put back after the probe), or None.")
         return replace(self, device=step_device(self.model, self.device))
 
     def snapshot(self, directory: Optional[str] = None) -> TrainingStateSnapshot:
@@ -105,5 +117,5 @@ def check_make_batch(make_batch: Callable[[int], Any]) -> None:
     if one and one == two:
         raise ConfigError(
             f"make_batch: make_batch(1) and make_batch(2) built tensors of the same shapes ({one[:3]}): it must "
-            "build a batch of the size it is given, e.g. make_batch=lambda n: torch.randn(n, 3, 224, 224)."
+            f"build a batch of the size it is given, e.g. make_batch={MAKE_BATCH_EXAMPLE}."
         )

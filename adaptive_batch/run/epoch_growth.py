@@ -111,6 +111,7 @@ class EpochGrowth:
         self._hooks: list = []  # the optimizer's step hooks of this run
         self.ranks = 1  # the data-parallel ranks, each training ``state.effective`` samples a step
         self._trained: Optional[int] = None  # the samples of the step being trained, where the adapter says
+        self._stepping = False  # inside the optimizer's step: between its pre-hook and its post-hook
 
     @property
     def within_epochs(self) -> bool:
@@ -274,15 +275,23 @@ class EpochGrowth:
                                         lr_scheduler=lr_scheduler, weight_decay_scaling=self.lr.weight_decay_scaling)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self._hooks = [optimizer.register_step_post_hook(lambda *_: self.scaler.restore())]
+        self._hooks = [optimizer.register_step_post_hook(lambda *_: self._leave_step())]
         if hold_before_step:  # a loop that reads the LR between steps from its scheduler (the Trainer)
-            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.hold_lr()))
+            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._enter_step()))
+
+    def _enter_step(self) -> None:
+        self._stepping = True
+        self.hold_lr()
+
+    def _leave_step(self) -> None:
+        self._stepping = False
+        self.scaler.restore()
 
     def detach(self) -> None:
         """Leaves the optimizer as the run found it: no hook of this run's."""
         for hook in self._hooks:
             hook.remove()
-        self._hooks = []
+        self._hooks, self._stepping = [], False
 
     @property
     def trained(self) -> int:
@@ -303,6 +312,14 @@ class EpochGrowth:
         """The unscaled LR back (idempotent)."""
         if self.scaler is not None:
             self.scaler.restore()
+
+    def release_lr_before_the_step(self) -> None:
+        """The unscaled LR back where the optimizer's step has not begun (a loop that runs its
+        closure first, as mixed precision's GradScaler does, then a step that may be skipped);
+        inside the step, whose closure runs after the step's pre-hook scaled the LR (Lightning's
+        closure in ``optimizer.step``), the scaled LR stays for the update."""
+        if not self._stepping:
+            self.release_lr()
 
     def hold_lr(self) -> None:
         """The LR in force for the current batch: the schedule's (or the configured) LR times the

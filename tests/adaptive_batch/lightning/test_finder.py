@@ -204,6 +204,22 @@ def test_a_global_batch_trains_as_the_equal_micro_batches_that_fit_and_fits_as_t
     _trainer().fit(whole)
     for a, b in zip(probed.parameters(), whole.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # An epoch's last step of fewer micro-batches (2048 = 85 x 24 + 8: one micro-batch of 8 where
+    # 3 x 8 make the step) is the mean of its samples, as a plain fit's last step at 24 is:
+    # Lightning divided its loss by 3.
+    class PlainSGD(Regression):  # Adam's update hardly sees a gradient a third of its size
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    fits = []
+    for finder, batch_size in ((AdaptiveBatchFinder(max_memory=BUDGET, global_batch_size=24, max_batch_size=8), 2),
+                               (None, 24)):
+        pl.seed_everything(0)
+        fits.append(PlainSGD(batch_size=batch_size))
+        _trainer(*[finder] if finder else [], steps=-1, max_epochs=1).fit(fits[-1])
+    assert fits[0].trained[-1] == 8 and fits[1].trained[-1] == 8
+    for a, b in zip(fits[0].parameters(), fits[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     with pytest.raises(ConfigError, match="accumulate_grad_batches=2 with global_batch_size=16: .* set "
                        "accumulate_grad_batches=1"):
         _trainer(AdaptiveBatchFinder(global_batch_size=16), accumulate_grad_batches=2).fit(Regression())
@@ -236,6 +252,23 @@ class Scheduled(Regression):
 
 def double_after_the_first(epoch, current_batch_size):
     return current_batch_size if epoch > 0 else 0
+
+
+class Shuffled(Scheduled):
+    """Shuffled by a resumable loader; which samples each batch held."""
+
+    def __init__(self, batch_size=2):
+        super().__init__(batch_size)
+        self.seen = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        self.seen.append(round(batch[1].sum().item(), 4))
+
+    def train_dataloader(self):  # 8 rows: every epoch runs to its end (4 batches of 2, 2 of 4, 6 + 2)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(TensorDataset(*_data()[:8]), batch_size=self.batch_size, shuffle=True)
 
 
 class SeenLR(pl.Callback):
@@ -273,6 +306,45 @@ def test_growth_follows_the_function_up_to_the_answer_with_the_lr_in_force_where
     assert model.lrs == pytest.approx(expected) and monitor.lrs == pytest.approx(expected)
     assert "adaptive-batch: epoch 2: batch 4 -> 6 (8 asked; the largest that trains), trained as 1 x 6." in lines
     assert trainer.callback_metrics["batch_size"] == 6
+
+
+class AppliedLR(Regression):
+    """Plain SGD: the LR an update applied is its change over its gradient, read on a bias."""
+
+    def __init__(self, manual=False):
+        super().__init__()
+        self.automatic_optimization, self.applied = not manual, []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        self.manual_backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def on_before_optimizer_step(self, optimizer):
+        bias = self.net[-1].bias
+        self._before = (bias.detach().clone(), bias.grad.detach().clone())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        before, grad = self._before
+        self.applied.append(((before - self.net[-1].bias.detach()) / grad).mean().item())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual optimization"])
+def test_the_update_applies_the_lr_in_force(manual):
+    """Lightning runs the closure inside optimizer.step, after the step's pre-hook scaled the LR:
+    the callback put the configured LR back there, so every update took 0.01 while every monitor
+    showed 0.01 x batch / 2."""
+    model = AppliedLR(manual)
+    _growth_trainer(_growing(), enable_checkpointing=False, epochs=2).fit(model)
+    assert model.trained == [2] * 4 + [4] * 4
+    assert model.applied == pytest.approx([0.01 * batch / 2 for batch in model.trained], rel=1e-4)
 
 
 def test_growth_with_accumulation_passes_the_answer_in_equal_micro_batches():
@@ -322,6 +394,20 @@ def test_a_resumed_fit_trains_what_the_uninterrupted_one_trains_and_other_settin
         resumed, ckpt_path=tmp_path / "mid" / "epoch=0-step=4.ckpt")
     assert resumed.trained == whole.trained[4:] and resumed.lrs == pytest.approx(whole.lrs[4:])
 
+    # Shuffled: the loader rebuilt for a grown epoch shuffles from the run's seed and the epoch.
+    pl.seed_everything(0)
+    whole = Shuffled()
+    _growth_trainer(_growing(), enable_checkpointing=False).fit(whole)
+    pl.seed_everything(0)
+    shuffled = ModelCheckpoint(dirpath=tmp_path / "shuffled", every_n_train_steps=4, save_top_k=-1)
+    _growth_trainer(_growing(), shuffled, epochs=1).fit(Shuffled())
+    pl.seed_everything(0)  # the user's script, run again...
+    torch.rand(3)  # ...where the global RNG has moved on otherwise (a checkpoint does not keep it)
+    resumed = Shuffled()
+    _growth_trainer(_growing(), epochs=3, enable_checkpointing=False).fit(
+        resumed, ckpt_path=tmp_path / "shuffled" / "epoch=0-step=4.ckpt")
+    assert resumed.seen == whole.seen[4:] and resumed.trained == [4, 4, 6, 2]
+
     with pytest.raises(ConfigError, match=r"lr_scaling='sqrt', but the checkpoint's fit ran with lr_scaling='linear'"):
         _growth_trainer(AdaptiveBatchFinder(max_memory=BUDGET, max_batch_size=6, lr_scaling="sqrt",
                                             batch_increase_function=double_after_the_first),
@@ -329,6 +415,10 @@ def test_a_resumed_fit_trains_what_the_uninterrupted_one_trains_and_other_settin
 
 
 def test_bad_growth_settings_are_one_line_before_any_trial():
+    with pytest.raises(ConfigError, match=r"max_batch_size=0 must be a positive integer"):  # was "no limit"
+        AdaptiveBatchFinder(max_batch_size=0)
+    with pytest.raises(ConfigError, match=r"make_batch=3 is not a function"):  # was a TypeError at fit start
+        AdaptiveBatchFinder(make_batch=3)
     with pytest.raises(ConfigError, match="no_such_module"):
         AdaptiveBatchFinder(batch_increase_function="no_such_module.grow")
     with pytest.raises(ConfigError, match="lr_scaling='cubic'"):

@@ -53,3 +53,21 @@ def test_find_max_batch_size_refuses_them_before_any_step():
         with pytest.raises(ConfigError, match=message):
             find_max_batch_size(step, max_memory="64MiB", **kwargs)
     assert ran == []
+
+
+@pytest.mark.parametrize("argument, value, message", [
+    ("train_step", None, r"train_step=None is not a function: pass one"),
+    ("make_batch", 5, r"make_batch=5 is not a function: pass one, e.g. make_batch=lambda n: torch.randn"),
+    ("model", None, r"model=None is not a torch.nn.Module"),
+    ("optimizer", "adam", r"optimizer='adam' is not a torch.optim.Optimizer"),
+])
+def test_arguments_of_the_wrong_kind_are_one_line_naming_them(argument, value, message):
+    """They were torch's or Python's own errors from inside the probe (AttributeError: 'NoneType'
+    object has no attribute 'named_parameters'), naming none of them."""
+    model = torch.nn.Linear(4, 1)
+    arguments = dict(train_step=lambda batch: model(batch).sum().backward(), make_batch=lambda n: torch.randn(n, 4),
+                     model=model, optimizer=None)
+    arguments[argument] = value
+    step = arguments.pop("train_step")
+    with pytest.raises(ConfigError, match=message):
+        find_max_batch_size(step, **arguments, max_memory="16MiB")
