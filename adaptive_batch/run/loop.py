@@ -124,6 +124,7 @@ class AdaptiveBatch:
         # dropout masks differed from there on.
         self._loader_generator = torch.Generator().manual_seed(torch.initial_seed())
         self._epoch_generator_state: Optional[torch.Tensor] = None
+        self._resume_pending = False  # a loaded loader state its next iterator takes up
 
     @property
     def batch_size(self) -> int:
@@ -138,9 +139,33 @@ class AdaptiveBatch:
             BatchIncreaseFunctionError: when the growth function fails.
         """
         self._settle()
+        self._leave_the_saved_epoch_for(epoch)
+        self._resume_pending = False  # this epoch's iterator takes it up
         steps = self.controller.start_epoch(epoch, self._dataloader)
         self._epoch_generator_state = self._loader_generator.get_state()  # before the epoch's draw
         return islice(self._dataloader, steps)
+
+    def _leave_the_saved_epoch_for(self, epoch: int) -> None:
+        """Where a loop resumed from a state saved at its epoch's end asks for the next epoch, the
+        saved epoch's iterator (the loader resumes it once, at its end) is made and set aside as
+        the uninterrupted loop's ran out: asked for first, it took the next epoch's place, which
+        yielded nothing, so a whole epoch went untrained without a word.
+
+        Raises:
+            ConfigError: where the saved epoch has steps left (the loop would skip them).
+        """
+        saved = self.controller.batch.epoch
+        if not self._resume_pending or epoch == saved or saved < 0:
+            return
+        left = self.controller.session.steps_left(len(self._dataloader))
+        if left > 0 or epoch < saved:
+            unfinished = f", {left} of its steps left" if left > 0 else ""
+            raise ConfigError(
+                f"batches({epoch}) after load_state_dict() of a loop saved in epoch {saved}{unfinished}: call "
+                f"batches({saved}) first, as the saved loop would have, then the epochs after it."
+            )
+        self._epoch_generator_state = self._loader_generator.get_state()
+        iter(self._dataloader)  # the saved epoch's iterator, at its end: the uninterrupted loop's last draw
 
     def step(self, batch: Any) -> StepOutcome:
         """One optimizer step of ``batch``: forward and backward in micro-batches that fit, the
@@ -207,6 +232,7 @@ class AdaptiveBatch:
         )
         if "dataloader" in self._resumed:
             self._dataloader.load_state_dict(self._resumed["dataloader"])
+            self._resume_pending = True  # the next iterator is the saved epoch's
         if "lr_scheduler" in self._resumed and self._lr_scheduler is not None:
             self._lr_scheduler.load_state_dict(self._resumed["lr_scheduler"])
         # The optimizer, not self: a cycle through self left the loader's workers to the garbage

@@ -203,6 +203,20 @@ def test_stopped_inside_an_epoch_and_resumed_from_its_state_equals_the_uninterru
     assert len(whole) == 21 and first + rest == pytest.approx(whole, rel=1e-6)
 
 
+def test_a_state_saved_at_an_epochs_end_resumes_at_the_next_epoch():
+    """A loop that saves after an epoch's loop ended resumes at the next epoch: the loader took up
+    the saved epoch's ended iterator in its place, which yielded nothing, and a whole epoch went
+    untrained without a word. With steps of the saved epoch left, the next epoch is refused."""
+    whole, _ = _run()
+    first, state = _run(stop_after=12)  # epoch 0's last step: 48 samples of 4
+    rest, _ = _run(state={**state, "epoch": 1})
+    assert first + rest == pytest.approx(whole, rel=1e-6)
+    _, mid = _run(stop_after=5)
+    with pytest.raises(ConfigError, match=r"batches\(1\) after load_state_dict\(\) of a loop saved in epoch 0, 7 of its "
+                                          r"steps left: call batches\(0\) first"):
+        _run(state={**mid, "epoch": 1})
+
+
 def _llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
