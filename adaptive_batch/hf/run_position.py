@@ -69,10 +69,7 @@ class SampleCountedSchedule:
     """
 
     def __init__(self, scheduler: Any, samples_per_step: int, samples_seen: Callable[[], int]) -> None:
-        try:
-            self._progress = SampleProgressLR(scheduler, samples_per_step)
-        except TypeError as e:
-            raise ConfigError(f"lr_scheduler_type with batch_increase_function: {e}") from None
+        self._progress = SampleProgressLR(scheduler, samples_per_step)
         self.scheduler, self._samples_seen = scheduler, samples_seen
         self.optimizer = scheduler.optimizer
 

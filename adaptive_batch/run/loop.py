@@ -27,6 +27,7 @@ from adaptive_batch.probe.target import ProbeTarget, check_make_batch, step_devi
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.state import RunState
+from adaptive_batch.schedule.lr_progress import check_counted_in_samples
 
 
 class AdaptiveBatch:
@@ -108,6 +109,8 @@ class AdaptiveBatch:
         self._loader_options = data.options
         self._layout = layout or BatchLayout()
         self._count_of = count_of or self._layout.rows
+        if lr_scheduler is not None:  # before the probe: the schedule advances by samples here
+            check_counted_in_samples(lr_scheduler)
         device = step_device(model, None)
         self.controller = AdaptiveBatchController(
             options, batch_size=data.batch_size, input_key=None, device=device, layout=self._layout, log=log,

@@ -63,10 +63,7 @@ class LRCoupling:
         self._progress: Optional[SampleProgressLR] = None
         self.scaler: Optional[BatchLRScaler] = None
         if lr_scheduler is not None and count_in_samples:
-            try:
-                self._progress = SampleProgressLR(lr_scheduler, batch.initial_batch_size)
-            except TypeError as e:
-                raise ConfigError(f"lr_scheduler: {e}") from None
+            self._progress = SampleProgressLR(lr_scheduler, batch.initial_batch_size)
             self._progress.set_progress(batch.samples_seen)
         if rule.scales and optimizer is None:
             raise ConfigError(
@@ -126,3 +123,4 @@ class LRCoupling:
     def weight_decay(self) -> Optional[float]:
         """The weight decay the last step used, when the rule scales it."""
         return None if self.scaler is None else self.scaler.last_weight_decay
+

@@ -7,9 +7,25 @@ fewer steps and a step-counted schedule would never finish. Here the schedule's 
 warmup lasts as many samples as the config meant, and the decay ends with the last sample.
 """
 
-from typing import List
+from typing import Any, List
 
 import torch
+
+from adaptive_batch.errors import ConfigError
+
+
+def check_counted_in_samples(lr_scheduler: Any) -> None:
+    """A schedule that advances by samples is one whose LR its step count decides.
+
+    Raises:
+        ConfigError: for one that is not a ``LambdaLR``.
+    """
+    if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
+        raise ConfigError(
+            f"lr_scheduler: {type(lr_scheduler).__name__} is not a LambdaLR: counting the schedule in samples "
+            "needs a LambdaLR-based schedule (torchtune's and transformers' are; or a LambdaLR of your own), "
+            "or no scheduler."
+        )
 
 
 class SampleProgressLR:
@@ -22,17 +38,12 @@ class SampleProgressLR:
             config's schedule was written for).
 
     Raises:
-        TypeError: if ``lr_scheduler`` is not a ``LambdaLR`` (the lambdas are what it reads).
+        ConfigError: if ``lr_scheduler`` is not a ``LambdaLR`` (the lambdas are what it reads).
         ValueError: if ``samples_per_step`` is not positive.
     """
 
     def __init__(self, lr_scheduler: torch.optim.lr_scheduler.LRScheduler, samples_per_step: float) -> None:
-        if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
-            raise TypeError(
-                f"{type(lr_scheduler).__name__} is not a LambdaLR: counting the schedule in samples "
-                "needs a LambdaLR-based schedule (torchtune's and transformers' are; or a LambdaLR of your own), "
-                "or no scheduler."
-            )
+        check_counted_in_samples(lr_scheduler)
         if samples_per_step <= 0:
             raise ValueError(f"samples_per_step={samples_per_step} must be positive.")
         self.lr_scheduler = lr_scheduler

@@ -203,6 +203,14 @@ def test_stopped_inside_an_epoch_and_resumed_from_its_state_equals_the_uninterru
     assert len(whole) == 21 and first + rest == pytest.approx(whole, rel=1e-6)
 
 
+def test_a_schedule_that_cannot_be_counted_in_samples_is_refused_before_the_probe():
+    """It was refused once the whole probe had run."""
+    data, model, optimizer, loss_fn = _parts()
+    with pytest.raises(ConfigError, match="lr_scheduler: StepLR is not a LambdaLR"):
+        AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, use_maximum_batch_size=True,
+                      make_batch=lambda n: data[:n], max_memory="64MiB", lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
+
+
 def test_a_state_saved_at_an_epochs_end_resumes_at_the_next_epoch():
     """A loop that saves after an epoch's loop ended resumes at the next epoch: the loader took up
     the saved epoch's ended iterator in its place, which yielded nothing, and a whole epoch went

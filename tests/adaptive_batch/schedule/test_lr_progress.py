@@ -4,6 +4,7 @@ import pytest
 import torch
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
+from adaptive_batch import ConfigError
 from adaptive_batch.schedule.lr_progress import SampleProgressLR
 
 
@@ -47,7 +48,7 @@ def test_growing_batch_ends_the_schedule_with_the_last_sample():
 
 
 def test_needs_a_lambda_scheduler_and_a_positive_unit():
-    with pytest.raises(TypeError, match="StepLR is not a LambdaLR"):
+    with pytest.raises(ConfigError, match="lr_scheduler: StepLR is not a LambdaLR"):
         SampleProgressLR(torch.optim.lr_scheduler.StepLR(optimizer(), step_size=2), 4)
     with pytest.raises(ValueError, match="samples_per_step=0"):
         SampleProgressLR(get_cosine_schedule_with_warmup(optimizer(), 0, 10), 0)
