@@ -35,9 +35,11 @@ def memtracker_max_batch_size(
     upper: int,
     device: torch.device = torch.device("cpu"),
     snapshot_dir: Optional[str] = None,
+    smallest: int = 1,
 ) -> int:
     """The largest batch up to ``upper`` whose ``MemTracker`` peak is within ``budget_bytes``,
-    by doubling and bisection (a step's tensor peak grows with its batch); 0 when batch 1 is over. The
+    by doubling and bisection from ``smallest`` (a step's tensor peak grows with its batch; 2
+    for a model whose BatchNorm cannot train 1); ``smallest - 1`` when ``smallest`` is over. The
     training state is put back afterwards. Each measured step runs after one warm-up step at the
     same size, so the optimizer state exists, as in training's second step."""
     def peak(b: int) -> int:
@@ -46,7 +48,7 @@ def memtracker_max_batch_size(
             # The batch is made inside: it is alive through the step, as in training.
             return memtracker_peak_bytes(lambda: train_step(make_batch(b)), model=model, optimizer=optimizer, device=device)
 
-    lo, hi = 0, 1
+    lo, hi = smallest - 1, smallest
     while hi <= upper and peak(hi) <= budget_bytes:  # doubling, then bisection
         lo, hi = hi, 2 * hi
     hi = min(hi, upper + 1)

@@ -33,12 +33,15 @@ fresh processes (docs/probe.md). It is the recipes' probe
 the cache, the ranks and the report, unless ``build=`` takes the trials to fresh processes.
 """
 
+from dataclasses import replace
+import functools
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from adaptive_batch.distributed import RankGroup
+from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
 from adaptive_batch.memory.device import (
     ADDRESS_SPACE_SOURCE, glibc_mmap_threshold_set, prepare_allocator, relax_allocator_for_training,
@@ -115,6 +118,62 @@ def find_max_batch_size(
     """
     if safety_margin is not None:
         check_safety_margin(safety_margin, key="safety_margin")
+    search = functools.partial(
+        _search, train_step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory=max_memory,
+        safety_margin=safety_margin, max_batch_size=max_batch_size, device=device, lr_scheduler=lr_scheduler,
+        snapshot_dir=snapshot_dir, time_budget=time_budget, log=log, build=build,
+    )
+    try:
+        return search()
+    except Exception as e:  # noqa: BLE001 - a trial in a fresh process reports it as its traceback's text
+        if not needs_two_samples(e):
+            raise
+    with logs.lines_to(log):
+        if max_batch_size == 1:
+            raise ConfigError(
+                "max_batch_size=1, but a batch of 1 does not train (the model's BatchNorm needs 2 samples a channel): "
+                "raise max_batch_size, or use a normalization without batch statistics (LayerNorm, GroupNorm)."
+            ) from None
+        logs.info("probe: a batch of 1 does not train (the model's BatchNorm needs 2 samples a channel): the search "
+                  "runs again from 2, each trial's batch_size one less than the batch it trains.")
+    # The search's first size is 1, its line and bounds measured from there: each size n stands for n + 1.
+    return 1 + search(make_batch=NextSize(make_batch), max_batch_size=None if max_batch_size is None else max_batch_size - 1,
+                      build=None if build is None else NextSizeBuild(build))
+
+
+def needs_two_samples(error: BaseException) -> bool:
+    """Whether ``error`` is torch's refusal of a training batch of one sample (batch norm)."""
+    return "Expected more than 1 value per channel when training" in str(error)
+
+
+class NextSize:
+    """``make_batch`` one sample larger: the search's size ``n`` trains ``n + 1`` (picklable,
+    for a trial in a fresh process)."""
+
+    def __init__(self, make_batch: Callable[[int], Any]) -> None:
+        self.make_batch = make_batch
+
+    def __call__(self, batch_size: int) -> Any:
+        return self.make_batch(batch_size + 1)
+
+
+class NextSizeBuild:
+    """``build``'s target with its batch maker one sample larger (picklable where ``build`` is)."""
+
+    def __init__(self, build: Callable[[], ProbeTarget]) -> None:
+        self.build = build
+
+    def __call__(self) -> ProbeTarget:
+        target = self.build()
+        return replace(target, make_batch=NextSize(target.make_batch))
+
+
+def _search(train_step: Callable[[Any], None], *, make_batch: Callable[[int], Any], model: nn.Module,
+            optimizer: Optional[torch.optim.Optimizer], max_memory: MemorySpec, safety_margin: Optional[float],
+            max_batch_size: Optional[int], device: Optional[torch.device], lr_scheduler: Optional[Any],
+            snapshot_dir: Optional[str], time_budget: Optional[float], log: Optional[Callable[[str], None]],
+            build: Optional[Callable[[], ProbeTarget]]) -> int:
+    """:func:`find_max_batch_size`'s search, from batch 1."""
     with logs.lines_to(log), collections_of_new_objects():
         options = ProbeOptions(
             max_memory=max_memory, memory_safety_margin=safety_margin, max_batch_size=max_batch_size,

@@ -22,6 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.loader import LOADER_KEYS, loader_settings
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.probe.api import needs_two_samples
 from adaptive_batch.probe.service import probe_batch_size
 from adaptive_batch.probe.target import ProbeTarget, check_make_batch, step_device
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
@@ -225,7 +226,16 @@ class AdaptiveBatch:
         if ctl.options.needs_probe:
             target = ProbeTarget(self._train_step, self._make_batch, self.model, self.optimizer, ctl.device)
             probe = partial(probe_batch_size, target=target, seq_len=0)
-        ctl.settle(dataset_size=len(self.dataset), probe=probe)
+        try:
+            ctl.settle(dataset_size=len(self.dataset), probe=probe)
+        except ValueError as e:
+            if not needs_two_samples(e):
+                raise
+            raise ConfigError(
+                "use_maximum_batch_size=True: a batch of 1 does not train (the model's BatchNorm needs 2 samples a "
+                "channel), and this loop's probe counts from 1; probe with adaptive_batch.find_max_batch_size (it "
+                "searches from 2) and pass its answer as batch_size, with use_maximum_batch_size=False."
+            ) from e
         sampler = ctl.batch_sampler(self.dataset, shuffle=self._shuffle)
         if "loader_generator" in self._resumed:  # the epoch's, so its resumed iterator draws what it drew
             self._loader_generator.set_state(self._resumed["loader_generator"])

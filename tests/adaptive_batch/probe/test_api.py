@@ -129,11 +129,25 @@ def _checkpointed_encoder_parts():
     return model, optimizer, step, lambda b: (torch.randn(b, 48, 64), torch.randint(0, 2, (b,)))
 
 
+def _batchnorm1d_parts():
+    """An MLP whose BatchNorm1d cannot train a batch of 1 (torch refuses it): the search runs from 2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 10))
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def step(batch):
+        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, optimizer, step, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,)))
+
+
 @pytest.mark.parametrize(
     "build,max_memory",
     [(_mlp_parts, "24MiB"), (_conv_parts, "48MiB"), (_lstm_parts, "24MiB"), (_gru_tuple_parts, "16MiB"),
-     (_checkpointed_encoder_parts, "16MiB")],
-    ids=["mlp", "conv-batchnorm", "lstm", "gru-tuple-momentum", "checkpointed-encoder"],
+     (_checkpointed_encoder_parts, "16MiB"), (_batchnorm1d_parts, "16MiB")],
+    ids=["mlp", "conv-batchnorm", "lstm", "gru-tuple-momentum", "checkpointed-encoder", "batchnorm1d"],
 )
 def test_a_soft_budget_answer_is_memtrackers_in_a_few_steps(build, max_memory):
     """A soft budget is judged by the step's live tensor bytes, never by the machine guard's
@@ -152,8 +166,15 @@ def test_a_soft_budget_answer_is_memtrackers_in_a_few_steps(build, max_memory):
     trials = [line for line in lines if line.startswith("probe trial")]
     assert len(trials) <= 6 and sum("fits" not in line for line in trials) <= 1, trials
     truth = memtracker_max_batch_size(step, make_batch, model=model, optimizer=optimizer,
-                                      budget_bytes=int(parse_memory(max_memory) * 0.99), upper=4 * found)
+                                      budget_bytes=int(parse_memory(max_memory) * 0.99), upper=4 * found, smallest=2)
     assert truth * 0.99 <= found <= truth
+
+
+def test_a_model_that_cannot_train_a_batch_of_one_capped_at_one_is_one_line():
+    model, optimizer, step, make_batch = _batchnorm1d_parts()
+    with pytest.raises(ConfigError, match=r"max_batch_size=1, but a batch of 1 does not train .* BatchNorm"):
+        find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory="16MiB",
+                            max_batch_size=1)
 
 
 @pytest.mark.parametrize(

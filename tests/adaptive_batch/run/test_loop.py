@@ -211,6 +211,19 @@ def test_a_schedule_that_cannot_be_counted_in_samples_is_refused_before_the_prob
                       make_batch=lambda n: data[:n], max_memory="64MiB", lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
 
 
+def test_a_model_that_cannot_train_a_batch_of_one_is_told_where_the_probe_starts_from_two():
+    """torch's own ValueError from inside the probe's first trial, naming nothing of ours."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+    adaptive = AdaptiveBatch(model, optimizer, data, lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]),
+                             batch_size=4, use_maximum_batch_size=True, max_memory="16MiB",
+                             make_batch=lambda n: (torch.randn(n, 8), torch.randn(n, 1)), log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"a batch of 1 does not train .* adaptive_batch.find_max_batch_size"):
+        adaptive.batch_size
+
+
 def test_a_state_saved_at_an_epochs_end_resumes_at_the_next_epoch():
     """A loop that saves after an epoch's loop ended resumes at the next epoch: the loader took up
     the saved epoch's ended iterator in its place, which yielded nothing, and a whole epoch went
