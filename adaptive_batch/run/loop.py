@@ -92,26 +92,13 @@ class AdaptiveBatch:
             options={key: settings.pop(key) for key in LOADER_KEYS if key in settings},
         )
         options = AdaptiveBatchOptions.from_flat(settings)
-        if options.tokens.max_tokens is not None:
-            raise ConfigError(
-                f"max_tokens={options.tokens.max_tokens}: token-budget batches need the recipes' tokenized samples; "
-                "remove max_tokens and set batch_size."
-            )
-        if options.needs_probe and make_batch is None:
-            raise ConfigError(
-                "use_maximum_batch_size=True (or a batch_increase_function without max_batch_size) probes the "
-                "largest batch that fits: pass make_batch=f(b) -> a worst-case batch of b samples, or set max_batch_size."
-            )
-        if make_batch is not None and options.needs_probe:
-            check_make_batch(make_batch)
+        _refuse_before_any_step(options, make_batch, lr_scheduler)
         self.model, self.optimizer, self.dataset = model, optimizer, data.dataset
         self._lr_scheduler, self._clip, self._make_batch = lr_scheduler, clip_grad_norm, make_batch
         self._loss_fn, self._collate, self._shuffle = loss_fn, data.collate_fn, data.shuffle
         self._loader_options = data.options
         self._layout = layout or BatchLayout()
         self._count_of = count_of or self._layout.rows
-        if lr_scheduler is not None:  # before the probe: the schedule advances by samples here
-            check_counted_in_samples(lr_scheduler)
         device = step_device(model, None)
         self.controller = AdaptiveBatchController(
             options, batch_size=data.batch_size, input_key=None, device=device, layout=self._layout, log=log,
@@ -283,6 +270,30 @@ class AdaptiveBatch:
             piece = dict(batch) if isinstance(batch, dict) else batch
             total += float(self._forward_backward(piece)[1])
         self._optimizer_step(total)
+
+
+def _refuse_before_any_step(options: AdaptiveBatchOptions, make_batch: Optional[Callable[[int], Any]],
+                            lr_scheduler: Any) -> None:
+    """What this loop cannot run, refused when it is built.
+
+    Raises:
+        ConfigError: for ``max_tokens``, a probe without ``make_batch`` (or with one that ignores
+            its size), a schedule that cannot be counted in samples.
+    """
+    if options.tokens.max_tokens is not None:
+        raise ConfigError(
+            f"max_tokens={options.tokens.max_tokens}: token-budget batches need the recipes' tokenized samples; "
+            "remove max_tokens and set batch_size."
+        )
+    if options.needs_probe and make_batch is None:
+        raise ConfigError(
+            "use_maximum_batch_size=True (or a batch_increase_function without max_batch_size) probes the "
+            "largest batch that fits: pass make_batch=f(b) -> a worst-case batch of b samples, or set max_batch_size."
+        )
+    if make_batch is not None and options.needs_probe:
+        check_make_batch(make_batch)
+    if lr_scheduler is not None:  # before the probe: the schedule advances by samples here
+        check_counted_in_samples(lr_scheduler)
 
 
 def _run_state(controller: AdaptiveBatchController, options: AdaptiveBatchOptions, data: Any,
