@@ -24,7 +24,8 @@ class BatchSizeTooLargeError(RuntimeError):
     """
 
     def __init__(
-        self, bytes_needed: Optional[int], budget_bytes: int, source: str = "max_memory", rank: Optional[int] = None
+        self, bytes_needed: Optional[int], budget_bytes: int, source: str = "max_memory", rank: Optional[int] = None,
+        smallest: int = 1,
     ) -> None:
         from adaptive_batch.distributed import MAX_MEMORY_ENV
 
@@ -32,6 +33,7 @@ class BatchSizeTooLargeError(RuntimeError):
         self.budget_bytes = budget_bytes
         self.source = source
         self.rank = rank
+        self.smallest = smallest  # 2 for a model whose BatchNorm cannot train 1
         needed = (
             f"needs {format_bytes(bytes_needed)} ({bytes_needed} bytes)"
             if bytes_needed is not None
@@ -47,14 +49,14 @@ class BatchSizeTooLargeError(RuntimeError):
             more = f"Free memory ({source} set the budget)"
         where = "" if rank is None else f"rank {rank}: "
         super().__init__(
-            f"{where}batch size 1 does not fit: one training step {needed}, and "
+            f"{where}batch size {smallest} does not fit: one training step {needed}, and "
             f"{format_bytes(budget_bytes)} ({budget_bytes} bytes) is available. {more}, "
             "shorten the longest sample (tokenizer.max_seq_len in a torchtune config, the tokenizer's max_length "
             "with Hugging Face), or enable activation checkpointing."
         )
 
     def __reduce__(self):
-        return type(self), (self.bytes_needed, self.budget_bytes, self.source, self.rank)
+        return type(self), (self.bytes_needed, self.budget_bytes, self.source, self.rank, self.smallest)
 
 
 class BatchIncreaseFunctionError(ConfigError):

@@ -103,11 +103,15 @@ class ResizableBatchSampler(Sampler[List[int]]):
 class BatchPlan(Protocol):
     """Decides each batch's size as a loader cuts it (:class:`~adaptive_batch.run.epoch_growth.EpochGrowth`)."""
 
-    def next_batch_size(self) -> int: ...
+    def next_batch_size(self) -> int:
+        """The size the next batch is cut at."""
 
-    def cut_batch(self, rows: int) -> None: ...
+    def cut_batch(self, rows: int) -> None:
+        """Takes a batch of ``rows`` samples as cut (the next size may change)."""
 
-    def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, Any]: ...
+    def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, Any]:
+        """The batches an epoch of ``samples`` takes from where the plan stands, and the plan's
+        state after them, without cutting them."""
 
 
 class PlannedBatchSampler(Sampler[List[int]]):
@@ -127,6 +131,7 @@ class PlannedBatchSampler(Sampler[List[int]]):
         return self.plan.next_batch_size()
 
     def set_epoch(self, epoch: int) -> None:
+        """Passed to the sampler (its shuffle of the epoch)."""
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 

@@ -102,11 +102,11 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
 
 
 def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler: Any = None) -> None:
-    """What growth per epoch cannot be decided or counted with, refused in one line.
+    """What growth cannot be decided or counted with, refused in one line.
 
     Raises:
-        ConfigError: for ``max_steps`` (growth is decided per epoch), a dataset without a
-            length, TRL's ``padding_free`` (a row holds many samples), or a schedule that cannot
+        ConfigError: for ``max_steps`` (an epoch takes fewer steps as the batch grows), a
+            dataset without a length, TRL's ``padding_free`` (a row holds many samples), or a schedule that cannot
             be counted in samples (a ``LambdaLR``'s can: every ``lr_scheduler_type`` but
             ``reduce_lr_on_plateau``).
     """

@@ -17,8 +17,7 @@ batch needs to hold from step to step and says so in one line (on CPU glibc's
 expandable segments): :func:`adaptive_batch.memory.device.prepare_allocator`.
 """
 
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 import copy
 import functools
 import json
@@ -32,7 +31,7 @@ from torch.utils.data import IterableDataset
 
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import LengthGroupedSampler
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, SaveStrategy, get_last_checkpoint
 from transformers.utils import is_datasets_available
 
 from adaptive_batch.data.layout import BatchLayout
@@ -177,6 +176,7 @@ class AdaptiveBatchTrainer(Trainer):
         self._ranks = RankGroup(self.args.device)
         self._update_rows: list = []  # the rows of each micro-batch of the step being trained
         self._step_items = 0.0  # the labels of the step being trained, which its micro-batches' losses share
+        self._loss_func_ignores_count = False  # a compute_loss_func found to return a plain mean
         self._epoch_start_growth: Optional[dict] = None  # growing within epochs: the state a resume replays from
         self.add_callback(_BatchHooks(self))
 
@@ -315,7 +315,7 @@ class AdaptiveBatchTrainer(Trainer):
         # As for a model whose forward takes no count: the Trainer divides its loss by the
         # micro-batches and, under several processes, does not multiply it by their number.
         if self.compute_loss_func is not None:
-            self.loss_is_scaled_for_ga = False
+            self.loss_is_scaled_for_ga, self._loss_func_ignores_count = False, True
         else:
             self.model_accepts_loss_kwargs = False
         whose = "compute_loss_func" if self.compute_loss_func is not None else f"{type(self.model).__name__}'s loss"
@@ -428,14 +428,16 @@ class AdaptiveBatchTrainer(Trainer):
         kept local (``no_sync``), each loss its share of the step's (the step's
         ``num_items_in_batch``, or its labels' share: :meth:`compute_loss`), the step's loss returned."""
         sizes = self._update_rows
-        if not (self._steps_are_loader_batches and model.training and len(sizes) > 1):
+        # Not model.training: the Trainer's own step puts the model in train mode, after an
+        # evaluation or a resume from a model loaded in eval mode (a step trained unsplit there).
+        if not (self._steps_are_loader_batches and len(sizes) > 1):
             return super().training_step(model, inputs, num_items_in_batch)
         self.current_gradient_accumulation_steps = len(sizes)
         pieces = BatchLayout().split(inputs, sizes)
         losses = []
         for i, piece in enumerate(pieces):
             local = i < len(pieces) - 1
-            with self.accelerator.no_sync(model) if local else contextlib.nullcontext():
+            with self.accelerator.no_sync(model) if local else nullcontext():
                 losses.append(super().training_step(model, piece, num_items_in_batch))
         return torch.stack(losses).sum()
 
@@ -445,14 +447,28 @@ class AdaptiveBatchTrainer(Trainer):
         by the step's tokens, each micro-batch's mean weighted by its labels (rows, where it has
         none), so every label weighs the same as in the whole batch's mean: the Trainer weighs
         micro-batches alike, and a seq2seq step split 3 ways moved its parameters by 1.5e-2."""
-        items = label_items(inputs, self._shifts_labels)  # before the Trainer takes the labels out for a loss function
+        rows = self._update_rows
+        shared = model.training and len(rows) > 1
+        # Counted before the Trainer takes the labels out for a loss function.
+        items = label_items(inputs, self._shifts_labels) if shared else 0.0
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch, **kwargs)
-        rows = self._update_rows
-        if not model.training or len(rows) < 2 or self._loss_weighted_by_items(num_items_in_batch):
+        weight = self._undo_the_ranks_factor(num_items_in_batch)
+        if shared and not self._loss_weighted_by_items(num_items_in_batch):
+            weight *= micro_batch_weight(items, self._step_items, len(rows))
+        if weight == 1.0:
             return result
-        weight = micro_batch_weight(items, self._step_items, len(rows))
         return (result[0] * weight, *result[1:]) if isinstance(result, tuple) else result * weight
+
+    def _undo_the_ranks_factor(self, num_items_in_batch: Any) -> float:
+        """The Trainer multiplies a ``compute_loss_func``'s loss by the processes, for a loss over
+        the tokens of every rank that DDP then averages; one that ignores the count (a mean,
+        :meth:`_average_a_loss_that_ignores_the_item_count`) would take that many times its
+        gradient: the factor is divided out, as the Trainer figures it."""
+        if not (self._loss_func_ignores_count and self.args.average_tokens_across_devices
+                and num_items_in_batch is not None):
+            return 1.0
+        return 1.0 / (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu)
 
     @property
     def _shifts_labels(self) -> bool:
@@ -498,9 +514,10 @@ class AdaptiveBatchTrainer(Trainer):
             per_device, accumulation = split_effective_batch(effective, state["max_micro_batch_size"],
                                                              uneven_allowed=False)
             state = {**state, "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation}
-        self._take_micro_batches(state["per_device_train_batch_size"], state["gradient_accumulation_steps"])
+        per_device, accumulation = state["per_device_train_batch_size"], state["gradient_accumulation_steps"]
         if self._growth.grows and self._growth.within_epochs:  # a step is one batch of the loader
-            self._take_micro_batches(min(effective, state["max_micro_batch_size"]), 1)
+            per_device, accumulation = min(effective, state["max_micro_batch_size"]), 1
+        self._take_micro_batches(per_device, accumulation)
         if "per_device_eval_batch_size" in state:
             args.per_device_eval_batch_size = state["per_device_eval_batch_size"]
         self.adaptive_batch = {k: v for k, v in state.items() if k not in ("growth", "position")}
@@ -789,7 +806,12 @@ class _BatchHooks(TrainerCallback):
         trainer, epochs = self.trainer, args.num_train_epochs
         if trainer._growth.grows and epochs != int(epochs) and trainer.train_dataset is not None and (
                 trainer._position.samples_seen * args.world_size >= epochs * len(trainer.train_dataset)):
+            # As the Trainer ends a run at max_steps: its last evaluation and save too.
             control.should_training_stop = True
+            if args.eval_strategy == IntervalStrategy.STEPS and state.global_step % state.eval_steps != 0:
+                control.should_evaluate = True
+            if args.save_strategy == SaveStrategy.STEPS:
+                control.should_save = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")

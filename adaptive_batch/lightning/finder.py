@@ -288,13 +288,15 @@ class AdaptiveBatchFinder(Callback):
         # Inside the step (Lightning runs its closure there) the scaled LR stays: released here,
         # every update took the configured LR while every monitor showed the scaled one.
         self.batch.release_lr_before_the_step()
-        self._weigh_a_short_step(trainer, optimizer)
+        taken, self._micro_batches_in_step = self._micro_batches_in_step, 0
+        if pl_module.automatic_optimization:  # a manual loop steps when it likes: nothing to re-weigh
+            self._weigh_a_short_step(trainer, optimizer, taken)
 
-    def _weigh_a_short_step(self, trainer: Trainer, optimizer: Any) -> None:
+    def _weigh_a_short_step(self, trainer: Trainer, optimizer: Any, taken: int) -> None:
         """An epoch's last step of fewer micro-batches than the accumulation this callback set:
         Lightning divided each micro-batch's loss by the full count, so its gradients are scaled to
-        the micro-batches it had (a plain fit's last step at the batch is a mean over its samples)."""
-        taken, self._micro_batches_in_step = self._micro_batches_in_step, 0
+        the micro-batches it had (a plain fit's last step at the batch is a mean over its samples;
+        its micro-batches weigh alike, so a short last micro-batch weighs as a full one)."""
         accumulate = int(trainer.accumulate_grad_batches)
         if not (self.batch.grows or self.global_batch_size is not None) or not 0 < taken < accumulate:
             return
@@ -349,6 +351,14 @@ class AdaptiveBatchFinder(Callback):
             )
         if any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
             raise ConfigError("BatchSizeFinder and AdaptiveBatchFinder both set the batch size: keep one of them.")
+        accumulating = ("global_batch_size" if self.global_batch_size is not None
+                        else "grow_with_accumulation" if self.batch.grows and self.batch.accumulates else None)
+        if accumulating is not None and not pl_module.automatic_optimization:
+            raise ConfigError(
+                f"{accumulating} with manual optimization: it trains its batch in accumulated micro-batches, which "
+                "Lightning's automatic optimization steps; a manual training_step steps where it likes. Set "
+                "automatic_optimization=True, or drop it and accumulate in your own step."
+            )
         if owner is not None and any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
             raise ConfigError(f"GradientAccumulationScheduler with {owner}: both set accumulate_grad_batches; keep "
                               "one of them.")

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from adaptive_batch.distributed import RankGroup
-from adaptive_batch.errors import ConfigError
+from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 import adaptive_batch.logs as logs
 from adaptive_batch.memory.device import (
     ADDRESS_SPACE_SOURCE, glibc_mmap_threshold_set, prepare_allocator, relax_allocator_for_training,
@@ -113,8 +113,9 @@ def find_max_batch_size(
     Raises:
         ConfigError: for a bad ``max_memory``, ``safety_margin``, ``max_batch_size``,
             ``time_budget`` or ``device``, a model without parameters (and no ``device``), or a
-            ``make_batch`` that ignores its size; before any step runs.
-        BatchSizeTooLargeError: when batch 1 does not fit.
+            ``make_batch`` that ignores its size; before any step runs; for ``max_batch_size=1``
+            where the model cannot train a batch of 1 (its BatchNorm needs 2 samples).
+        BatchSizeTooLargeError: when batch 1 does not fit (batch 2, where 1 cannot train).
     """
     if safety_margin is not None:
         check_safety_margin(safety_margin, key="safety_margin")
@@ -137,8 +138,12 @@ def find_max_batch_size(
         logs.info("probe: a batch of 1 does not train (the model's BatchNorm needs 2 samples a channel): the search "
                   "runs again from 2, each trial's batch_size one less than the batch it trains.")
     # The search's first size is 1, its line and bounds measured from there: each size n stands for n + 1.
-    return 1 + search(make_batch=NextSize(make_batch), max_batch_size=None if max_batch_size is None else max_batch_size - 1,
-                      build=None if build is None else NextSizeBuild(build))
+    try:
+        return 1 + search(make_batch=NextSize(make_batch),
+                          max_batch_size=None if max_batch_size is None else max_batch_size - 1,
+                          build=None if build is None else NextSizeBuild(build))
+    except BatchSizeTooLargeError as e:
+        raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, e.source, e.rank, smallest=2) from None
 
 
 def needs_two_samples(error: BaseException) -> bool:

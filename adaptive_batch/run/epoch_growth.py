@@ -112,6 +112,7 @@ class EpochGrowth:
         self.ranks = 1  # the data-parallel ranks, each training ``state.effective`` samples a step
         self._trained: Optional[int] = None  # the samples of the step being trained, where the adapter says
         self._stepping = False  # inside the optimizer's step: between its pre-hook and its post-hook
+        self._decisions: Dict[Tuple[int, int], GrowthDecision] = {}  # (boundary, batch) -> the function's answer
 
     @property
     def within_epochs(self) -> bool:
@@ -150,7 +151,7 @@ class EpochGrowth:
         reference = self.lr.lr_scaling_reference
         self.state = EpochGrowthState(found, effective, float(configured * ranks if reference is None else reference),
                                       -1, settings)
-        self._trained = None
+        self._trained, self._decisions = None, {}
         if self.grows and self.within_epochs:
             self._decide_reached(self.state, log=True)  # boundary 0, before the first step
         return self.state.effective
@@ -172,7 +173,7 @@ class EpochGrowth:
                     "batch would no longer be the one it trained. Resume with the checkpoint's setting, or start a new fit."
                 )
         self.state, self.ranks = restored, ranks
-        self._trained = None
+        self._trained, self._decisions = None, {}
         return restored.effective
 
     def grow_at(self, epoch: int) -> Optional[GrowthDecision]:
@@ -196,10 +197,17 @@ class EpochGrowth:
         return decision
 
     def _decide(self, state: EpochGrowthState, k: int, label: str) -> GrowthDecision:
-        # The function sees and grows the batch over every rank; each rank takes its share.
-        fn = per_rank_increase(self.growth.batch_increase_function, self.ranks)
-        return grow_batch_size(fn, epoch=k, current_batch_size=state.effective,
-                               bound=None if self.accumulates else state.found, label=label)
+        """Boundary ``k``'s decision at ``state``'s batch, made once: an epoch's length is
+        simulated before its batches are cut, and a function with a state of its own (a counter,
+        a random draw) answering otherwise the second time would end the epoch before its
+        batches, or leave a step without one."""
+        key = (k, state.effective)
+        if key not in self._decisions:
+            # The function sees and grows the batch over every rank; each rank takes its share.
+            fn = per_rank_increase(self.growth.batch_increase_function, self.ranks)
+            self._decisions[key] = grow_batch_size(fn, epoch=k, current_batch_size=state.effective,
+                                                   bound=None if self.accumulates else state.found, label=label)
+        return self._decisions[key]
 
     def next_batch_size(self) -> int:
         """The size the loader cuts its next batch at."""

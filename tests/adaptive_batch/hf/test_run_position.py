@@ -307,6 +307,34 @@ def test_growth_within_epochs_where_batches_are_shared_out_is_one_line(tmp_path,
     _trainer(tmp_path)  # per epoch, several processes grow
 
 
+def test_evaluation_between_steps_leaves_them_split_and_the_function_is_asked_once_a_boundary(tmp_path):
+    """The Trainer's evaluation leaves the model in eval mode: the next step trained its whole
+    batch unsplit, each mean loss multiplied by the micro-batches it was planned in (2-3 times
+    the gradient). And the epoch's length is simulated before its batches are cut: a function
+    was asked up to 4 times for one boundary."""
+    from tests.adaptive_batch.hf.test_trainer import MeanLossLM
+
+    asked = []
+
+    def double_and_count(k, current_batch_size):
+        asked.append(k)
+        return double_every_boundary_after_the_first(k, current_batch_size)
+
+    def run(out, **training):
+        trainer = _trainer(out, net=MeanLossLM, samples=[{"input_ids": s["input_ids"][:8]} for s in _samples(SAMPLES)],
+                           training={"save_strategy": "no", **training}, eval_dataset=_samples(4),
+                           **{**EVERY_3_STEPS, "batch_increase_function": double_and_count})
+        trainer.train()
+        return trainer
+
+    plain = run(tmp_path / "plain")
+    assert sorted(asked) == list(range(4))
+    evaluated = run(tmp_path / "evaluated", eval_strategy="steps", eval_steps=1)
+    assert [h["loss"] for h in _steps(evaluated)] == pytest.approx([h["loss"] for h in _steps(plain)], rel=1e-5)
+    for a, b in zip(evaluated.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_a_fraction_of_an_epoch_ends_at_its_last_sample(tmp_path):
     """1.5 epochs of 32: the Trainer ends by its steps at the first batch, which a grown batch
     never reaches (it trained 2 whole epochs); here the step past 48 samples is the last, and

@@ -419,6 +419,10 @@ def test_bad_growth_settings_are_one_line_before_any_trial():
         AdaptiveBatchFinder(max_batch_size=0)
     with pytest.raises(ConfigError, match=r"make_batch=3 is not a function"):  # was a TypeError at fit start
         AdaptiveBatchFinder(make_batch=3)
+    manual = AppliedLR(manual=True)  # every manual step took twice its gradient under the accumulation
+    with pytest.raises(ConfigError, match=r"global_batch_size with manual optimization: .* automatic_optimization=True"):
+        _trainer(AdaptiveBatchFinder(max_memory=BUDGET, global_batch_size=16, max_batch_size=4)).fit(manual)
+    assert manual.trained == []
     with pytest.raises(ConfigError, match="no_such_module"):
         AdaptiveBatchFinder(batch_increase_function="no_such_module.grow")
     with pytest.raises(ConfigError, match="lr_scaling='cubic'"):

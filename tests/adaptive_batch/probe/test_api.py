@@ -170,11 +170,25 @@ def test_a_soft_budget_answer_is_memtrackers_in_a_few_steps(build, max_memory):
     assert truth * 0.99 <= found <= truth
 
 
-def test_a_model_that_cannot_train_a_batch_of_one_capped_at_one_is_one_line():
+def test_a_model_that_cannot_train_a_batch_of_one_capped_at_one_or_over_budget_at_two_is_one_line():
+    from adaptive_batch import BatchSizeTooLargeError
+
     model, optimizer, step, make_batch = _batchnorm1d_parts()
     with pytest.raises(ConfigError, match=r"max_batch_size=1, but a batch of 1 does not train .* BatchNorm"):
         find_max_batch_size(step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory="16MiB",
                             max_batch_size=1)
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.Linear(1024, 10))
+    optimizer = torch.optim.Adam(wide.parameters())
+
+    def wide_step(batch):
+        nn.functional.cross_entropy(wide(batch[0]), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with pytest.raises(BatchSizeTooLargeError, match=r"^batch size 2 does not fit"):  # it said 1, of batch 2's peak
+        find_max_batch_size(wide_step, make_batch=lambda b: (torch.randn(b, 256), torch.randint(0, 10, (b,))),
+                            model=wide, optimizer=optimizer, max_memory="2MiB")
 
 
 @pytest.mark.parametrize(
