@@ -106,7 +106,7 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
 
     Raises:
         ConfigError: for ``max_steps`` (an epoch takes fewer steps as the batch grows), a
-            dataset without a length, TRL's ``padding_free`` (a row holds many samples), or a schedule that cannot
+            dataset without a length, TRL's ``padding_free`` or ``packing`` (a row holds many samples), or a schedule that cannot
             be counted in samples (a ``LambdaLR``'s can: every ``lr_scheduler_type`` but
             ``reduce_lr_on_plateau``).
     """
@@ -118,15 +118,17 @@ def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler
             "samples as the batch grows; use one of the Trainer's LambdaLR schedules (linear, cosine, constant, ...)."
         )
     refuse_a_stream(train_dataset)
+    for key in ("padding_free", "packing"):  # TRL packs for padding-free batches on its own
+        if getattr(args, key, False):
+            raise ConfigError(
+                f"{key}=True with batch_increase_function: a {key.replace('_', '-')} batch is one row of many "
+                f"samples, so the batch could not be counted, cut or split by samples; set {key}=False to grow the "
+                "batch."
+            )
     if args.max_steps and args.max_steps > 0:
         raise ConfigError(
             f"max_steps={args.max_steps} with batch_increase_function: as the batch grows an epoch takes fewer "
             "steps, so a count of steps would not be the run's length; set num_train_epochs and max_steps=-1 (the default)."
-        )
-    if getattr(args, "padding_free", False):
-        raise ConfigError(
-            "padding_free=True with batch_increase_function: a padding-free batch is one row of many samples, so "
-            "the schedule could not count the samples it trains; set padding_free=False to grow the batch."
         )
 
 

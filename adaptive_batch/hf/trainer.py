@@ -142,6 +142,7 @@ class AdaptiveBatchTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
+        refuse_a_trainer_of_stacked_rows(type(self))
         self._growth = EpochGrowth(
             GrowthOptions(batch_increase_function=batch_increase_function, batch_increase_interval=batch_increase_interval,
                           grow_with_accumulation=grow_with_accumulation),
@@ -769,6 +770,22 @@ def _why_trials_stay_here(error: RuntimeError) -> str:
         return ("the trial processes could not import this script (run again as their main module, it does not stop "
                 "at `if __name__ == \"__main__\":`; call trainer.train() under that guard for trials in fresh processes)")
     return f"a trial process could not build this Trainer ({str(error).strip().splitlines()[-1]})"
+
+
+def refuse_a_trainer_of_stacked_rows(trainer_class: type) -> None:
+    """TRL's trainers other than SFT stack each sample's rows in a batch.
+
+    Raises:
+        ConfigError: for one of them (DPO, reward modelling, GRPO, ...) in ``trainer_class``.
+    """
+    stacked = next((cls.__name__ for cls in trainer_class.__mro__ if cls.__module__.startswith("trl.")
+                    and cls.__name__.endswith("Trainer") and cls.__name__ not in ("SFTTrainer", "_BaseTrainer")), None)
+    if stacked is not None:
+        raise ConfigError(
+            f"{stacked} with AdaptiveBatchTrainer: its batches stack each sample's rows (chosen and rejected, or a "
+            "prompt's completions), which the probe's batches, the micro-batch split and the LR rule would count as "
+            "samples; AdaptiveBatchTrainer composes with TRL's SFTTrainer. Train with the plain trainer."
+        )
 
 
 def refuse_what_changes_the_batch(trainer: Trainer) -> None:

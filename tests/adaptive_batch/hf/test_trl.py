@@ -79,3 +79,18 @@ def test_sfts_own_init_keeps_the_trials_in_the_training_process_and_says_so(tmp_
     trainer = sft_trainer(AdaptiveSFTTrainer, tmp_path, 16, {"max_length": 64})
     reason = TrainerTrialBuild.of(trainer, RepeatedSample.longest(trainer.train_dataset, trainer.data_collator))
     assert reason.startswith("SFTTrainer has an __init__ of its own")
+
+
+def test_packing_beside_growth_and_trainers_of_stacked_rows_are_one_line(tmp_path):
+    """Packed rows hold many samples: growth counted each as one, never split a step (8 rows in
+    one forward where 1 fit) and scaled the LR by rows. DPO and reward batches stack chosen and
+    rejected rows: the LR rule counted 8 pairs as 16 samples."""
+    from adaptive_batch import ConfigError
+
+    with pytest.raises(ConfigError, match=r"packing=True with batch_increase_function: .* set packing=False"):
+        sft_trainer(AdaptiveSFTTrainer, tmp_path, 2, {"max_length": 64, "packing": True},
+                    batch_increase_function=lambda k, current_batch_size: current_batch_size)
+    for stacked in (trl.DPOTrainer, trl.RewardTrainer):
+        composed = type("Composed", (AdaptiveBatchTrainer, stacked), {})
+        with pytest.raises(ConfigError, match=rf"{stacked.__name__} with AdaptiveBatchTrainer: .* composes with TRL's SFTTrainer"):
+            composed(model=None)
