@@ -199,7 +199,8 @@ class AdaptiveBatchFinder(Callback):
         probe = functools.partial(
             find_max_batch_size,
             training_step_of(trainer, pl_module, optimizer, share,
-                             grow_with_accumulation=self.batch.grows and self.batch.accumulates),
+                             grow_with_accumulation=(self.batch.grows and self.batch.accumulates)
+                             or _a_scheduler_accumulates(trainer)),
             # As the loop hands a batch over: the precision's input dtype, then the device.
             make_batch=lambda b: trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(make_batch(b))),
             model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,
@@ -394,12 +395,23 @@ def _rebuild_train_loader(trainer: Trainer, batch_arg_name: str, batch_size: int
     loop = trainer.fit_loop
     loop._combined_loader = None
     loop.setup_data()
-    built = getattr(loop._combined_loader.flattened[0], "batch_size", batch_size)
+    loader = loop._combined_loader.flattened[0]
+    # A loader of its own batch sampler has no batch_size; the sampler may (torch's has).
+    built = loader.batch_size if getattr(loader, "batch_size", None) is not None else getattr(
+        getattr(loader, "batch_sampler", None), "batch_size", None)
     if built is not None and built != batch_size:
         raise ConfigError(
             f"batch_arg_name={batch_arg_name!r} is now {batch_size}, but train_dataloader() still builds batches of "
             f"{built}: build its DataLoader with batch_size=self.{batch_arg_name}."
         )
+
+
+def _a_scheduler_accumulates(trainer: Trainer) -> bool:
+    """Whether a ``GradientAccumulationScheduler`` accumulates in some epoch: the trials then hold
+    one micro-batch's gradients through the next, as its epochs will (epoch 0's count of 1 gave
+    an answer that ran out of memory where it accumulated 8)."""
+    return any(isinstance(c, GradientAccumulationScheduler) and c.going_to_accumulate_grad_batches()
+               for c in trainer.callbacks)
 
 
 def _seed_the_shuffle(loader: Any, epoch: int) -> None:

@@ -414,6 +414,28 @@ def test_a_resumed_fit_trains_what_the_uninterrupted_one_trains_and_other_settin
                         epochs=3, enable_checkpointing=False).fit(Scheduled(), ckpt_path=tmp_path / "last.ckpt")
 
 
+def test_a_scheduled_accumulation_is_probed_as_accumulated_and_a_fixed_batch_sampler_is_refused():
+    """An accumulation scheduled for a later epoch: the trials ran epoch 0's single micro-batch, and
+    the answer ran out of memory where the fit accumulated 8. A loader of its own batch sampler
+    has no batch_size to check: its sampler's is read (every step trained 4 where 256 was set)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    answers = []
+    for callbacks, accumulate in (([GradientAccumulationScheduler({0: 1, 1: 4})], 1), ([], 4)):
+        finder = AdaptiveBatchFinder(max_memory=BUDGET)
+        _trainer(finder, *callbacks, accumulate_grad_batches=accumulate, steps=1).fit(Regression())
+        answers.append(finder.optimal_batch_size)
+    assert answers[0] == answers[1]
+
+    class FixedSampler(Regression):
+        def train_dataloader(self):
+            return DataLoader(_data(), batch_sampler=BatchSampler(SequentialSampler(range(ROWS)), 4, False))
+
+    with pytest.raises(ConfigError, match=r"train_dataloader\(\) still builds batches of 4"):
+        _trainer(AdaptiveBatchFinder(max_memory=BUDGET)).fit(FixedSampler())
+
+
 def test_bad_growth_settings_are_one_line_before_any_trial():
     with pytest.raises(ConfigError, match=r"max_batch_size=0 must be a positive integer"):  # was "no limit"
         AdaptiveBatchFinder(max_batch_size=0)
