@@ -79,12 +79,13 @@ def plan_json(plan: MemoryPlan) -> dict:
 
 def _plan_command(args: argparse.Namespace) -> int:
     from adaptive_batch.torchtune.checks import check_components, check_finite_numbers, check_writable_file
-    from adaptive_batch.torchtune.config import load_config
+    from adaptive_batch.torchtune.config import adaptive_options, load_config
     from adaptive_batch.torchtune.planning import plan_from_config
 
     cfg = load_config(args.config, args.overrides)
     # As strictly as `probe` and `tune run` read it: a typo or a batch of 0 planned without a word.
     check_known_keys(cfg.keys(), _known_keys_of_the_recipes())
+    adaptive_options(cfg)  # its sections check themselves, as the recipes build them
     check_positive_int("batch_size", cfg.get("batch_size", None), allow_none=True)
     check_finite_numbers(cfg)
     # The model only: the planner plans optimizers it cannot import (bitsandbytes) by their state.
@@ -297,12 +298,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = overrides
     try:
-        return args.run(args)
+        try:
+            return args.run(args)
+        except (TypeError, ValueError) as e:
+            raise _as_a_config_error(e) from e
     except (ConfigError, BatchSizeTooLargeError) as e:
         print(f"error: {e}", file=sys.stderr)
         if getattr(args, "json", False):  # a script reading stdout gets an object, not nothing
             print(json.dumps({"error": str(e), "type": type(e).__name__}))
         return 1
+
+
+def _as_a_config_error(error: Exception) -> Exception:
+    """A component of the config that its own values fail to build (``model.num_layers=abc``,
+    ``optimizer.lr=fast``), as one line naming it; any other error as it was (a traceback of 40
+    lines ended in the component's own TypeError)."""
+    frame, component = error.__traceback__, None
+    while frame is not None:
+        if frame.tb_frame.f_code.co_name == "_instantiate_node":
+            component = frame.tb_frame.f_locals.get("node", {}).get("_component_")
+        frame = frame.tb_next
+    if component is None:
+        return error
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ConfigError(f"_component_={component!r} could not be built from its section of the config "
+                       f"({type(error).__name__}: {reason}); fix that section's keys and values (or the key=value "
+                       "overrides).")
 
 
 if __name__ == "__main__":

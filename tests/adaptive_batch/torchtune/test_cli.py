@@ -94,6 +94,13 @@ def test_plan_table_and_plot_for_the_lora_config(tmp_path):
         (["plan", "--config", TINY, "max_memory='1e400'"], "max_memory='1e400' is not a finite size"),
         (["plan", "--config", TINY, "--safety-margin", "nan"], "--safety-margin=nan must be a number in [0, 1)"),
         (["plan", "--config", TINY, "optimizer.lr=.nan"], "optimizer.lr=nan is not a finite number"),
+        # a component its own values fail to build was a traceback of 40 lines; plan read no adaptive key
+        (["plan", "--config", TINY, "optimizer.lr=fast"],
+         "_component_='torch.optim.AdamW' could not be built from its section of the config (TypeError: '<=' not supported"),
+        (["plan", "--config", TINY, "model.num_layerz=3"],
+         "_component_='torchtune.models.llama3_2.llama3_2' could not be built from its section of the config "
+         "(TypeError: llama3_2() got an unexpected keyword argument 'num_layerz')"),
+        (["plan", "--config", TINY, "lr_scaling=cubic"], "lr_scaling='cubic' is not one of"),
         (["plan", "--config", TINY, "--plot", "/proc/no/plan.png"], "--plot (its directory)='/proc/no' cannot be written"),
         (["probe", "--config", TINY, "--plot", "configs"], "--plot='configs' is a directory"),
         (["plan", "--config", TINY, "tokenizer.max_seq_len=4096"],
