@@ -526,12 +526,12 @@ class AdaptiveBatchTrainer(Trainer):
         if state["gradient_accumulation_steps"] > 1 or self._growth.grows:
             self._average_a_loss_that_ignores_the_item_count()
         budget = "the device" if self.max_memory is None else f"max_memory={self.max_memory}"
+        evaluation = (f"; evaluation batch {args.per_device_eval_batch_size}" if "per_device_eval_batch_size" in state
+                      else "")  # probed, or the checkpoint's
         logs.info(
             f"adaptive-batch ({source}): the effective batch of {state['effective_batch_size']} trains as "
             f"{describe_micro_batches(state['effective_batch_size'], state['per_device_train_batch_size'])} per "
-            f"device (the largest "
-            f"that fits {budget}: {state['max_micro_batch_size']}); evaluation batch "
-            f"{args.per_device_eval_batch_size}."
+            f"device (the largest that fits {budget}: {state['max_micro_batch_size']}){evaluation}."
         )
 
     def _start_growth(self, state: Dict[str, Any]) -> None:
