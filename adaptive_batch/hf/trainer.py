@@ -21,6 +21,7 @@ from contextlib import contextmanager, nullcontext
 import copy
 import functools
 import json
+import math
 import os
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 import warnings
@@ -385,7 +386,9 @@ class AdaptiveBatchTrainer(Trainer):
         size (its sampler and grouping kept), each split into the micro-batches that fit; where
         the batch grows within epochs, batches of the size in force as each is cut."""
         if self._steps_are_loader_batches:
-            with effective_batch_args(self, self._growth.next_batch_size()):
+            # Built at the first batch in every run: group_by_length groups by the batch it is
+            # built for, and a resume built at the grown one trained another order.
+            with effective_batch_args(self, self._asked_batch[0] * self._asked_batch[1]):
                 return cut_as_planned(super().get_train_dataloader(), self._growth)
         if not self._uneven():
             return super().get_train_dataloader()
@@ -534,12 +537,33 @@ class AdaptiveBatchTrainer(Trainer):
             f"device (the largest that fits {budget}: {state['max_micro_batch_size']}){evaluation}."
         )
 
+    def _last_sample_of_a_fractional_run(self) -> Optional[int]:
+        """This rank's samples of a run of a fraction of an epoch (``num_train_epochs=1.5``):
+        where it ends, as the Trainer's count of steps ends it at the first batch."""
+        epochs = self.args.num_train_epochs
+        if epochs == int(epochs) or self.train_dataset is None:
+            return None
+        return math.ceil(epochs * len(self.train_dataset) / self.args.world_size)
+
+    def _samples_per_schedule_step(self, schedule_steps: int) -> float:
+        """The samples one step of the schedule stands for: the run's over the schedule's steps,
+        so it ends with the last sample (the first batch, where a dataset it does not divide
+        left the decay short of its end: 40 samples at 16 ended at 5/6); the first batch where
+        the last short batch of each epoch is dropped."""
+        first = self._asked_batch[0] * self._asked_batch[1]
+        if self.args.dataloader_drop_last or not schedule_steps:
+            return float(first)
+        run = self._last_sample_of_a_fractional_run() or self.args.num_train_epochs * len(self.train_dataset) / (
+            self.args.world_size)
+        return run / schedule_steps
+
     def _start_growth(self, state: Dict[str, Any]) -> None:
         """The growth of the batch settled: from the checkpoint's state where it has one, else
         from the effective batch asked for."""
         if not (self._growth.grows or self._growth.lr.scales):
             return
         self._resumed_position = None
+        self._growth.run_samples = self._last_sample_of_a_fractional_run()  # the last batch cut to it
         if "growth" in state:
             if state.get("asked_effective_batch_size", 0) > state["max_micro_batch_size"]:
                 self._growth.allow_accumulation()
@@ -657,8 +681,8 @@ class AdaptiveBatchTrainer(Trainer):
             num_training_steps = self._position.schedule_steps or num_training_steps
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         if self._growth.grows and not isinstance(scheduler, SampleCountedSchedule):
-            first = self._asked_batch[0] * self._asked_batch[1]
-            self.lr_scheduler = scheduler = SampleCountedSchedule(scheduler, first, lambda: self._position.samples_seen)
+            per_step = self._samples_per_schedule_step(num_training_steps)
+            self.lr_scheduler = scheduler = SampleCountedSchedule(scheduler, per_step, lambda: self._position.samples_seen)
         if self._growth.state is not None:
             self._growth.detach()
             torch_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's wrapper
@@ -820,9 +844,8 @@ class _BatchHooks(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer ends 1.5 epochs by its count of steps at the first batch, which a grown
         # batch never reaches: it trained 2 whole epochs, the last half past its schedule's end.
-        trainer, epochs = self.trainer, args.num_train_epochs
-        if trainer._growth.grows and epochs != int(epochs) and trainer.train_dataset is not None and (
-                trainer._position.samples_seen * args.world_size >= epochs * len(trainer.train_dataset)):
+        trainer, last = self.trainer, self.trainer._last_sample_of_a_fractional_run()
+        if trainer._growth.grows and last is not None and trainer._position.samples_seen >= last:
             # As the Trainer ends a run at max_steps: its last evaluation and save too.
             control.should_training_stop = True
             if args.eval_strategy == IntervalStrategy.STEPS and state.global_step % state.eval_steps != 0:

@@ -111,6 +111,7 @@ class EpochGrowth:
         self._hooks: list = []  # the optimizer's step hooks of this run
         self.ranks = 1  # the data-parallel ranks, each training ``state.effective`` samples a step
         self._trained: Optional[int] = None  # the samples of the step being trained, where the adapter says
+        self.run_samples: Optional[int] = None  # where the adapter says: this rank's samples of the whole run
         self._stepping = False  # inside the optimizer's step: between its pre-hook and its post-hook
         self._decisions: Dict[Tuple[int, int], GrowthDecision] = {}  # (boundary, batch) -> the function's answer
 
@@ -210,8 +211,12 @@ class EpochGrowth:
         return self._decisions[key]
 
     def next_batch_size(self) -> int:
-        """The size the loader cuts its next batch at."""
-        return self.state.effective
+        """The size the loader cuts its next batch at (no more than the run has left)."""
+        return self._cut_at(self.state)
+
+    def _cut_at(self, state: EpochGrowthState) -> int:
+        left = None if self.run_samples is None else max(self.run_samples - state.samples, 1)
+        return state.effective if left is None else min(state.effective, left)
 
     def cut_batch(self, rows: int) -> None:
         """A batch of ``rows`` samples cut by the loader at the batch in force: counted, and the
@@ -235,8 +240,10 @@ class EpochGrowth:
         the state after them: the epoch's length before its batches are cut. The growth function
         is called for the boundaries on the way, and again when the loader reaches them."""
         state, batches = copy.deepcopy(self.state), 0
-        while samples >= state.effective or (samples > 0 and not drop_last):
-            rows = min(samples, state.effective)
+        while samples >= self._cut_at(state) or (samples > 0 and not drop_last):
+            if self.run_samples is not None and state.samples >= self.run_samples:
+                break  # a fraction of an epoch ends here
+            rows = min(samples, self._cut_at(state))
             samples, batches = samples - rows, batches + 1
             self._count(state, rows)
             self._decide_reached(state, log=False)

@@ -288,13 +288,15 @@ def test_a_run_growing_within_epochs_resumes_what_the_uninterrupted_run_trains(e
 
 def test_group_by_length_resumes_its_epochs_order_after_the_first(tmp_path):
     """Transformers' length-grouped sampler drew from the global RNG, which a resume restores at
-    the checkpoint's step: resumed in epoch 1 it trained another order (a plain Trainer too)."""
-    grouped = {"train_sampling_strategy": "group_by_length"}
-    whole = _trainer(tmp_path / "whole", training={"save_steps": 1, **grouped}, **EVERY_3_STEPS)
+    the checkpoint's step: resumed in epoch 1 it trained another order (a plain Trainer too). Its
+    groups follow the batch it is built for: a resume built it at the grown batch (12, not 3)."""
+    grouped = {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": 3}
+    every_2 = {**EVERY_3_STEPS, "batch_increase_interval": "2 steps", "samples": _samples(40)}
+    whole = _trainer(tmp_path / "whole", training={"save_steps": 1, **grouped}, **every_2)
     whole.train()
-    resumed = _trainer(tmp_path / "resumed", training=grouped, **EVERY_3_STEPS)
-    resumed.train(resume_from_checkpoint=f"{whole.args.output_dir}/checkpoint-7")
-    _assert_trains_the_rest_of(whole, resumed, 7)
+    resumed = _trainer(tmp_path / "resumed", training=grouped, **every_2)
+    resumed.train(resume_from_checkpoint=f"{whole.args.output_dir}/checkpoint-8")
+    _assert_trains_the_rest_of(whole, resumed, 8)
 
 
 def test_growth_within_epochs_where_batches_are_shared_out_is_one_line(tmp_path, monkeypatch):
@@ -336,14 +338,28 @@ def test_evaluation_between_steps_leaves_them_split_and_the_function_is_asked_on
 
 
 def test_a_fraction_of_an_epoch_ends_at_its_last_sample(tmp_path):
-    """1.5 epochs of 32: the Trainer ends by its steps at the first batch, which a grown batch
-    never reaches (it trained 2 whole epochs); here the step past 48 samples is the last, and
-    the schedule, sized for 1.5 epochs, has ended there."""
-    trainer = _trainer(tmp_path, training={"save_strategy": "no", "num_train_epochs": 1.5}, **EVERY_3_STEPS)
+    """1.25 epochs of 32: the Trainer ends by its steps at the first batch, which a grown batch
+    never reaches (it trained 2 whole epochs); here the last batch is cut to the 40th sample (it
+    trained 16 of the 16 in force), and the schedule, sized for 1.25 epochs, ends there."""
+    trainer = _trainer(tmp_path, training={"save_strategy": "no", "num_train_epochs": 1.25}, **EVERY_3_STEPS)
     trainer.train()
     steps = _steps(trainer)
-    assert [h["batch_size"] for h in steps] == [4, 4, 4, 8, 8, 4, 16]
-    assert steps[-1]["learning_rate"] == pytest.approx(1e-3 * (1 - 32 / 48) * 16 / FIRST)
+    assert [h["batch_size"] for h in steps] == [4, 4, 4, 8, 8, 4, 8]
+    assert steps[-1]["learning_rate"] == pytest.approx(1e-3 * (1 - 32 / 40) * 8 / FIRST)
+
+
+def test_the_schedule_ends_with_the_last_sample_where_the_first_batch_does_not_divide_the_data(tmp_path):
+    """30 samples at 4: 8 steps an epoch, 24 for the schedule, but 90 samples are 22.5 steps of 4:
+    the decay counted in steps of the first batch stopped short of its end (40 at 16: at 5/6)."""
+    trainer = _trainer(tmp_path, samples=_samples(30), training={"save_strategy": "no"},
+                       batch_increase_function=lambda k, current_batch_size: 0)
+    trainer.train()
+    steps = _steps(trainer)
+    trained = [4, 4, 4, 4, 4, 4, 4, 2] * EPOCHS
+    seen = [sum(trained[:i]) for i in range(len(trained))]
+    assert [h["batch_size"] for h in steps] == trained
+    expected = [1e-3 * (1 - s / (EPOCHS * 30)) * b / FIRST for s, b in zip(seen, trained)]
+    assert [h["learning_rate"] for h in steps] == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_resume_with_another_interval_is_refused(every_3_steps, tmp_path):
