@@ -291,12 +291,18 @@ def test_group_by_length_resumes_its_epochs_order_after_the_first(tmp_path):
     the checkpoint's step: resumed in epoch 1 it trained another order (a plain Trainer too). Its
     groups follow the batch it is built for: a resume built it at the grown batch (12, not 3)."""
     grouped = {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": 3}
-    every_2 = {**EVERY_3_STEPS, "batch_increase_interval": "2 steps", "samples": _samples(40)}
+    every_2 = {**EVERY_3_STEPS, "batch_increase_interval": "2 steps", "samples": _samples(40),
+               "batch_increase_function": add_3_after_the_first}
     whole = _trainer(tmp_path / "whole", training={"save_steps": 1, **grouped}, **every_2)
     whole.train()
+    assert [h["batch_size"] for h in _steps(whole)][7:10] == [12, 15, 13]  # epoch 1: grown, several batches
     resumed = _trainer(tmp_path / "resumed", training=grouped, **every_2)
     resumed.train(resume_from_checkpoint=f"{whole.args.output_dir}/checkpoint-8")
     _assert_trains_the_rest_of(whole, resumed, 8)
+
+
+def add_3_after_the_first(k, current_batch_size):
+    return 3 if k > 0 else 0
 
 
 def test_growth_within_epochs_where_batches_are_shared_out_is_one_line(tmp_path, monkeypatch):
