@@ -55,3 +55,10 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """A generator for ``epoch``'s shuffle, seeded with ``seed + epoch``: the same order for the
+    epoch in any run, resumed or not (the global RNG a sampler would otherwise draw from is the
+    checkpoint's step's, or not kept at all)."""
+    return torch.Generator().manual_seed((seed + epoch) % 2**63)

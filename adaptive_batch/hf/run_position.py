@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass
 import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import IterableDataset
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from adaptive_batch.data.samplers import BatchPlan, PlannedBatchSampler
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.rng import epoch_generator
 from adaptive_batch.schedule.growth import GrowthOptions
 from adaptive_batch.schedule.lr_progress import SampleProgressLR
 
@@ -98,7 +98,7 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
-        self.generator = torch.Generator().manual_seed(self.seed + epoch)
+        self.generator = epoch_generator(self.seed, epoch)
 
 
 def refuse_what_growth_cannot_follow(args: Any, train_dataset: Any, lr_scheduler: Any = None) -> None:

@@ -420,7 +420,9 @@ class AdaptiveBatchTrainer(Trainer):
         self._update_rows = [BatchLayout().rows(batch) for batch in batches]
         if self._steps_are_loader_batches and batches:
             self._update_rows = micro_batch_sizes(self._update_rows[0], self.adaptive_batch["max_micro_batch_size"])
-        self._step_items = sum(label_items(batch, self._shifts_labels) for batch in batches)
+        # What the micro-batches' losses share, counted where a step has several (a host sync each).
+        self._step_items = (sum(label_items(batch, self._shifts_labels) for batch in batches)
+                            if len(self._update_rows) > 1 else 0.0)
         self._growth.train_samples(sum(self._update_rows))  # the LR of the step it trains
         if self._growth.grows:  # the schedule's progress: samples, not steps
             self._position.samples_seen += sum(self._update_rows)

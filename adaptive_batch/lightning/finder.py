@@ -32,7 +32,7 @@ import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import MAKE_BATCH_EXAMPLE
-from adaptive_batch.rng import rng_state, set_rng_state
+from adaptive_batch.rng import epoch_generator, rng_state, set_rng_state
 from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, equal_micro_batches
 from adaptive_batch.schedule.growth import GrowthOptions, function_name
@@ -421,7 +421,7 @@ def _seed_the_shuffle(loader: Any, epoch: int) -> None:
     (a torchdata loader restored from the checkpoint takes up its state only at its next epoch)."""
     sampler = getattr(loader, "sampler", None)
     if sampler is not None and hasattr(sampler, "generator"):  # a shuffling one (DistributedSampler seeds by epoch)
-        sampler.generator = torch.Generator().manual_seed((torch.initial_seed() + epoch) % 2**63)
+        sampler.generator = epoch_generator(torch.initial_seed(), epoch)
 
 
 def _small_split(batch: FitBatch, found: int) -> str:

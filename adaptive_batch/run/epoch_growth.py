@@ -238,7 +238,8 @@ class EpochGrowth:
     def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, EpochGrowthState]:
         """The batches an epoch of ``samples`` samples takes from here, growing as it goes, and
         the state after them: the epoch's length before its batches are cut. The growth function
-        is called for the boundaries on the way, and again when the loader reaches them."""
+        is called for the boundaries on the way, once each (:meth:`_decide` keeps its answers for
+        the loader's cuts)."""
         state, batches = copy.deepcopy(self.state), 0
         while samples >= self._cut_at(state) or (samples > 0 and not drop_last):
             if self.run_samples is not None and state.samples >= self.run_samples:

@@ -38,3 +38,13 @@ def test_a_state_without_numpy_is_refused_in_one_line():
     del old["numpy"]
     with pytest.raises(ConfigError, match="no numpy generator: it was written by an older adaptive-batch"):
         set_rng_state(old)
+
+
+def test_an_epochs_generator_draws_the_same_order_in_any_run_and_another_each_epoch():
+    from adaptive_batch.rng import epoch_generator
+
+    torch.manual_seed(123)  # the global RNG plays no part
+    order = torch.randperm(16, generator=epoch_generator(7, 2))
+    assert torch.equal(order, torch.randperm(16, generator=epoch_generator(7, 2)))
+    assert not torch.equal(order, torch.randperm(16, generator=epoch_generator(7, 3)))
+    epoch_generator(2**64 - 1, 5)  # a seed near torch's largest still seeds
