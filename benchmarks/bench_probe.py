@@ -28,7 +28,9 @@ from readme_table import write_readme_table
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/tiny/full_single_device.yaml"
-METHODS = ["ours", "ours_margin0", "lightning_adaptive", "lightning_power", "lightning_binsearch", "accelerate"]
+METHODS = ["ours", "ours_margin0", "lightning_adaptive", "lightning_power", "lightning_binsearch", "accelerate",
+           "double_then_bisect"]
+DEVICE = os.environ.get("BENCH_PROBE_DEVICE", "cpu")  # the workers' device: cpu, or cuda (a card held to the headroom)
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -44,7 +46,8 @@ def _setup(seed: int = 0):
 
     cfg = OmegaConf.load(os.environ.get("BENCH_PROBE_CONFIG", CONFIG))
     torch.manual_seed(seed)
-    model = config.instantiate(cfg.model)
+    device = torch.device(DEVICE)
+    model = config.instantiate(cfg.model).to(device)
     loss_fn = config.instantiate(cfg.loss)
     model.set_num_output_chunks(loss_fn.num_output_chunks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)
@@ -61,13 +64,21 @@ def _setup(seed: int = 0):
         opt.zero_grad(set_to_none=True)
 
     def make_batch(b):
-        return worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab, device=torch.device("cpu"))
+        return worst_case_text_batch(b, seq_len=seq_len, vocab_size=vocab, device=device)
 
     return model, opt, loss_of, train_step, make_batch, seq_len, vocab
 
 
 def _limit(headroom: int) -> None:
-    limit_address_space(headroom, recipe_allocator=True)  # the same allocator settings for every method
+    """On the CPU, ``headroom`` over the process's size; on a card, the card held to ``headroom`` in
+    all (``set_per_process_memory_fraction``), as a card of that size."""
+    if DEVICE == "cpu":
+        limit_address_space(headroom, recipe_allocator=True)  # the same allocator settings for every method
+        return
+    from gpu_check import hold_card_to
+    import torch
+
+    hold_card_to(torch.device(DEVICE), headroom)
 
 
 def _run_ours(headroom: int, margin: float) -> dict:
@@ -80,6 +91,8 @@ def _run_ours(headroom: int, margin: float) -> dict:
 
     model, opt, _, train_step, make_batch, _, _ = _setup()
     _limit(headroom)
+    if DEVICE != "cpu":
+        return _run_ours_on_a_card(train_step, make_batch, model, opt, margin)
     budget = memory_budget(
         max_memory_bytes=None,
         capacity=device_capacity(torch.device("cpu")),
@@ -99,6 +112,56 @@ def _run_ours(headroom: int, margin: float) -> dict:
         "max_overshoot": result.max_overshoot,
         "estimate": type(result.estimate).__name__,
     }
+
+
+def _run_ours_on_a_card(train_step, make_batch, model, opt, margin: float) -> dict:
+    """``find_max_batch_size`` as a user calls it, its answer's consecutive-step check included."""
+    import torch
+
+    from adaptive_batch import find_max_batch_size
+
+    steps = {"n": 0}
+
+    def counted(batch):
+        steps["n"] += 1
+        train_step(batch)
+
+    lines = []
+    found = find_max_batch_size(counted, make_batch=make_batch, model=model, optimizer=opt, max_memory=None,
+                                safety_margin=margin, device=torch.device(DEVICE), log=lines.append)
+    print("\n".join(lines), flush=True)
+    return {"found": found, "trial_steps": steps["n"]}
+
+
+def _run_double_then_bisect(headroom: int) -> dict:
+    """NeMo's OOMptimizer's search, one step per try: double from 1 until a try runs out of memory,
+    then bisect between the last that trained and the first that did not."""
+    from adaptive_batch import is_oom_error
+    from adaptive_batch.memory.oom import release_memory
+
+    _, opt, _, train_step, make_batch, _, _ = _setup()
+    steps = {"n": 0}
+    _limit(headroom)
+
+    def trains(b: int) -> bool:
+        steps["n"] += 1
+        try:
+            train_step(make_batch(b))
+            return True
+        except RuntimeError as e:
+            if not is_oom_error(e):
+                raise
+            opt.zero_grad(set_to_none=True)
+            release_memory()
+            return False
+
+    good, bad = 0, 1
+    while trains(bad):
+        good, bad = bad, bad * 2
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if trains(mid) else (good, mid)
+    return {"found": good, "trial_steps": steps["n"]}
 
 
 def _run_lightning(headroom: int, mode: str) -> dict:
@@ -139,7 +202,7 @@ def _run_lightning(headroom: int, mode: str) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+            accelerator="cpu" if DEVICE == "cpu" else "gpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=d,
         )
         _limit(headroom)
@@ -167,13 +230,15 @@ def _run_accelerate(headroom: int) -> dict:
 
 
 def _run_truth(headroom: int, batch_size: int, steps: int) -> dict:
+    from adaptive_batch import is_oom_error
+
     _, _, _, train_step, make_batch, _, _ = _setup()
     _limit(headroom)
     try:
         for _ in range(steps):
             train_step(make_batch(batch_size))
     except RuntimeError as e:
-        if "can't allocate memory" not in str(e):
+        if not is_oom_error(e):
             raise
         return {"trains": False}
     return {"trains": True}
@@ -189,6 +254,8 @@ def worker(args) -> None:
         out = _run_lightning(args.headroom, args.worker.split("_", 1)[1])
     elif args.worker == "accelerate":
         out = _run_accelerate(args.headroom)
+    elif args.worker == "double_then_bisect":
+        out = _run_double_then_bisect(args.headroom)
     else:
         out = _run_truth(args.headroom, args.batch_size, args.truth_steps)
     out["seconds"] = time.perf_counter() - t0
@@ -207,12 +274,21 @@ def _spawn(args, worker_name, batch_size=0) -> dict:
         sys.executable, __file__, "--worker", worker_name, "--headroom", str(args.headroom),
         "--batch-size", str(batch_size), "--truth-steps", str(args.truth_steps),
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), BENCH_PROBE_CONFIG=str(args.config))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               BENCH_PROBE_CONFIG=str(args.config), BENCH_PROBE_DEVICE=args.device)
+    if args.device != "cpu":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # training's allocator settings, for every method
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     m = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
     if not m:
         raise RuntimeError(f"{worker_name} failed:\n{proc.stderr[-3000:]}")
     return json.loads(m.group(1))
+
+
+def _card_name(device: str) -> str:
+    import torch
+
+    return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
 
 
 def ground_truth(args, start: int) -> int:
@@ -232,10 +308,13 @@ def render(rows, truth, args) -> str:
     from adaptive_batch.memory.device import format_bytes
 
     lightning_bin = next((r for r in rows if r["method"] == "lightning_binsearch"), None)
+    held = (f"Headroom {format_bytes(args.headroom)} of address space over each process's size (RLIMIT_AS)"
+            if args.device == "cpu" else
+            f"The card held to {format_bytes(args.headroom)} in all (`set_per_process_memory_fraction`, expandable "
+            f"segments) as a card of that size")
     lines = [
-        f"Headroom {format_bytes(args.headroom)} of address space over each process's size "
-        f"(RLIMIT_AS), `{Path(args.config).relative_to(REPO)}` ({args.describe}), seq_len 256, "
-        f"AdamW, fp32, CPU. True max: **{truth}** (largest batch that trains "
+        f"{held}, `{Path(args.config).relative_to(REPO)}` ({args.describe}), seq_len 256, "
+        f"AdamW, fp32, {args.device_name}. True max: **{truth}** (largest batch that trains "
         f"{args.truth_steps} full-length steps in a fresh process under the limit).",
         "",
         "| method | predicted | first search trial | found batch | found/true | trial steps | failed trials "
@@ -251,10 +330,13 @@ def render(rows, truth, args) -> str:
             f"| {r['seconds']:.1f} |"
         )
     config_arg = "" if Path(args.config) == CONFIG else f" --config {Path(args.config).relative_to(REPO)}"
-    lines += ["", f"Made by `python benchmarks/bench_probe.py --headroom {args.headroom_text}{config_arg}` "
+    device_arg = "" if args.device == "cpu" else f" --device {args.device}"
+    lines += ["", f"Made by `python benchmarks/bench_probe.py --headroom {args.headroom_text}{config_arg}{device_arg}` "
               f"on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores. Failed trials: out of memory or "
               "over the budget; ours counts only its own trials, the peers report found sizes and steps. "
-              "Largest trial peak / budget: ours bounds it to 1.25 (trials that ran out of memory have no peak)."]
+              "Largest trial peak / budget: ours bounds it to 1.25 (trials that ran out of memory have no peak)."
+              + ("" if args.device == "cpu" else " On a card ours is `find_max_batch_size` as a user calls it: its "
+                 "trial steps include its answer's 10 consecutive steps.")]
     return "\n".join(lines)
 
 
@@ -265,6 +347,8 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--truth-steps", type=int, default=3)
     parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu (a process memory limit), or cuda: the card held to "
+                        "--headroom in all, ours through find_max_batch_size with its answer's check")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -273,6 +357,7 @@ def main() -> None:
         worker(args)
         return
     args.headroom_text = args.headroom
+    args.device_name = "CPU" if args.device == "cpu" else _card_name(args.device)
     args.headroom = _parse_size(args.headroom)
     args.config = str(Path(args.config).resolve())
     from omegaconf import OmegaConf

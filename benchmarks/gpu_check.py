@@ -109,8 +109,9 @@ def hold_card_to(device, limit_bytes: Optional[int]) -> None:
     import torch
 
     if device.type == "cuda" and limit_bytes is not None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), index)
 
 
 def card_or_none(device_name: str, script: str):
@@ -282,7 +283,7 @@ def check(name: str, device, max_memory: Optional[str], margin: Optional[float],
     step_s = row["trained"].get("step_seconds")
     row["epoch_seconds"] = None if not step_s else -(-samples // found) * step_s
     plan = plan_from_config(OmegaConf.merge(cfg, {"max_memory": None}), device_memory_bytes=budget.limit_bytes,
-                            safety_margin=budget.safety_margin)
+                            safety_margin=budget.safety_margin, device_type=device.type)
     row["planned_peak"] = plan.row_at(found).peak_bytes
     return row
 

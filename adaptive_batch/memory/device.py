@@ -288,15 +288,34 @@ def cpu_capacity() -> DeviceCapacity:
 
 
 def cuda_capacity(device: torch.device) -> DeviceCapacity:
-    """Headroom on a CUDA device: free memory plus what the caching allocator already holds."""
-    free, _total = torch.cuda.mem_get_info(device)
-    reserved_idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return DeviceCapacity(
-        device=str(device),
-        headroom_bytes=int(free + reserved_idle),
-        source="cudaMemGetInfo",
-        hard_limit=True,
-    )
+    """Headroom on a CUDA device: free memory plus what the caching allocator already holds,
+    and no more than ``torch.cuda.set_per_process_memory_fraction`` leaves this process (the
+    allocator refuses past it with a real out-of-memory error, whatever the card has free)."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    headroom, source = free + torch.cuda.memory_reserved(device) - allocated, "cudaMemGetInfo"
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.6 and later
+    index = torch.cuda.current_device() if device.index is None else device.index  # it takes no bare "cuda"
+    fraction = 1.0 if get_fraction is None else get_fraction(index)
+    if fraction < 1.0 and int(total * fraction) - allocated < headroom:
+        headroom, source = int(total * fraction) - allocated, f"set_per_process_memory_fraction({fraction:g})"
+    return DeviceCapacity(device=str(device), headroom_bytes=int(max(headroom, 0)), source=source, hard_limit=True)
+
+
+# torch's cuBLAS workspace when CUBLAS_WORKSPACE_CONFIG is unset, on Hopper (32 MiB; older cards take
+# about 8, so a plan for them errs high). A training step makes two: the forward's thread takes one at its
+# first product, autograd's backward thread another; both stay (64 MiB measured on an H200, docs/gpu.md).
+DEFAULT_CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+CUBLAS_WORKSPACES_PER_STEP = 2
+_WORKSPACE_PAIR_RE = re.compile(r":(\d+):(\d+)")
+
+
+def cublas_workspace_bytes() -> int:
+    """The bytes one cuBLAS workspace takes from the caching allocator: ``CUBLAS_WORKSPACE_CONFIG``'s
+    ``:KiB:count`` pairs summed, as torch reads them, else :data:`DEFAULT_CUBLAS_WORKSPACE_CONFIG`."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") or DEFAULT_CUBLAS_WORKSPACE_CONFIG
+    pairs = _WORKSPACE_PAIR_RE.findall(config) or _WORKSPACE_PAIR_RE.findall(DEFAULT_CUBLAS_WORKSPACE_CONFIG)
+    return sum(int(kib) * int(count) for kib, count in pairs) * 1024
 
 
 def device_capacity(device: torch.device) -> DeviceCapacity:

@@ -119,6 +119,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         safety_margin=float(margin),
         max_batch_size=cfg.get("max_batch_size", None),
         world_size=args.world_size,
+        device_type=device_type,
     )
     split = None
     if global_batch is not None and plan.max_batch_size:

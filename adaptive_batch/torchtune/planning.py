@@ -10,6 +10,7 @@ from torchtune import config, modules, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.memory.device import CUBLAS_WORKSPACES_PER_STEP, cublas_workspace_bytes
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.fake_step import KnownStateOptimizer
 from adaptive_batch.probe.plan import MemoryPlan, plan_memory
@@ -98,6 +99,17 @@ def _nf4_base_weights(cfg_model: DictConfig, dtype: torch.dtype, assumptions: Li
     return OmegaConf.merge(cfg_model, {"quantize_base": False}), {"parameters": stored - dense, "activations": largest}
 
 
+def _with_cublas_workspaces(adjust_bytes: Optional[Dict[str, int]], assumptions: List[str]) -> Dict[str, int]:
+    workspaces = CUBLAS_WORKSPACES_PER_STEP * cublas_workspace_bytes()
+    assumptions.append(
+        f"CUDA: {CUBLAS_WORKSPACES_PER_STEP} cuBLAS workspaces of {cublas_workspace_bytes() / 2**20:g} MiB "
+        "(CUBLAS_WORKSPACE_CONFIG, else torch's default on Hopper), the forward's and the backward's"
+    )
+    adjusted = dict(adjust_bytes or {})
+    adjusted["other"] = adjusted.get("other", 0) + workspaces
+    return adjusted
+
+
 def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
     names, _ = t.__tensor_flatten__()
     return [getattr(t, name) for name in names]
@@ -111,6 +123,7 @@ def plan_from_config(
     max_batch_size: Optional[int] = None,
     extrapolate_layers: bool = True,
     world_size: int = 1,
+    device_type: Optional[str] = None,
 ) -> MemoryPlan:
     """Plans the config's model, optimizer, loss, dtype, sequence length, activation
     checkpointing and optimizer-in-backward with fake tensors, as torchtune's recipe runs them.
@@ -122,6 +135,9 @@ def plan_from_config(
     With ``world_size`` above 1 the plan is one rank's share under FSDP2, sharded as
     torchtune's distributed recipes shard (``training.shard_model`` with the config's
     ``custom_sharded_layers`` and ``fsdp_reshard_after_forward``); the batch is per rank.
+
+    On CUDA (``device_type``, default the config's ``device``) the step's cuBLAS workspaces are
+    added: fake tensors make none, and a card's training step holds them from its first product.
 
     Raises:
         ConfigError: for an optimizer that cannot be imported and has no known state size, a
@@ -139,6 +155,8 @@ def plan_from_config(
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))
     make_optimizer = _optimizer_factory(cfg.optimizer, assumptions)
     cfg_model, adjust_bytes = _nf4_base_weights(cfg.model, dtype, assumptions)
+    if str(device_type or cfg.get("device", "cpu")).startswith("cuda"):
+        adjust_bytes = _with_cublas_workspaces(adjust_bytes, assumptions)
     step = _RecipeStep(cfg, cfg_model, dtype, config.instantiate(cfg.loss), make_optimizer)
     return plan_memory(
         build_model=step.build_model,

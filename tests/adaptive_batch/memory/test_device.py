@@ -7,6 +7,7 @@ from adaptive_batch.memory.device import (
     ALLOC_CONF_VARS,
     DeviceCapacity,
     cpu_capacity,
+    cuda_capacity,
     device_capacity,
     format_bytes,
     use_expandable_segments,
@@ -275,3 +276,17 @@ def test_after_a_soft_probe_training_gets_glibcs_fast_thresholds(monkeypatch, so
                          "tensors, and no address-space limit holds this process."]
     else:
         assert libc.calls == [] and lines == [] and device.glibc_mmap_threshold_set() == 256 * 1024
+
+
+@pytest.mark.parametrize("fraction, headroom, source", [
+    (1.0, 30 * GiB + (7 - 5) * GiB, "cudaMemGetInfo"),  # free plus the cache's idle part
+    (0.25, 20 * GiB - 5 * GiB, "set_per_process_memory_fraction(0.25)"),  # the process's share, less what it holds
+])
+def test_cuda_capacity_is_what_the_card_and_the_process_memory_fraction_both_allow(monkeypatch, fraction, headroom, source):
+    # A card of 80 GiB with 30 free; this process holds 5 GiB allocated in 7 reserved.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 5 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 7 * GiB)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: {0: fraction}[index], raising=False)
+    capacity = cuda_capacity(torch.device("cuda", 0))
+    assert (capacity.headroom_bytes, capacity.source, capacity.hard_limit) == (headroom, source, True)

@@ -48,3 +48,31 @@ def test_no_guess_for_nf4_base_weights():
     with lines_to(lines.append):
         assert ConfigFirstGuess(_config("lora_single_device.yaml", **{"model.quantize_base": True}))(2**30, None) is None
     assert "fake tensors cannot hold NF4 base weights" in lines[0]
+
+
+def test_a_cuda_plan_holds_the_steps_two_cublas_workspaces_and_a_cpu_plan_none(monkeypatch):
+    """Fake tensors make no cuBLAS workspace; a card's step holds one per thread (forward, backward)."""
+    from adaptive_batch.torchtune.planning import plan_from_config
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # 128 KiB each, as torch reads it
+    cfg = _config("full_single_device.yaml")
+    cpu = plan_from_config(cfg, device_memory_bytes=None, safety_margin=0.0)
+    cuda = plan_from_config(cfg, device_memory_bytes=None, safety_margin=0.0, device_type="cuda")
+    assert cuda.row_at(4).peak_bytes - cpu.row_at(4).peak_bytes == 2 * 128 * 1024
+    assert any("cuBLAS workspaces of 0.125 MiB" in a for a in cuda.assumptions)
+    assert not any("cuBLAS" in a for a in cpu.assumptions)
+
+
+@pytest.mark.parametrize("config, expected", [
+    (None, 32 * 2**20),  # torch's default on Hopper
+    (":4096:2:16:8", (4096 * 2 + 16 * 8) * 1024),
+    (":0:0", 0),
+])
+def test_a_cublas_workspace_is_the_config_pairs_summed(monkeypatch, config, expected):
+    from adaptive_batch.memory.device import cublas_workspace_bytes
+
+    if config is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    assert cublas_workspace_bytes() == expected
