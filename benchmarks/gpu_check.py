@@ -109,7 +109,9 @@ def hold_card_to(device, limit_bytes: Optional[int]) -> None:
     import torch
 
     if device.type == "cuda" and limit_bytes is not None:
-        index = torch.cuda.current_device() if device.index is None else device.index
+        from adaptive_batch.memory.device import cuda_index
+
+        index = cuda_index(device)
         total = torch.cuda.get_device_properties(index).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), index)
 

@@ -197,12 +197,20 @@ class DeviceCapacity:
         source: the limit that decided ``headroom_bytes`` (e.g. ``"RLIMIT_AS"``).
         hard_limit: whether crossing it fails allocations (an address-space limit or a card's
             memory), as opposed to a soft figure such as available RAM.
+        held_bytes: what this process's tensors already hold there, on a card (0 on the CPU,
+            whose headroom is read past them).
     """
 
     device: str
     headroom_bytes: int
     source: str
     hard_limit: bool
+    held_bytes: int = 0
+
+    @property
+    def device_bytes(self) -> int:
+        """What this process can hold there in all: the bound a ``max_memory`` must keep within."""
+        return self.headroom_bytes + self.held_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -294,12 +302,22 @@ def cuda_capacity(device: torch.device) -> DeviceCapacity:
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     headroom, source = free + torch.cuda.memory_reserved(device) - allocated, "cudaMemGetInfo"
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.6 and later
-    index = torch.cuda.current_device() if device.index is None else device.index  # it takes no bare "cuda"
-    fraction = 1.0 if get_fraction is None else get_fraction(index)
+    fraction = cuda_memory_fraction(device)
     if fraction < 1.0 and int(total * fraction) - allocated < headroom:
         headroom, source = int(total * fraction) - allocated, f"set_per_process_memory_fraction({fraction:g})"
-    return DeviceCapacity(device=str(device), headroom_bytes=int(max(headroom, 0)), source=source, hard_limit=True)
+    return DeviceCapacity(device=str(device), headroom_bytes=int(max(headroom, 0)), source=source, hard_limit=True,
+                          held_bytes=int(allocated))
+
+
+def cuda_index(device: torch.device) -> int:
+    """The card's index (torch's memory-fraction calls refuse a bare ``cuda``)."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def cuda_memory_fraction(device: torch.device) -> float:
+    """The share of the card this process may reserve (``set_per_process_memory_fraction``)."""
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.9 and later
+    return 1.0 if get_fraction is None else get_fraction(cuda_index(device))
 
 
 # torch's cuBLAS workspace when CUBLAS_WORKSPACE_CONFIG is unset, on Hopper (32 MiB; older cards take

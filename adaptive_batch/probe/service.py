@@ -165,7 +165,7 @@ def step_budget(
     # says so: the recipes, AdaptiveBatch, the Trainer, find_max_batch_size under a hard budget.
     device = target.device
     capacity = device_capacity(device)
-    max_memory = options.max_memory_bytes(capacity.headroom_bytes)
+    max_memory = options.max_memory_bytes(capacity.device_bytes)
     live = training_state_bytes(target.model, target.optimizer)
 
     def budget(in_children: bool) -> MemoryBudget:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import state_tensors
+from adaptive_batch.memory.device import cuda_index, cuda_memory_fraction
 from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.memory.tracker import measure_peak_bytes
 from adaptive_batch.probe.target import ProbeTarget
@@ -51,14 +52,14 @@ def cuda_memory_cap(device: torch.device, limit_bytes: Optional[int]) -> Iterato
     if device.type != "cuda" or limit_bytes is None:
         yield
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.9
-    previous = getter(device) if getter is not None else 1.0
-    torch.cuda.set_per_process_memory_fraction(min(previous, limit_bytes / total), device)
+    index = cuda_index(device)
+    total = torch.cuda.get_device_properties(index).total_memory
+    previous = cuda_memory_fraction(device)
+    torch.cuda.set_per_process_memory_fraction(min(previous, limit_bytes / total), index)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(previous, device)
+        torch.cuda.set_per_process_memory_fraction(previous, index)
 
 
 # The held-back share of the heap is taken in blocks of this size: large enough to stand for a

@@ -193,7 +193,7 @@ def _growth_without_tokens(o: AdaptiveBatchOptions) -> None:
 
 def _max_memory_within_device(o: AdaptiveBatchOptions, c: RunContext) -> None:
     if c.device.type in ("cpu", "cuda"):
-        o.probe.max_memory_bytes(device_capacity(c.device).headroom_bytes)
+        o.probe.max_memory_bytes(device_capacity(c.device).device_bytes)
 
 
 def _tokens_unpacked(o: AdaptiveBatchOptions, c: RunContext) -> None:

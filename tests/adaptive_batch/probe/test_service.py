@@ -259,3 +259,21 @@ def test_no_first_guess_where_it_counts_another_unit_or_fails(tmp_path, monkeypa
                               log=lines.append)
     assert report.first_guess is None and any(t.phase == "estimate" for t in report.trials)
     assert any("no first guess (NotImplementedError: aten::an_op has no fake implementation)" in line for line in lines)
+
+
+def test_a_max_memory_of_the_whole_share_a_card_gives_the_process_is_not_refused(monkeypatch):
+    """On a card held to 2 GiB (a memory fraction) with the model on it, max_memory=2GiB was
+    refused as "larger than the device can hold (1.85 GiB)": the headroom left out what the
+    process already held."""
+    from adaptive_batch.memory.device import DeviceCapacity
+    from adaptive_batch.probe import service
+
+    held = 150 * 2**20
+    capacity = DeviceCapacity(device="cuda:0", headroom_bytes=2**31 - held, source="set_per_process_memory_fraction",
+                              hard_limit=True, held_bytes=held)
+    monkeypatch.setattr(service, "device_capacity", lambda device: capacity)
+    target = ProbeTarget(lambda b: None, lambda b: torch.randn(b, 4), nn.Linear(4, 1), None, torch.device("cpu"))
+    budget, _, _ = service.step_budget(ProbeOptions(max_memory="2GiB", memory_safety_margin=0.0), target)
+    assert budget.limit_bytes <= 2**31
+    with pytest.raises(ConfigError, match="larger than the device can hold"):
+        service.step_budget(ProbeOptions(max_memory="3GiB"), target)

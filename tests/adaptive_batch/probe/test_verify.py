@@ -194,3 +194,15 @@ def test_on_cpu_a_soft_budget_is_held_by_the_steps_live_tensor_bytes():
     assert "live tensors peaked at" in lines[0] and "over the budget's 8388608" in lines[0]
     # the same size is not judged by tensors under a hard limit (allocation failures decide there)
     assert runs_consecutive_steps(2000, target, budget_bytes=8 * 2**20, soft_budget=False)
+
+
+def test_the_cuda_cap_takes_a_card_named_without_an_index(monkeypatch):
+    """torch's memory-fraction calls refuse a bare ``cuda``, the device most users pass."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": {0: 8 << 30}[index]}))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: {0: 1.0}[index], raising=False)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, index: calls.append((f, {0: 0}[index])))
+    with cuda_memory_cap(torch.device("cuda"), 2 << 30):
+        assert calls == [(0.25, 0)]
+    assert calls == [(0.25, 0), (1.0, 0)]
