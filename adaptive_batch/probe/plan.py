@@ -10,7 +10,8 @@ memory, on a laptop, for an 80 GB card.
 
 Blind spots: kernels whose memory differs between devices (CUDA's fused attention keeps no
 ``seq x seq`` matrix, the CPU math path does), the CUDA context and the caching allocator's
-fragmentation (what ``memory_safety_margin`` is for), and anything ``torch.compile`` changes.
+fragmentation (what ``memory_safety_margin`` is for), cuBLAS's workspaces unless the caller adds
+them (``adjust_bytes``; the recipes' planner does on CUDA), and anything ``torch.compile`` changes.
 """
 
 from dataclasses import asdict, dataclass, field
