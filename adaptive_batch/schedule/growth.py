@@ -19,6 +19,7 @@ The built-ins are factories, so a config can parameterise them with a ``_compone
       every_n_epochs: 1
 """
 
+import collections.abc
 import numbers
 from dataclasses import dataclass
 import functools
@@ -138,6 +139,13 @@ def resolve_batch_increase_function(spec: Union[str, Callable]) -> BatchIncrease
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         signature = None  # builtins without a signature: the first call will tell
+    if signature is not None and _builds_a_function(signature):
+        raise ConfigError(
+            f"{KEY}={name!r} builds the growth function (it returns {_annotation(signature)}), it is not one: "
+            f"call it with its arguments ({function_name(fn)}(...)), or in a config give "
+            f"{{_component_: {name if isinstance(spec, str) else function_name(fn)}, "
+            f"{next(iter(signature.parameters), 'arg')}: ...}}."
+        )
     if signature is not None:
         try:
             signature.bind(0, 1)
@@ -155,6 +163,19 @@ def resolve_batch_increase_function(spec: Union[str, Callable]) -> BatchIncrease
                 f"f(epoch, current_batch_size) ({e}); {fix}."
             ) from None
     return fn
+
+
+def _builds_a_function(signature: inspect.Signature) -> bool:
+    """Whether the function says it returns a function (a factory such as :func:`linear_ramp`)."""
+    returned = signature.return_annotation
+    if isinstance(returned, str):  # postponed annotations
+        return returned == "BatchIncreaseFunction" or returned.startswith(("Callable", "typing.Callable"))
+    return getattr(returned, "__origin__", None) is collections.abc.Callable or returned is collections.abc.Callable
+
+
+def _annotation(signature: inspect.Signature) -> str:
+    returned = signature.return_annotation
+    return returned if isinstance(returned, str) else "a function"
 
 
 def function_name(fn: Callable) -> str:

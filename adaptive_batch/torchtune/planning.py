@@ -99,7 +99,13 @@ def _nf4_base_weights(cfg_model: DictConfig, dtype: torch.dtype, assumptions: Li
     return OmegaConf.merge(cfg_model, {"quantize_base": False}), {"parameters": stored - dense, "activations": largest}
 
 
-def _with_cublas_workspaces(adjust_bytes: Optional[Dict[str, int]], assumptions: List[str]) -> Dict[str, int]:
+def _with_cublas_workspaces(
+    adjust_bytes: Optional[Dict[str, int]], device_type: str, assumptions: List[str],
+) -> Optional[Dict[str, int]]:
+    """On CUDA, the step's cuBLAS workspaces added: fake tensors make none, and a card's step
+    holds them from its first product."""
+    if not str(device_type).startswith("cuda"):
+        return adjust_bytes
     workspaces = CUBLAS_WORKSPACES_PER_STEP * cublas_workspace_bytes()
     assumptions.append(
         f"CUDA: {CUBLAS_WORKSPACES_PER_STEP} cuBLAS workspaces of {cublas_workspace_bytes() / 2**20:g} MiB "
@@ -134,10 +140,8 @@ def plan_from_config(
 
     With ``world_size`` above 1 the plan is one rank's share under FSDP2, sharded as
     torchtune's distributed recipes shard (``training.shard_model`` with the config's
-    ``custom_sharded_layers`` and ``fsdp_reshard_after_forward``); the batch is per rank.
-
-    On CUDA (``device_type``, default the config's ``device``) the step's cuBLAS workspaces are
-    added: fake tensors make none, and a card's training step holds them from its first product.
+    ``custom_sharded_layers`` and ``fsdp_reshard_after_forward``); the batch is per rank. On
+    CUDA (``device_type``, default the config's ``device``) the step's cuBLAS workspaces are added.
 
     Raises:
         ConfigError: for an optimizer that cannot be imported and has no known state size, a
@@ -155,8 +159,7 @@ def plan_from_config(
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))
     make_optimizer = _optimizer_factory(cfg.optimizer, assumptions)
     cfg_model, adjust_bytes = _nf4_base_weights(cfg.model, dtype, assumptions)
-    if str(device_type or cfg.get("device", "cpu")).startswith("cuda"):
-        adjust_bytes = _with_cublas_workspaces(adjust_bytes, assumptions)
+    adjust_bytes = _with_cublas_workspaces(adjust_bytes, device_type or cfg.get("device", "cpu"), assumptions)
     step = _RecipeStep(cfg, cfg_model, dtype, config.instantiate(cfg.loss), make_optimizer)
     return plan_memory(
         build_model=step.build_model,

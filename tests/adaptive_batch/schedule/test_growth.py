@@ -283,3 +283,25 @@ def test_an_integer_of_another_type_is_an_int():
 
     increment = call_batch_increase_function(lambda epoch, current_batch_size: np.int64(4), 1, 8)
     assert increment == 4 and type(increment) is int
+
+
+@pytest.mark.parametrize("spec", ["adaptive_batch.linear_ramp", "adaptive_batch.schedule.growth.seesaw", linear_ramp])
+def test_a_factory_given_for_the_function_is_refused_when_the_options_are_built(spec):
+    """A factory passed uncalled used to be called as f(0, batch) at the first boundary, mid-run."""
+    with pytest.raises(ConfigError, match=r"builds the growth function .* call it with its arguments"):
+        GrowthOptions(batch_increase_function=spec)
+    assert GrowthOptions(batch_increase_function=linear_ramp(4)).batch_increase_function(1, 8) == 4
+
+
+def test_a_user_factory_that_says_it_returns_a_function_is_refused_and_a_plain_function_is_not():
+    from typing import Callable
+
+    def ramp(step: int) -> Callable[[int, int], int]:
+        return lambda k, b: step
+
+    def grow(k, b: int) -> int:
+        return 1
+
+    with pytest.raises(ConfigError, match="builds the growth function"):
+        GrowthOptions(batch_increase_function=ramp)
+    assert GrowthOptions(batch_increase_function=grow).batch_increase_function is grow
