@@ -17,13 +17,12 @@ batch needs to hold from step to step and says so in one line (on CPU glibc's
 expandable segments): :func:`adaptive_batch.memory.device.prepare_allocator`.
 """
 
-from contextlib import contextmanager, nullcontext
-import copy
+from contextlib import nullcontext
 import functools
 import json
 import math
 import os
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import warnings
 
 import torch
@@ -51,18 +50,22 @@ from adaptive_batch.hf.micro_batches import (
     split_into_micro_batches,
     uneven_allowed,
 )
-from adaptive_batch.hf.run_position import (
-    EpochSeededLengthGroupedSampler,
-    RunPosition,
-    SampleCountedSchedule,
-    cut_as_planned,
-    first_batch_steps,
+from adaptive_batch.hf.planned_loader import EpochSeededLengthGroupedSampler, cut_as_planned, first_batch_steps, updates_in
+from adaptive_batch.hf.refusals import (
     refuse_a_stream,
+    refuse_a_trainer_of_stacked_rows,
     refuse_growth_within_epochs_where_batches_are_shared,
+    refuse_what_changes_the_batch,
     refuse_what_growth_cannot_follow,
-    updates_in,
 )
+from adaptive_batch.hf.run_position import RunPosition, SampleCountedSchedule
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
+from adaptive_batch.hf.trial_step import (
+    forward_as_accelerate_runs_it,
+    logged_metrics_kept,
+    why_trials_stay_here,
+    worst_case_that_collates,
+)
 from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
@@ -258,13 +261,14 @@ class AdaptiveBatchTrainer(Trainer):
         args = self.args
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
         # The worst-case batch first: samples it cannot be made from are refused before any trial.
-        make_batch = self._make_batch or _collating(RepeatedSample.longest(*self._as_the_loader_takes(self.train_dataset)))
+        make_batch = self._make_batch or worst_case_that_collates(
+            RepeatedSample.longest(*self._as_the_loader_takes(self.train_dataset)))
         state: Dict[str, int] = {}
         # Evaluation first: the training answer's check is then the last thing run on the heap
         # training gets, and no evaluation trial that runs out of memory comes after it.
         if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
-            eval_batch = _collating(RepeatedSample.longest(*self._as_the_loader_takes(self.eval_dataset, "evaluation")),
-                                    "evaluation")
+            eval_batch = worst_case_that_collates(
+                RepeatedSample.longest(*self._as_the_loader_takes(self.eval_dataset, "evaluation")), "evaluation")
             with self._forward_as_trained:
                 state["per_device_eval_batch_size"] = self._ranks.smallest(lambda: find_max_batch_size(
                     self._eval_step, make_batch=eval_batch, model=self.model, optimizer=None,
@@ -285,10 +289,10 @@ class AdaptiveBatchTrainer(Trainer):
             try:
                 return probe(build=build)
             except (TrialProcessNotStartedError, TrialBuildError) as e:
-                logs.info(f"adaptive-batch: {_why_trials_stay_here(e)}; the trials run in this process.")
+                logs.info(f"adaptive-batch: {why_trials_stay_here(e)}; the trials run in this process.")
                 return probe(build=None)
 
-        with self._forward_as_trained, _logged_metrics_kept(self):
+        with self._forward_as_trained, logged_metrics_kept(self):
             # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
             found = self._ranks.smallest(probe_here_or_in_children)
         per_device, accumulation = split_effective_batch(effective, found, uneven_allowed=uneven_allowed(self))
@@ -733,107 +737,6 @@ class AdaptiveBatchTrainer(Trainer):
         evaluation loop sets it; the training trials left it in train mode), ``prediction_step``."""
         self.model.eval()
         self.prediction_step(self.model, batch, prediction_loss_only=bool(self.args.prediction_loss_only))
-
-
-@contextmanager
-def forward_as_accelerate_runs_it(accelerator: Any, model: nn.Module) -> Iterator[None]:
-    """Runs ``model``'s forward, inside the block, as training will: under mixed precision
-    Accelerate wraps it in autocast and casts its outputs to fp32 when ``train()`` prepares the
-    model, after the probe (the Trainer's own autocast context does nothing in transformers 5).
-    Without it the probe's bf16 steps ran in fp32: 1.84 GiB at 16 on an H200 where the Trainer's
-    own steps took 1.37 GiB. A model already prepared, or no mixed precision, is left as it is.
-    """
-    if not getattr(accelerator, "native_amp", False) or hasattr(model, "_original_forward"):
-        yield
-        return
-    from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
-
-    autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
-    own = vars(model).get("forward")  # a forward set on the instance, put back afterwards
-    model.forward = convert_outputs_to_fp32(autocast(model.forward))
-    try:
-        yield
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own
-
-
-@contextmanager
-def _logged_metrics_kept(trainer: Trainer) -> Iterator[None]:
-    """Puts back what a trainer's own step adds to its logged metrics (TRL's trainers keep
-    entropy, token accuracy and a running token count), so the probe's steps are not logged."""
-    kept = {name: copy.deepcopy(vars(trainer)[name]) for name in ("_metrics", "_total_train_tokens")
-            if name in vars(trainer)}
-    try:
-        yield
-    finally:
-        vars(trainer).update(kept)
-
-
-def _collating(worst_case: RepeatedSample, samples: str = "training") -> RepeatedSample:
-    """``worst_case``, once it has collated a batch of one.
-
-    Raises:
-        ConfigError: where the collator fails on the longest sample (training's batches would fail
-            the same way), before any trial.
-    """
-    try:
-        worst_case(1)
-    except Exception as e:  # noqa: BLE001 - whatever the user's collator raises
-        raise ConfigError(
-            f"the data collator could not collate the longest {samples} sample ({type(e).__name__}: {e}): {samples}'s "
-            "batches would fail the same way; give the samples the fields the collator reads, or pass "
-            "make_batch=f(b) -> a batch of b of your longest samples."
-        ) from e
-    return worst_case
-
-
-def _why_trials_stay_here(error: RuntimeError) -> str:
-    """What kept the trials from fresh processes, for the line that says they run here."""
-    if isinstance(error, TrialProcessNotStartedError):
-        return ("the trial processes could not import this script (run again as their main module, it does not stop "
-                "at `if __name__ == \"__main__\":`; call trainer.train() under that guard for trials in fresh processes)")
-    return f"a trial process could not build this Trainer ({str(error).strip().splitlines()[-1]})"
-
-
-def refuse_a_trainer_of_stacked_rows(trainer_class: type) -> None:
-    """TRL's trainers other than SFT stack each sample's rows in a batch.
-
-    Raises:
-        ConfigError: for one of them (DPO, reward modelling, GRPO, ...) in ``trainer_class``.
-    """
-    stacked = next((cls.__name__ for cls in trainer_class.__mro__ if cls.__module__.startswith("trl.")
-                    and cls.__name__.endswith("Trainer") and cls.__name__ not in ("SFTTrainer", "_BaseTrainer")), None)
-    if stacked is not None:
-        raise ConfigError(
-            f"{stacked} with AdaptiveBatchTrainer: its batches stack each sample's rows (chosen and rejected, or a "
-            "prompt's completions), which the probe's batches, the micro-batch split and the LR rule would count as "
-            "samples; AdaptiveBatchTrainer composes with TRL's SFTTrainer. Train with the plain trainer."
-        )
-
-
-def refuse_what_changes_the_batch(trainer: Trainer) -> None:
-    """What would make the probe's answer not the batch training runs, refused in one line.
-
-    Raises:
-        ConfigError: for ``auto_find_batch_size=True``, DeepSpeed or FSDP.
-    """
-    if trainer.args.auto_find_batch_size:
-        raise ConfigError(
-            "auto_find_batch_size=True with AdaptiveBatchTrainer: Trainer's own search would shrink the probed "
-            "batch by 0.9 after each out-of-memory error and change the effective batch; set "
-            "auto_find_batch_size=False (the probe finds the batch before the first step)."
-        )
-    fsdp = trainer.is_fsdp_enabled or getattr(trainer, "is_fsdp_xla_enabled", False)
-    for name, enabled in (("deepspeed", trainer.is_deepspeed_enabled), ("fsdp", fsdp)):
-        if enabled:
-            raise ConfigError(
-                f"{name} with AdaptiveBatchTrainer: the probe's trials run one process's step on the whole "
-                f"model, not {name}'s sharded one, so its answer would not be training's; remove {name} from "
-                "TrainingArguments (plain data parallelism under torchrun takes the smallest rank's answer)."
-            )
 
 
 class _BatchHooks(TrainerCallback):

@@ -130,7 +130,8 @@ def test_what_growth_cannot_follow_is_one_line_before_any_step(tmp_path):
 
 
 def test_a_position_resumes_inside_its_epoch_or_at_the_next_ones_start():
-    from adaptive_batch.hf.run_position import RunPosition, updates_in
+    from adaptive_batch.hf.planned_loader import updates_in
+    from adaptive_batch.hf.run_position import RunPosition
 
     position = RunPosition(epoch=1, epoch_start_step=8, epoch_updates=6)
     assert position.resume_point(global_step=10, accumulation=3) == (1, 6)  # 2 steps of 3 micro-batches in

@@ -10,7 +10,8 @@ from transformers import DataCollatorForLanguageModeling, LlamaConfig, LlamaForC
 
 from adaptive_batch import ConfigError
 from adaptive_batch.hf import AdaptiveBatchTrainer
-from adaptive_batch.hf.trainer import STATE_FILE, refuse_what_changes_the_batch
+from adaptive_batch.hf.refusals import refuse_what_changes_the_batch
+from adaptive_batch.hf.trainer import STATE_FILE
 from adaptive_batch.memory import device
 from adaptive_batch.schedule.global_batch import micro_batch_sizes
 
