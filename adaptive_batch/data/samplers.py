@@ -101,7 +101,7 @@ class ResizableBatchSampler(Sampler[List[int]]):
 
 
 class BatchPlan(Protocol):
-    """Decides each batch's size as a loader cuts it (:class:`~adaptive_batch.run.epoch_growth.EpochGrowth`)."""
+    """Decides each batch's size as a loader cuts it (:class:`~adaptive_batch.run.framework_growth.FrameworkGrowth`)."""
 
     def next_batch_size(self) -> int:
         """The size the next batch is cut at."""

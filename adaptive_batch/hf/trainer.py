@@ -72,7 +72,7 @@ from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import ProbeTarget
-from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
+from adaptive_batch.run.framework_growth import FrameworkGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, micro_batch_sizes, micro_batches_per_trial
 from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
@@ -147,7 +147,7 @@ class AdaptiveBatchTrainer(Trainer):
     ) -> None:
         ProbeOptions(max_memory=max_memory)  # a bad value fails here, in one line
         refuse_a_trainer_of_stacked_rows(type(self))
-        self._growth = EpochGrowth(
+        self._growth = FrameworkGrowth(
             GrowthOptions(batch_increase_function=batch_increase_function, batch_increase_interval=batch_increase_interval,
                           grow_with_accumulation=grow_with_accumulation),
             LRScalingOptions(lr_scaling=lr_scaling, lr_scaling_reference=lr_scaling_reference,

@@ -33,7 +33,7 @@ from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import MAKE_BATCH_EXAMPLE
 from adaptive_batch.rng import epoch_generator, rng_state, set_rng_state
-from adaptive_batch.run.epoch_growth import EpochGrowth, growth_settings
+from adaptive_batch.run.framework_growth import FrameworkGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, equal_micro_batches
 from adaptive_batch.schedule.growth import GrowthOptions, function_name
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
@@ -126,7 +126,7 @@ class AdaptiveBatchFinder(Callback):
         check_callable("make_batch", make_batch, MAKE_BATCH_EXAMPLE, allow_none=True)
         self.max_memory, self.batch_arg_name, self.make_batch = max_memory, batch_arg_name, make_batch
         self.max_batch_size, self.stop_after, self._log = max_batch_size, stop_after, log
-        self.batch = EpochGrowth(
+        self.batch = FrameworkGrowth(
             GrowthOptions(batch_increase_function=batch_increase_function, batch_increase_interval=batch_increase_interval,
                           grow_with_accumulation=grow_with_accumulation),
             LRScalingOptions(lr_scaling=lr_scaling, lr_scaling_reference=lr_scaling_reference,
@@ -255,7 +255,7 @@ class AdaptiveBatchFinder(Callback):
         # restart, without on_train_epoch_start: that epoch's growth is decided here. The loop
         # made the epoch's iterator when it built its loader and, restarting, makes none again:
         # the rebuilt loader's is made here, from its seeded shuffle.
-        if self.batch.state is not None and trainer.current_epoch > self.batch.state.decided_epoch:
+        if self.batch.state is not None and trainer.current_epoch > self.batch.state.decided_boundary:
             if self._grow_at_epoch_start(trainer, pl_module):
                 iter(trainer.fit_loop._data_fetcher)
 

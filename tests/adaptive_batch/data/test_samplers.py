@@ -115,7 +115,7 @@ def test_micro_batches_split_each_batch_in_order_into_the_fewest_that_fit(drop_l
 
 
 class _Plan:
-    """Doubles the batch after every 2 batches cut (a stand-in for EpochGrowth's plan)."""
+    """Doubles the batch after every 2 batches cut (a stand-in for FrameworkGrowth's plan)."""
 
     def __init__(self):
         self.size, self.cut = 2, []

@@ -24,7 +24,7 @@ STATE_VERSION = 1
 
 
 @dataclass
-class EpochGrowthState:
+class FrameworkGrowthState:
     """What a checkpoint keeps of the batch (the callback's ``state_dict``).
 
     Attributes:
@@ -32,7 +32,7 @@ class EpochGrowthState:
         effective: the batch (samples of one optimizer step) of the epoch the checkpoint was
             taken in (or is about to start).
         reference: the batch, in samples, the configured LR was set for.
-        decided_epoch: the last epoch (or boundary of a steps or samples interval) whose growth
+        decided_boundary: the last epoch (or boundary of a steps or samples interval) whose growth
             was decided.
         settings: the callback's settings, so a resume with other ones is refused.
         steps: the batches cut so far, where the batch grows within epochs.
@@ -42,7 +42,7 @@ class EpochGrowthState:
     found: int
     effective: int
     reference: float
-    decided_epoch: int
+    decided_boundary: int
     settings: Dict[str, Any]
     steps: int = 0
     samples: int = 0
@@ -51,12 +51,14 @@ class EpochGrowthState:
         return dict(asdict(self), version=STATE_VERSION)
 
     @classmethod
-    def from_dict(cls, state: Dict[str, Any]) -> "EpochGrowthState":
-        fields = {key: state[key] for key in ("found", "effective", "reference", "decided_epoch", "settings")}
-        return cls(**fields, steps=state.get("steps", 0), samples=state.get("samples", 0))
+    def from_dict(cls, state: Dict[str, Any]) -> "FrameworkGrowthState":
+        fields = {key: state[key] for key in ("found", "effective", "reference", "settings")}
+        # A checkpoint written before the field was renamed (2026-11-27) calls it decided_epoch.
+        decided = state["decided_boundary"] if "decided_boundary" in state else state["decided_epoch"]
+        return cls(**fields, decided_boundary=decided, steps=state.get("steps", 0), samples=state.get("samples", 0))
 
 
-class EpochGrowth:
+class FrameworkGrowth:
     """A run's batch (the samples of one optimizer step) from the probe's answer on, epoch by epoch.
 
     Args:
@@ -106,7 +108,7 @@ class EpochGrowth:
                 "seesaw, ...) or train with a recipe (measure_noise_scale=True)."
             )
         self.growth, self.lr, self._accumulates = growth, lr, accumulates
-        self.state: Optional[EpochGrowthState] = None
+        self.state: Optional[FrameworkGrowthState] = None
         self.scaler: Optional[BatchLRScaler] = None
         self._hooks: list = []  # the optimizer's step hooks of this run
         self.ranks = 1  # the data-parallel ranks, each training ``state.effective`` samples a step
@@ -150,7 +152,7 @@ class EpochGrowth:
         else:
             effective = found
         reference = self.lr.lr_scaling_reference
-        self.state = EpochGrowthState(found, effective, float(configured * ranks if reference is None else reference),
+        self.state = FrameworkGrowthState(found, effective, float(configured * ranks if reference is None else reference),
                                       -1, settings)
         self._trained, self._decisions = None, {}
         if self.grows and self.within_epochs:
@@ -164,7 +166,7 @@ class EpochGrowth:
         Raises:
             ConfigError: naming the first setting that differs, with both values.
         """
-        restored = EpochGrowthState.from_dict(state)
+        restored = FrameworkGrowthState.from_dict(state)
         # Every fit before ranks, or the interval, were kept ran on one rank, growing per epoch.
         restored.settings = {"world_size": 1, "batch_increase_interval": "epoch", **restored.settings}
         for key, value in settings.items():
@@ -185,9 +187,9 @@ class EpochGrowth:
             BatchIncreaseFunctionError: when the function raises or returns a bad increment.
         """
         state = self.state
-        if not self.grows or epoch <= state.decided_epoch:
+        if not self.grows or epoch <= state.decided_boundary:
             return None
-        state.decided_epoch = epoch
+        state.decided_boundary = epoch
         decision = self._decide(state, epoch, "epoch")
         if decision.batch_size == state.effective:
             if decision.clamped:
@@ -197,7 +199,7 @@ class EpochGrowth:
         state.effective = decision.batch_size
         return decision
 
-    def _decide(self, state: EpochGrowthState, k: int, label: str) -> GrowthDecision:
+    def _decide(self, state: FrameworkGrowthState, k: int, label: str) -> GrowthDecision:
         """Boundary ``k``'s decision at ``state``'s batch, made once: an epoch's length is
         simulated before its batches are cut, and a function with a state of its own (a counter,
         a random draw) answering otherwise the second time would end the epoch before its
@@ -214,7 +216,7 @@ class EpochGrowth:
         """The size the loader cuts its next batch at (no more than the run has left)."""
         return self._cut_at(self.state)
 
-    def _cut_at(self, state: EpochGrowthState) -> int:
+    def _cut_at(self, state: FrameworkGrowthState) -> int:
         left = None if self.run_samples is None else max(self.run_samples - state.samples, 1)
         return state.effective if left is None else min(state.effective, left)
 
@@ -235,7 +237,7 @@ class EpochGrowth:
         may have cut past it)."""
         self._trained = samples
 
-    def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, EpochGrowthState]:
+    def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, FrameworkGrowthState]:
         """The batches an epoch of ``samples`` samples takes from here, growing as it goes, and
         the state after them: the epoch's length before its batches are cut. The growth function
         is called for the boundaries on the way, once each (:meth:`_decide` keeps its answers for
@@ -255,16 +257,16 @@ class EpochGrowth:
         it (a resume from a checkpoint written at an epoch's end)."""
         self.state = self.batches_in_epoch(samples, drop_last)[1]
 
-    def _count(self, state: EpochGrowthState, rows: int) -> None:
+    def _count(self, state: FrameworkGrowthState, rows: int) -> None:
         state.steps, state.samples = state.steps + 1, state.samples + rows
 
-    def _decide_reached(self, state: EpochGrowthState, *, log: bool) -> None:
+    def _decide_reached(self, state: FrameworkGrowthState, *, log: bool) -> None:
         """The growth of every boundary ``state``'s steps or samples (over every rank) reach, in order."""
         reached = self.growth.batch_increase_interval.index(steps=state.steps, samples=state.samples * self.ranks,
                                                             tokens=0)
-        for k in range(state.decided_epoch + 1, reached + 1):
+        for k in range(state.decided_boundary + 1, reached + 1):
             decision = self._decide(state, k, "interval")
-            state.decided_epoch, state.effective = k, decision.batch_size
+            state.decided_boundary, state.effective = k, decision.batch_size
             if log and decision.batch_size != decision.previous:
                 where = self.growth.batch_increase_interval.describe(k)
                 clamp = f" ({decision.requested} asked; the largest that trains)" if decision.clamped else ""

@@ -1,11 +1,11 @@
-"""EpochGrowth: the batch of a framework's run across its epochs, decided once an epoch, its LR
+"""FrameworkGrowth: the batch of a framework's run across its epochs, decided once an epoch, its LR
 factor, and the state a checkpoint keeps."""
 
 import pytest
 import torch
 
 from adaptive_batch import ConfigError
-from adaptive_batch.run.epoch_growth import EpochGrowth
+from adaptive_batch.run.framework_growth import FrameworkGrowth
 from adaptive_batch.schedule.growth import GrowthOptions
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 
@@ -15,7 +15,7 @@ def double(epoch, current_batch_size):
 
 
 def _growth(fn=double, accumulate=False, rule="linear", **kwargs):
-    return EpochGrowth(GrowthOptions(batch_increase_function=fn, grow_with_accumulation=accumulate),
+    return FrameworkGrowth(GrowthOptions(batch_increase_function=fn, grow_with_accumulation=accumulate),
                        LRScalingOptions(lr_scaling=rule), **kwargs)
 
 
@@ -73,7 +73,7 @@ def test_a_checkpoint_from_before_ranks_were_kept_resumes_on_one_rank_alone():
         _growth().resume(saved, {"lr_scaling": "linear", "world_size": 2}, ranks=2)
 
 
-def test_a_resume_takes_the_checkpoints_batch_and_decided_epochs_or_refuses_other_settings():
+def test_a_resume_takes_the_checkpoints_batch_and_decided_boundaries_or_refuses_other_settings():
     growth = _growth()
     growth.start(6, 2, {"lr_scaling": "linear"})
     growth.grow_at(0)
@@ -82,6 +82,10 @@ def test_a_resume_takes_the_checkpoints_batch_and_decided_epochs_or_refuses_othe
     assert resumed.resume(saved, {"lr_scaling": "linear"}) == 4 and resumed.grow_at(0) is None
     with pytest.raises(ConfigError, match=r"lr_scaling='sqrt', but the checkpoint's fit ran with lr_scaling='linear'"):
         _growth().resume(saved, {"lr_scaling": "sqrt"})
+    # a checkpoint written before the field's rename resumes the same
+    older = {("decided_epoch" if key == "decided_boundary" else key): value for key, value in saved.items()}
+    resumed = _growth()
+    assert resumed.resume(older, {"lr_scaling": "linear"}) == 4 and resumed.grow_at(0) is None
 
 
 def test_the_lr_in_force_is_the_schedules_times_the_factor_and_the_hooks_leave_with_detach():
@@ -130,7 +134,7 @@ def test_growth_toward_the_noise_scale_is_refused_where_nothing_measures_it():
 
 
 def _every(interval, fn=double, accumulate=False):
-    return EpochGrowth(GrowthOptions(batch_increase_function=fn, batch_increase_interval=interval,
+    return FrameworkGrowth(GrowthOptions(batch_increase_function=fn, batch_increase_interval=interval,
                                      grow_with_accumulation=accumulate), LRScalingOptions(lr_scaling="linear"),
                        within_epochs=True)
 
@@ -139,13 +143,13 @@ def test_within_epochs_each_batch_cut_counts_and_the_boundaries_it_reaches_are_d
     """Every 8 samples, doubling up to the 6 that fit: boundary 0 before the first step (2 -> 4),
     boundary 1 at 8 samples (4 -> 6, 8 asked); a partial batch counts its own rows."""
     growth = _every("8 samples")
-    assert growth.start(6, 2, {}) == 4 and growth.state.decided_epoch == 0
+    assert growth.start(6, 2, {}) == 4 and growth.state.decided_boundary == 0
     cut = []
     for rows in (4, 4, 6, 3):
         cut.append(growth.next_batch_size())
         growth.cut_batch(rows)
     assert cut == [4, 4, 6, 6] and (growth.state.steps, growth.state.samples) == (4, 17)
-    assert growth.state.decided_epoch == 2  # 17 samples: boundaries 1 (8) and 2 (16)
+    assert growth.state.decided_boundary == 2  # 17 samples: boundaries 1 (8) and 2 (16)
     # the loader cuts ahead: the LR follows the samples of the step trained, as the recipes' does
     growth.attach_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), None)
     growth.train_samples(3)
@@ -165,7 +169,7 @@ def test_an_epochs_length_is_simulated_without_cutting_and_its_end_taken_on_a_re
 
 def test_intervals_a_loop_cannot_follow_are_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"batch_increase_interval='2 steps': this loop builds each epoch's batches"):
-        EpochGrowth(GrowthOptions(batch_increase_function=double, batch_increase_interval="2 steps"),
+        FrameworkGrowth(GrowthOptions(batch_increase_function=double, batch_increase_interval="2 steps"),
                     LRScalingOptions())
     with pytest.raises(ConfigError, match=r"'100 tokens': .* grow every N steps or N samples"):
         _every("100 tokens")
