@@ -10,7 +10,7 @@ each batch of a framework's own batch sampler as the fewest micro-batches no lar
 
 import itertools
 import math
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Sized, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sized
 
 from torch.utils.data import Sampler
 
@@ -109,9 +109,9 @@ class BatchPlan(Protocol):
     def cut_batch(self, rows: int) -> None:
         """Takes a batch of ``rows`` samples as cut (the next size may change)."""
 
-    def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, Any]:
-        """The batches an epoch of ``samples`` takes from where the plan stands, and the plan's
-        state after them, without cutting them."""
+    def batches_in_epoch(self, samples: int, drop_last: bool) -> int:
+        """The batches an epoch of ``samples`` takes from where the plan stands, without cutting
+        them."""
 
 
 class PlannedBatchSampler(Sampler[List[int]]):
@@ -136,7 +136,7 @@ class PlannedBatchSampler(Sampler[List[int]]):
             self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return self.plan.batches_in_epoch(len(self.sampler), self.drop_last)[0]
+        return self.plan.batches_in_epoch(len(self.sampler), self.drop_last)
 
     def __iter__(self) -> Iterator[List[int]]:
         batch: List[int] = []

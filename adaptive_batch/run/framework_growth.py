@@ -237,11 +237,14 @@ class FrameworkGrowth:
         may have cut past it)."""
         self._trained = samples
 
-    def batches_in_epoch(self, samples: int, drop_last: bool) -> Tuple[int, FrameworkGrowthState]:
-        """The batches an epoch of ``samples`` samples takes from here, growing as it goes, and
-        the state after them: the epoch's length before its batches are cut. The growth function
-        is called for the boundaries on the way, once each (:meth:`_decide` keeps its answers for
-        the loader's cuts)."""
+    def batches_in_epoch(self, samples: int, drop_last: bool) -> int:
+        """The batches an epoch of ``samples`` samples takes from here, growing as it goes: the
+        epoch's length before its batches are cut. The growth function is called for the
+        boundaries on the way, once each (:meth:`_decide` keeps its answers for the loader's cuts)."""
+        return self._epoch_ahead(samples, drop_last)[0]
+
+    def _epoch_ahead(self, samples: int, drop_last: bool) -> Tuple[int, FrameworkGrowthState]:
+        """The batches of the rest of an epoch of ``samples``, and the state after them."""
         state, batches = copy.deepcopy(self.state), 0
         while samples >= self._cut_at(state) or (samples > 0 and not drop_last):
             if self.run_samples is not None and state.samples >= self.run_samples:
@@ -255,7 +258,7 @@ class FrameworkGrowth:
     def finish_epoch(self, samples: int, drop_last: bool) -> None:
         """The state after the rest of an epoch of ``samples`` samples, taken without cutting
         it (a resume from a checkpoint written at an epoch's end)."""
-        self.state = self.batches_in_epoch(samples, drop_last)[1]
+        self.state = self._epoch_ahead(samples, drop_last)[1]
 
     def _count(self, state: FrameworkGrowthState, rows: int) -> None:
         state.steps, state.samples = state.steps + 1, state.samples + rows

@@ -160,8 +160,8 @@ def test_an_epochs_length_is_simulated_without_cutting_and_its_end_taken_on_a_re
     growth = _every("2 steps", accumulate=True)
     growth.start(64, 2, {})  # 4 after boundary 0
     before = growth.state.to_dict()
-    assert growth.batches_in_epoch(30, drop_last=False)[0] == 5  # 4, 4 | 8, 8 | 16 asked, 6 left
-    assert growth.batches_in_epoch(30, drop_last=True)[0] == 4
+    assert growth.batches_in_epoch(30, drop_last=False) == 5  # 4, 4 | 8, 8 | 16 asked, 6 left
+    assert growth.batches_in_epoch(30, drop_last=True) == 4
     assert growth.state.to_dict() == before  # nothing cut
     growth.finish_epoch(30, drop_last=False)
     assert (growth.state.steps, growth.state.samples, growth.state.effective) == (5, 30, 16)
