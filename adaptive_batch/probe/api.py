@@ -35,6 +35,7 @@ the cache, the ranks and the report, unless ``build=`` takes the trials to fresh
 
 from dataclasses import replace
 import functools
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -124,6 +125,7 @@ def find_max_batch_size(
         safety_margin=safety_margin, max_batch_size=max_batch_size, device=device, lr_scheduler=lr_scheduler,
         snapshot_dir=snapshot_dir, time_budget=time_budget, log=log, build=build,
     )
+    started = time.perf_counter()
     try:
         return search()
     except Exception as e:  # noqa: BLE001 - a trial in a fresh process reports it as its traceback's text
@@ -138,12 +140,18 @@ def find_max_batch_size(
         logs.info("probe: a batch of 1 does not train (the model's BatchNorm needs 2 samples a channel): the search "
                   "runs again from 2, each trial's batch_size one less than the batch it trains.")
     # The search's first size is 1, its line and bounds measured from there: each size n stands for n + 1.
+    # It has what the first search left of the time budget (a stopped search answers what it found).
+    left = None if time_budget is None else max(time_budget - (time.perf_counter() - started), MIN_TIME_LEFT_S)
     try:
         return 1 + search(make_batch=NextSize(make_batch),
                           max_batch_size=None if max_batch_size is None else max_batch_size - 1,
-                          build=None if build is None else NextSizeBuild(build))
+                          build=None if build is None else NextSizeBuild(build), time_budget=left)
     except BatchSizeTooLargeError as e:
         raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, e.source, e.rank, smallest=2) from None
+
+
+# The least time a search from 2 is given when the first search spent the budget: its first trial.
+MIN_TIME_LEFT_S = 0.001
 
 
 def needs_two_samples(error: BaseException) -> bool:

@@ -363,3 +363,24 @@ def test_a_build_the_budget_does_not_use_is_said_in_one_line(monkeypatch):
     monkeypatch.setattr(service, "device_capacity", lambda device: limit)
     line = said("16MiB")
     assert line.startswith("probe: build= is not used: a soft budget") and "max_memory=None" in line
+
+
+def test_the_search_from_2_has_what_the_first_search_left_of_the_time_budget(monkeypatch):
+    """The search run again from 2 once had a whole time budget of its own: twice the budget in all."""
+    from adaptive_batch.probe import api
+
+    clock, budgets = [100.0], []
+
+    def search(*args, time_budget, **kwargs):
+        budgets.append(time_budget)
+        if len(budgets) == 1:
+            clock[0] += 45.0  # the first search ran 45 s before batch 1 failed
+            raise ValueError("Expected more than 1 value per channel when training, got input size [1, 8]")
+        return 6
+
+    monkeypatch.setattr(api, "_search", search)
+    monkeypatch.setattr(api.time, "perf_counter", lambda: clock[0])
+    model = nn.Linear(2, 2)
+    assert api.find_max_batch_size(lambda b: None, make_batch=lambda b: torch.zeros(b, 2), model=model,
+                                   time_budget=60.0) == 7
+    assert budgets == [60.0, 15.0]
