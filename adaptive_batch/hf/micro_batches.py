@@ -100,9 +100,11 @@ def micro_batch_weight(items: float, step_items: float, micro_batches: int) -> f
     return items * micro_batches / step_items if step_items > 0 else 1.0
 
 
-def loss_reads_item_count(model: Any, inputs: Dict[str, Any], compute_loss_func: Optional[Callable] = None) -> bool:
-    """Whether the loss on ``inputs`` (``model``'s own, or ``compute_loss_func(outputs, labels,
-    num_items_in_batch=...)`` where the Trainer has one) is divided by the ``num_items_in_batch``
+def loss_reads_item_count(model: Any, inputs: Dict[str, Any], compute_loss_func: Optional[Callable] = None,
+                          compute_loss: Optional[Callable] = None) -> bool:
+    """Whether the loss on ``inputs`` (``model``'s own, ``compute_loss_func(outputs, labels,
+    num_items_in_batch=...)`` where the Trainer has one, or ``compute_loss(model, inputs,
+    num_items_in_batch=...)``, a trainer's own override, where given) is divided by the ``num_items_in_batch``
     it is given (a causal LM's is: the Trainer passes the step's token count, so micro-batch
     losses add up to the step's mean), or ignores it (a classification head's mean, although its
     forward takes ``**kwargs``, from which the Trainer infers it reads it). Two losses without
@@ -116,7 +118,9 @@ def loss_reads_item_count(model: Any, inputs: Dict[str, Any], compute_loss_func:
     model.eval()
     try:
         with torch.no_grad():
-            if compute_loss_func is None:
+            if compute_loss is not None:
+                losses = [_loss_of(compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(n))) for n in (1, 2)]
+            elif compute_loss_func is None:
                 losses = [getattr(model(**inputs, num_items_in_batch=torch.tensor(n)), "loss", None) for n in (1, 2)]
             else:  # as the Trainer calls it: the labels apart from the forward's inputs
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
@@ -129,3 +133,8 @@ def loss_reads_item_count(model: Any, inputs: Dict[str, Any], compute_loss_func:
     if any(not isinstance(loss, torch.Tensor) or not torch.isfinite(loss).all() or not loss.any() for loss in losses):
         return True  # no loss, or one that reads the same at any count (0: a sample without a label)
     return not torch.allclose(losses[0], losses[1])
+
+
+def _loss_of(result: Any) -> Any:
+    """The loss of what a ``compute_loss`` returns (``(loss, outputs)`` where it returns both)."""
+    return result[0] if isinstance(result, tuple) else result

@@ -315,18 +315,27 @@ class AdaptiveBatchTrainer(Trainer):
         dataset, collate = self._as_the_loader_takes(self.train_dataset)
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
             return  # no sample to try it on (a stream takes make_batch): the Trainer's choice stands
-        with self._forward_as_trained:  # in the precision training runs
-            if loss_reads_item_count(self.model, self._prepare_inputs(collate([dataset[0]])), self.compute_loss_func):
+        own = self._own_compute_loss()
+        with self._forward_as_trained, logged_metrics_kept(self):  # in the precision training runs
+            if loss_reads_item_count(self.model, self._prepare_inputs(collate([dataset[0]])), self.compute_loss_func,
+                                     compute_loss=None if own is None else self.compute_loss):
                 return
         # As for a model whose forward takes no count: the Trainer divides its loss by the
         # micro-batches and, under several processes, does not multiply it by their number.
-        if self.compute_loss_func is not None:
+        if self.compute_loss_func is not None or own is not None:
             self.loss_is_scaled_for_ga, self._loss_func_ignores_count = False, True
         else:
             self.model_accepts_loss_kwargs = False
-        whose = "compute_loss_func" if self.compute_loss_func is not None else f"{type(self.model).__name__}'s loss"
+        whose = ("compute_loss_func" if self.compute_loss_func is not None else f"{own}.compute_loss" if own is not None
+                 else f"{type(self.model).__name__}'s loss")
         logs.info(f"adaptive-batch: {whose} ignores num_items_in_batch, so each micro-batch's loss is weighted by its "
                   "share of the step's labels (the Trainer would add them up undivided).")
+
+    def _own_compute_loss(self) -> Optional[str]:
+        """The trainer class of the user's (or TRL's) that overrides ``compute_loss``, if one does:
+        its loss may ignore ``num_items_in_batch`` whatever the model's does (a plain mean)."""
+        return next((cls.__name__ for cls in type(self).__mro__ if "compute_loss" in vars(cls)
+                     and cls not in (AdaptiveBatchTrainer, Trainer) and issubclass(cls, Trainer)), None)
 
     def _as_the_loader_takes(self, dataset: Any, description: str = "training") -> Tuple[Any, Callable]:
         """``dataset`` and the collator as ``Trainer``'s loaders take them: the columns the model's

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DataCollatorForLanguageModeling, LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import DataCollatorForLanguageModeling, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from adaptive_batch import ConfigError
 from adaptive_batch.hf import AdaptiveBatchTrainer
@@ -666,3 +666,44 @@ def test_a_loss_that_ignores_the_item_count_is_averaged_over_the_micro_batches(t
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     losses = [h["loss"] for t in (split, whole) for h in t.state.log_history if "loss" in h]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
+class _MeanLossTrainer(Trainer):
+    """A user's trainer whose compute_loss is a plain mean (the common override), on a model whose
+    forward takes **kwargs, from which the Trainer infers the loss reads num_items_in_batch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(input_ids=inputs["input_ids"])
+        logits, labels = outputs.logits[:, :-1], inputs["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return (loss, outputs) if return_outputs else loss
+
+
+class _AdaptiveMeanLossTrainer(AdaptiveBatchTrainer, _MeanLossTrainer):
+    pass
+
+
+def test_a_trainers_own_compute_loss_that_ignores_the_item_count_is_averaged_over_the_micro_batches(tmp_path):
+    """Split 3 + 3 + 2, a compute_loss override returning a mean took 3 times the batch's gradient:
+    only the model's loss and compute_loss_func were asked whether they read the count."""
+
+    def run(trainer_class, out, **kwargs):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+        tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+        samples = [{"input_ids": ids, "labels": ids} for ids in tokens]
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=8, max_steps=1, optim="sgd",
+                                 learning_rate=0.5, max_grad_norm=0.0, report_to=[], use_cpu=True, disable_tqdm=True,
+                                 save_strategy="no", logging_steps=1)
+        trainer = trainer_class(model=LlamaForCausalLM(config), args=args, train_dataset=samples, **kwargs)
+        trainer.train()
+        return trainer
+
+    whole = run(_MeanLossTrainer, tmp_path / "whole")
+    lines = []
+    split = run(_AdaptiveMeanLossTrainer, tmp_path / "split", max_batch_size=3, probe_eval=False, log=lines.append)
+    assert split.adaptive_batch["gradient_accumulation_steps"] == 3
+    assert any("_MeanLossTrainer.compute_loss ignores num_items_in_batch" in line for line in lines), lines
+    for a, b in zip(split.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
