@@ -12,7 +12,10 @@ import hashlib
 from importlib import metadata
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_leaves
 
 from adaptive_batch.files import atomic_write
 import adaptive_batch.logs as logs
@@ -30,6 +33,33 @@ def library_versions() -> Dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[name] = "unknown"
     return versions
+
+
+def step_fields(model: Any, optimizer: Any, batch: Any, functions: Tuple[Callable, ...]) -> Dict[str, str]:
+    """What a plain loop's step is made of, as far as it can be seen, for the cache's key: the
+    model's parameters and buffers (name, shape, dtype, trainable), the optimizer's class and
+    settings, the worst-case batch's tensors (shape, dtype) and the step functions' code. A
+    memory change none of them shows (autocast switched by an environment variable) is not seen:
+    ``probe_cache=False`` there."""
+    tensors = [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
+               for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    settings = None if optimizer is None else (
+        type(optimizer).__qualname__, [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    return {"model": f"{type(model).__qualname__}:{_digest(tensors)}", "optimizer": _digest(settings),
+            "batch": _digest(shapes), "code": _digest([_code_of(fn) for fn in functions])}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _code_of(fn: Callable) -> Any:
+    """A function's bytecode and constants (a callable object's ``__call__``'s)."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    if code is None:
+        return getattr(fn, "__qualname__", type(fn).__qualname__)
+    return [code.co_code.hex(), repr(code.co_consts), code.co_names]
 
 
 def default_cache_dir() -> str:

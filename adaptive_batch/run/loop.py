@@ -24,6 +24,7 @@ from adaptive_batch.data.loader import LOADER_KEYS, loader_settings
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.api import needs_two_samples
 from adaptive_batch.probe.service import probe_batch_size
+from adaptive_batch.probe.cache import step_fields
 from adaptive_batch.probe.target import ProbeTarget, check_make_batch, step_device
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
 from adaptive_batch.run.options import AdaptiveBatchOptions
@@ -212,7 +213,10 @@ class AdaptiveBatch:
         probe = None
         if ctl.options.needs_probe:
             target = ProbeTarget(self._train_step, self._make_batch, self.model, self.optimizer, ctl.device)
-            probe = partial(probe_batch_size, target=target, seq_len=0)
+            # The key holds what the step is made of: another model's answer once came back.
+            fields = step_fields(self.model, self.optimizer, self._make_batch(1), (self._loss_fn,)) if (
+                ctl.options.probe_cache_dir) else None
+            probe = partial(probe_batch_size, target=target, seq_len=0, cache_fields=fields)
         try:
             ctl.settle(dataset_size=len(self.dataset), probe=probe)
         except ValueError as e:

@@ -339,3 +339,29 @@ def test_a_resume_with_a_setting_that_changes_what_is_trained_is_refused_naming_
         refused.load_state_dict(state)
     assert refused.batch_size == changed.get("batch_size", 4)  # nothing of the refused state taken
     _loop(lr_scaling="none").load_state_dict(state)  # a default said out loud is the same setting
+
+
+def test_the_probe_cache_keys_what_the_step_is_made_of_and_another_model_probes_again(tmp_path):
+    """The cache key was the device and the budget alone: a model a quarter of the width read the
+    wider model's answer back ("probe cache hit ... no probing") and trained a quarter of what fit."""
+
+    def probed(width, lines):
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(4096, 64), torch.randn(4096, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def loss_fn(batch):
+            inputs, targets = batch
+            return torch.nn.functional.mse_loss(model(inputs), targets)
+
+        adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=1, use_maximum_batch_size=True,
+                                 max_memory="8MiB", probe_cache_dir=str(tmp_path / "cache"), max_batch_size=4096,
+                                 make_batch=lambda b: (torch.randn(b, 64), torch.randn(b, 1)),
+                                 output_dir=str(tmp_path / f"run{width}-{len(lines)}"), log=lines.append)
+        return adaptive.batch_size
+
+    first, again, narrow = [], [], []
+    wide = probed(1024, first)
+    assert probed(1024, again) == wide and any("probe cache hit" in line for line in again)  # the same step
+    assert probed(128, narrow) > wide and not any("probe cache hit" in line for line in narrow)
