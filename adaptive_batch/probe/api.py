@@ -51,8 +51,9 @@ from adaptive_batch.memory.oom import collections_of_new_objects
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
-from adaptive_batch.probe.target import ProbeTarget, check_make_batch
+from adaptive_batch.probe.target import ProbeTarget, check_make_batch, only_its_optimizer_steps
 from adaptive_batch.validation import check_safety_margin
+
 
 def find_max_batch_size(
     train_step: Callable[[Any], None],
@@ -207,11 +208,13 @@ def _search(train_step: Callable[[Any], None], *, make_batch: Callable[[int], An
                           "leaves worse than a fresh one's (find_max_batch_size(build=f) with f() -> ProbeTarget runs "
                           "them in fresh processes).")
         # The recipes' probe without their cache, ranks and report: each rank answers for itself.
-        report = search_and_check(
-            options, target, budget, capacity, TrialLimits.read(budget, capacity, target), rank_budgets=[budget.budget_bytes],
-            cap=max_batch_size, seq_len=None, ranks=RankGroup.alone(), snapshot_dir=snapshot_dir,
-            build=build if in_children else None,
-        )
+        with only_its_optimizer_steps(target):
+            report = search_and_check(
+                options, target, budget, capacity, TrialLimits.read(budget, capacity, target),
+                rank_budgets=[budget.budget_bytes],
+                cap=max_batch_size, seq_len=None, ranks=RankGroup.alone(), snapshot_dir=snapshot_dir,
+                build=build if in_children else None,
+            )
         # Where the caller set the probe's thresholds (the Trainer), a soft answer trains on glibc's fast ones.
         relax_allocator_for_training(target.device, soft_budget=budget.is_soft)
         return report.batch_size

@@ -2,11 +2,14 @@
 batch maker, the training state it changes, the device), on a device this torch has, with a batch
 maker that builds the size it is asked for. A bad one is one line naming the argument."""
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from adaptive_batch.errors import ConfigError
@@ -57,6 +60,40 @@ class ProbeTarget:
     def snapshot(self, directory: Optional[str] = None) -> TrainingStateSnapshot:
         """A context that saves the model, optimizer, scheduler and RNG and puts them back."""
         return TrainingStateSnapshot(self.model, self.optimizer, self.lr_scheduler, directory=directory)
+
+
+@contextmanager
+def only_its_optimizer_steps(target: ProbeTarget) -> Iterator[None]:
+    """Inside the block, an optimizer other than ``target.optimizer`` that ``train_step`` steps is
+    refused before it steps: the probe could not put its state back after the trials (a GAN's
+    second optimizer came out 10 steps on, its model's parameters restored).
+
+    Raises:
+        ConfigError: from that optimizer's step, naming it and the fix.
+    """
+
+    def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer is target.optimizer or _fake(optimizer):
+            return
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        passed = "optimizer=None" if target.optimizer is None else f"optimizer={type(target.optimizer).__name__}"
+        raise ConfigError(
+            f"train_step steps {type(optimizer).__name__} (over {count} parameters), but {passed} was passed: the "
+            "probe puts back only the optimizer it is given, so the trials would leave this one's state changed; pass "
+            "the optimizer train_step steps, or one optimizer over every parameter (a parameter group each)."
+        )
+
+    handle = register_optimizer_step_pre_hook(refuse)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _fake(optimizer: torch.optim.Optimizer) -> bool:
+    """An optimizer of the planner's fake steps (fake or meta parameters), which hold nothing."""
+    first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+    return first is not None and (first.is_meta or isinstance(first, FakeTensor))
 
 
 def step_device(model: nn.Module, device: Optional[Union[str, torch.device]]) -> torch.device:

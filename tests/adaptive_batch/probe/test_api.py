@@ -384,3 +384,28 @@ def test_the_search_from_2_has_what_the_first_search_left_of_the_time_budget(mon
     assert api.find_max_batch_size(lambda b: None, make_batch=lambda b: torch.zeros(b, 2), model=model,
                                    time_budget=60.0) == 7
     assert budgets == [60.0, 15.0]
+
+
+def test_a_step_that_steps_an_optimizer_the_probe_was_not_given_is_refused_before_it_steps():
+    """A GAN's step (a generator's and a discriminator's optimizer) probed with the generator's:
+    the discriminator's optimizer came out 10 steps on, its moments changed, without a word."""
+    torch.manual_seed(0)
+    generator, discriminator = nn.Linear(8, 8), nn.Linear(8, 1)
+    opt_g, opt_d = torch.optim.Adam(generator.parameters()), torch.optim.Adam(discriminator.parameters())
+
+    def gan_step(noise):
+        discriminator(generator(noise).detach()).mean().backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        (-discriminator(generator(noise)).mean()).backward()
+        opt_g.step()
+        opt_g.zero_grad()
+
+    before = json.dumps(str(opt_d.state_dict()))
+    with pytest.raises(ConfigError, match=r"train_step steps Adam \(over 2 parameters\), but optimizer=Adam was passed"):
+        find_max_batch_size(gan_step, make_batch=lambda b: torch.randn(b, 8), model=generator, optimizer=opt_g,
+                            max_memory="16MiB", max_batch_size=64)
+    assert json.dumps(str(opt_d.state_dict())) == before and not opt_d.state  # it never stepped
+    with pytest.raises(ConfigError, match=r"but optimizer=None was passed"):
+        find_max_batch_size(gan_step, make_batch=lambda b: torch.randn(b, 8), model=generator, max_memory="16MiB",
+                            max_batch_size=64)
