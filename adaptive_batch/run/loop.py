@@ -23,13 +23,14 @@ from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.loader import LOADER_KEYS, loader_settings
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.api import needs_two_samples
-from adaptive_batch.probe.service import probe_batch_size
 from adaptive_batch.probe.cache import step_fields
+from adaptive_batch.probe.service import probe_batch_size
 from adaptive_batch.probe.target import ProbeTarget, check_make_batch, step_device
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.state import RunState
 from adaptive_batch.schedule.lr_progress import check_counted_in_samples
+from adaptive_batch.validation import check_callable, check_positive_number
 
 
 class AdaptiveBatch:
@@ -94,6 +95,7 @@ class AdaptiveBatch:
         )
         options = AdaptiveBatchOptions.from_flat(settings)
         _refuse_before_any_step(options, make_batch, lr_scheduler)
+        _check_the_parts(model, optimizer, loss_fn, clip_grad_norm, data)
         self.model, self.optimizer, self.dataset = model, optimizer, data.dataset
         self._lr_scheduler, self._clip, self._make_batch = lr_scheduler, clip_grad_norm, make_batch
         self._loss_fn, self._collate, self._shuffle = loss_fn, data.collate_fn, data.shuffle
@@ -298,6 +300,30 @@ def _refuse_before_any_step(options: AdaptiveBatchOptions, make_batch: Optional[
         check_make_batch(make_batch)
     if lr_scheduler is not None:  # before the probe: the schedule advances by samples here
         check_counted_in_samples(lr_scheduler)
+
+
+def _check_the_parts(model: Any, optimizer: Any, loss_fn: Any, clip_grad_norm: Any, data: Any) -> None:
+    """The loop's own parts, checked when it is built (a negative clip norm flipped every gradient).
+
+    Raises:
+        ConfigError: for a model that is no module, an optimizer that is no torch optimizer, a
+            ``loss_fn`` that cannot be called, a ``clip_grad_norm`` not above 0, or a
+            ``batch_size`` larger than the dataset.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model={model!r} is not a torch.nn.Module: pass the module loss_fn trains.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer: pass the optimizer over the "
+                          "model's parameters, e.g. torch.optim.AdamW(model.parameters()).")
+    check_callable("loss_fn", loss_fn, "lambda batch: criterion(model(batch[0]), batch[1])")
+    if clip_grad_norm is not None:
+        check_positive_number("clip_grad_norm", clip_grad_norm, "the largest gradient norm, e.g. 1.0, or None")
+    samples = len(data.dataset)
+    if data.batch_size > samples:
+        raise ConfigError(
+            f"batch_size={data.batch_size} is larger than the dataset's {samples} samples: every step would train "
+            f"{samples}, with the LR rule set for {data.batch_size}; set batch_size to at most {samples}."
+        )
 
 
 def _run_state(controller: AdaptiveBatchController, options: AdaptiveBatchOptions, data: Any,

@@ -365,3 +365,18 @@ def test_the_probe_cache_keys_what_the_step_is_made_of_and_another_model_probes_
     wide = probed(1024, first)
     assert probed(1024, again) == wide and any("probe cache hit" in line for line in again)  # the same step
     assert probed(128, narrow) > wide and not any("probe cache hit" in line for line in narrow)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"clip_grad_norm": -1.0}, r"clip_grad_norm=-1.0 .*positive"),  # flipped every gradient: training climbed the loss
+    ({"clip_grad_norm": 0.0}, r"clip_grad_norm=0.0"),
+    ({"batch_size": 1000}, r"batch_size=1000 is larger than the dataset's 48 samples: .* at most 48"),
+    ({"loss_fn": "mse"}, r"loss_fn='mse'"),
+    ({"optimizer": "adam"}, r"optimizer='adam' is not a torch.optim.Optimizer"),
+])
+def test_the_loops_own_parts_are_checked_when_it_is_built(change, message):
+    data, model, optimizer, loss_fn = _parts()
+    parts = dict(model=model, optimizer=optimizer, dataset=data, loss_fn=loss_fn, batch_size=4)
+    parts.update(change)
+    with pytest.raises(ConfigError, match=message):
+        AdaptiveBatch(**parts)
