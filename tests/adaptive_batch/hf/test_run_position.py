@@ -355,6 +355,18 @@ def test_a_fraction_of_an_epoch_ends_at_its_last_sample(tmp_path):
     assert steps[-1]["learning_rate"] == pytest.approx(1e-3 * (1 - 32 / 40) * 8 / FIRST)
 
 
+def test_a_fraction_of_an_epoch_growing_by_epoch_ends_at_its_last_sample_in_micro_batches(tmp_path):
+    """2.25 epochs of 32 growing each epoch by accumulation: the last epoch's step of 16 (6 + 5 + 5)
+    trained all 16, 8 past the run's 72nd sample, at the LR of 16; it is cut to 8 (6 + 2, the third
+    micro-batch empty: the Trainer steps after its count of them)."""
+    trainer = _trainer(tmp_path, training={"save_strategy": "no", "num_train_epochs": 2.25}, grow_with_accumulation=True)
+    trainer.train()
+    steps = _steps(trainer)
+    assert [h["batch_size"] for h in steps] == [4] * 8 + [8] * 4 + [8]
+    assert sum(h["batch_size"] for h in steps) == 72
+    assert steps[-1]["learning_rate"] == pytest.approx(1e-3 * (1 - 64 / 72) * 8 / FIRST)
+
+
 def test_the_schedule_ends_with_the_last_sample_where_the_first_batch_does_not_divide_the_data(tmp_path):
     """30 samples at 4: 8 steps an epoch, 24 for the schedule, but 90 samples are 22.5 steps of 4:
     the decay counted in steps of the first batch stopped short of its end (40 at 16: at 5/6)."""
