@@ -12,7 +12,7 @@ weighted by each micro-batch's labels, not summed.
 """
 
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -114,25 +114,47 @@ def loss_reads_item_count(model: Any, inputs: Dict[str, Any], compute_loss_func:
     """
     if "labels" not in inputs:
         return True
+    losses = _losses(model, inputs, compute_loss_func, compute_loss, counts=(1, 2))
+    if losses is None or any(not _a_loss(loss) for loss in losses):
+        return True  # no loss, or one that reads the same at any count (0: a sample without a label)
+    return not torch.allclose(losses[0], losses[1])
+
+
+def scaled_by_the_ranks(model: Any, inputs: Dict[str, Any], compute_loss: Callable, ranks: int) -> bool:
+    """Whether a trainer's own ``compute_loss``, whose loss ignores ``num_items_in_batch``, is
+    ``ranks`` times larger given a count than given none: ``Trainer.compute_loss``'s factor for a
+    loss summed over every rank's tokens, which reaches an override only where it calls it."""
+    losses = _losses(model, inputs, None, compute_loss, counts=(None, 1))
+    if losses is None or any(not _a_loss(loss) for loss in losses):
+        return False
+    return bool(torch.allclose(losses[1], losses[0] * ranks))
+
+
+def _losses(model: Any, inputs: Dict[str, Any], compute_loss_func: Optional[Callable], compute_loss: Optional[Callable],
+            counts: Tuple[Optional[int], ...]) -> Optional[List[Any]]:
+    """The loss on ``inputs`` at each of ``counts`` (``num_items_in_batch``), without gradients,
+    in eval mode, the RNG put back; ``None`` where a call fails (a forward that takes no count)."""
     training, state = model.training, rng_state()
     model.eval()
+    items = [None if n is None else torch.tensor(n) for n in counts]
     try:
         with torch.no_grad():
             if compute_loss is not None:
-                losses = [_loss_of(compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(n))) for n in (1, 2)]
-            elif compute_loss_func is None:
-                losses = [getattr(model(**inputs, num_items_in_batch=torch.tensor(n)), "loss", None) for n in (1, 2)]
-            else:  # as the Trainer calls it: the labels apart from the forward's inputs
-                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-                losses = [compute_loss_func(outputs, inputs["labels"], num_items_in_batch=torch.tensor(n)) for n in (1, 2)]
+                return [_loss_of(compute_loss(model, dict(inputs), num_items_in_batch=n)) for n in items]
+            if compute_loss_func is None:
+                return [getattr(model(**inputs, num_items_in_batch=n), "loss", None) for n in items]
+            # as the Trainer calls it: the labels apart from the forward's inputs
+            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+            return [compute_loss_func(outputs, inputs["labels"], num_items_in_batch=n) for n in items]
     except Exception:  # noqa: BLE001 - a forward that takes no count: the Trainer's choice stands
-        return True
+        return None
     finally:
         model.train(training)
         set_rng_state(state)
-    if any(not isinstance(loss, torch.Tensor) or not torch.isfinite(loss).all() or not loss.any() for loss in losses):
-        return True  # no loss, or one that reads the same at any count (0: a sample without a label)
-    return not torch.allclose(losses[0], losses[1])
+
+
+def _a_loss(loss: Any) -> bool:
+    return isinstance(loss, torch.Tensor) and bool(torch.isfinite(loss).all()) and bool(loss.any())
 
 
 def _loss_of(result: Any) -> Any:

@@ -45,6 +45,7 @@ from adaptive_batch.hf.micro_batches import (
     effective_batch_args,
     label_items,
     loss_reads_item_count,
+    scaled_by_the_ranks,
     micro_batch_weight,
     split_effective_batch,
     split_into_micro_batches,
@@ -315,15 +316,18 @@ class AdaptiveBatchTrainer(Trainer):
         dataset, collate = self._as_the_loader_takes(self.train_dataset)
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
             return  # no sample to try it on (a stream takes make_batch): the Trainer's choice stands
-        own = self._own_compute_loss()
+        own, inputs = self._own_compute_loss(), self._prepare_inputs(collate([dataset[0]]))
         with self._forward_as_trained, logged_metrics_kept(self):  # in the precision training runs
-            if loss_reads_item_count(self.model, self._prepare_inputs(collate([dataset[0]])), self.compute_loss_func,
+            if loss_reads_item_count(self.model, inputs, self.compute_loss_func,
                                      compute_loss=None if own is None else self.compute_loss):
                 return
+            # An override takes the Trainer's factor of the ranks only where it calls Trainer.compute_loss.
+            multiplied = own is None or (self._ranks_factor() > 1 and scaled_by_the_ranks(
+                self.model, inputs, self.compute_loss, self._ranks_factor()))
         # As for a model whose forward takes no count: the Trainer divides its loss by the
         # micro-batches and, under several processes, does not multiply it by their number.
         if self.compute_loss_func is not None or own is not None:
-            self.loss_is_scaled_for_ga, self._loss_func_ignores_count = False, True
+            self.loss_is_scaled_for_ga, self._loss_func_ignores_count = False, multiplied
         else:
             self.model_accepts_loss_kwargs = False
         whose = ("compute_loss_func" if self.compute_loss_func is not None else f"{own}.compute_loss" if own is not None
@@ -510,7 +514,11 @@ class AdaptiveBatchTrainer(Trainer):
         if not (self._loss_func_ignores_count and self.args.average_tokens_across_devices
                 and num_items_in_batch is not None):
             return 1.0
-        return 1.0 / (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu)
+        return 1.0 / self._ranks_factor()
+
+    def _ranks_factor(self) -> int:
+        """What ``Trainer.compute_loss`` multiplies a loss over every rank's tokens by, as it figures it."""
+        return self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu
 
     @property
     def _shifts_labels(self) -> bool:

@@ -116,7 +116,9 @@ def find_max_batch_size(
         ConfigError: for a bad ``max_memory``, ``safety_margin``, ``max_batch_size``,
             ``time_budget`` or ``device``, a model without parameters (and no ``device``), or a
             ``make_batch`` that ignores its size; before any step runs; for ``max_batch_size=1``
-            where the model cannot train a batch of 1 (its BatchNorm needs 2 samples).
+            where the model cannot train a batch of 1 (its BatchNorm needs 2 samples); for a
+            ``train_step`` that steps an optimizer over parameters that are not ``model``'s (the
+            probe could not put them back), before that step.
         BatchSizeTooLargeError: when batch 1 does not fit (batch 2, where 1 cannot train).
     """
     if safety_margin is not None:

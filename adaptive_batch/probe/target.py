@@ -64,23 +64,28 @@ class ProbeTarget:
 
 @contextmanager
 def only_its_optimizer_steps(target: ProbeTarget) -> Iterator[None]:
-    """Inside the block, an optimizer other than ``target.optimizer`` that ``train_step`` steps is
-    refused before it steps: the probe could not put its state back after the trials (a GAN's
-    second optimizer came out 10 steps on, its model's parameters restored).
+    """Inside the block, an optimizer ``train_step`` steps over parameters that are not
+    ``target.model``'s is refused before it steps: the probe puts back only the model (and its
+    optimizer), so the trials would leave those parameters and that optimizer changed (a GAN's
+    discriminator came out 10 steps on). Optimizers over the model's own parameters pass: an
+    optimizer's inner one (a Lookahead's), one per parameter stepped in backward.
 
     Raises:
         ConfigError: from that optimizer's step, naming it and the fix.
     """
+    own = {id(p) for p in target.model.parameters()}
 
     def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is target.optimizer or _fake(optimizer):
             return
-        count = sum(len(group["params"]) for group in optimizer.param_groups)
-        passed = "optimizer=None" if target.optimizer is None else f"optimizer={type(target.optimizer).__name__}"
+        outside = sum(id(p) not in own for group in optimizer.param_groups for p in group["params"])
+        if not outside:
+            return
         raise ConfigError(
-            f"train_step steps {type(optimizer).__name__} (over {count} parameters), but {passed} was passed: the "
-            "probe puts back only the optimizer it is given, so the trials would leave this one's state changed; pass "
-            "the optimizer train_step steps, or one optimizer over every parameter (a parameter group each)."
+            f"train_step steps {type(optimizer).__name__} over {outside} parameters that are not "
+            f"model={type(target.model).__name__}'s: the probe puts back only the model and its optimizer, so the "
+            "trials would leave them and this optimizer changed; pass a model holding every module train_step "
+            "trains (an nn.ModuleDict of them) and one optimizer over all its parameters, or probe each part apart."
         )
 
     handle = register_optimizer_step_pre_hook(refuse)

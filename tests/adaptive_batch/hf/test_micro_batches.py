@@ -97,3 +97,21 @@ def test_a_loss_function_of_the_trainers_is_asked_too():
     model.forward = lambda input_ids: {"logits": input_ids.float()}
     assert loss_reads_item_count(model, inputs, lambda out, labels, num_items_in_batch: out["logits"].sum() / num_items_in_batch)
     assert not loss_reads_item_count(model, inputs, lambda out, labels, num_items_in_batch: out["logits"].mean())
+
+
+def test_an_override_is_said_to_take_the_ranks_factor_only_where_its_loss_is_multiplied_given_a_count():
+    """Under 4 processes a compute_loss override returning a plain mean never reaches
+    Trainer.compute_loss's factor of the ranks: dividing it out gave a quarter of the gradient."""
+    from adaptive_batch.hf.micro_batches import scaled_by_the_ranks
+
+    model = torch.nn.Linear(2, 1)
+    inputs = {"x": torch.ones(3, 2), "labels": torch.ones(3, 1)}
+
+    def mean(model, inputs, num_items_in_batch=None):
+        return torch.nn.functional.mse_loss(model(inputs["x"]), inputs["labels"]) + 1.0
+
+    def through_the_trainer(model, inputs, num_items_in_batch=None):  # as Trainer.compute_loss scales it
+        return mean(model, inputs) * (4 if num_items_in_batch is not None else 1)
+
+    assert not scaled_by_the_ranks(model, inputs, mean, ranks=4)
+    assert scaled_by_the_ranks(model, inputs, through_the_trainer, ranks=4)
