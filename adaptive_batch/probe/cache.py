@@ -8,10 +8,12 @@ out of range or disagree with the key (a batch of 0, a batch over the cap, anoth
 sequence length, a found size no fitting trial backs) is ignored with a warning: never trusted.
 """
 
+import functools
 import hashlib
 from importlib import metadata
 import json
 import os
+import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -36,30 +38,50 @@ def library_versions() -> Dict[str, str]:
 
 
 def step_fields(model: Any, optimizer: Any, batch: Any, functions: Tuple[Callable, ...]) -> Dict[str, str]:
-    """What a plain loop's step is made of, as far as it can be seen, for the cache's key: the
-    model's parameters and buffers (name, shape, dtype, trainable), the optimizer's class and
-    settings, the worst-case batch's tensors (shape, dtype) and the step functions' code. A
-    memory change none of them shows (autocast switched by an environment variable) is not seen:
-    ``probe_cache=False`` there."""
+    """What a plain loop's step is made of, as far as it can be seen, for the cache's key, the
+    same in every process: the model's modules and its parameters and buffers (name, shape, dtype,
+    trainable), the optimizer's class and the settings that change its state's size (a number
+    counts as on or off: an LR sweep probes once), the worst-case batch's tensors (shape, dtype)
+    and the step functions' code. A memory change none of them shows (autocast switched by an
+    environment variable, an attention kernel chosen by a config) is not seen: ``probe_cache=False``
+    there."""
     tensors = [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
                for name, t in [*model.named_parameters(), *model.named_buffers()]]
-    settings = None if optimizer is None else (
-        type(optimizer).__qualname__, [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    modules = [type(m).__qualname__ for m in model.modules()]
+    settings = None if optimizer is None else (type(optimizer).__qualname__, [
+        {k: _on_or_off(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    return {"model": f"{type(model).__qualname__}:{_digest(tensors)}", "optimizer": _digest(settings),
+    return {"model": f"{type(model).__qualname__}:{_digest([modules, tensors])}", "optimizer": _digest(settings),
             "batch": _digest(shapes), "code": _digest([_code_of(fn) for fn in functions])}
+
+
+def _on_or_off(value: Any) -> Any:
+    """A setting as it changes an optimizer's state: a number by whether it is 0."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value != 0
+    if isinstance(value, (tuple, list)):
+        return [_on_or_off(v) for v in value]
+    return value if isinstance(value, (bool, str, type(None))) else type(value).__qualname__
 
 
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _code_of(fn: Callable) -> Any:
-    """A function's bytecode and constants (a callable object's ``__call__``'s)."""
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
-    if code is None:
-        return getattr(fn, "__qualname__", type(fn).__qualname__)
-    return [code.co_code.hex(), repr(code.co_consts), code.co_names]
+def _code_of(fn: Any) -> Any:
+    """What a function runs, the same in every process: its bytecode, names and constants, nested
+    code (a lambda, a comprehension) by its own (a ``repr`` holds a memory address); a partial's
+    function and arguments; a callable object's ``forward`` or ``__call__``."""
+    if isinstance(fn, functools.partial):
+        return [_code_of(fn.func), repr(fn.args), repr(sorted(fn.keywords.items()))]
+    if isinstance(fn, types.CodeType):
+        consts = [_code_of(c) if isinstance(c, types.CodeType) else repr(c) for c in fn.co_consts]
+        return [fn.co_code.hex(), list(fn.co_names), consts]
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return _code_of(code)
+    method = getattr(type(fn), "forward", None) or getattr(type(fn), "__call__", None)
+    return [type(fn).__qualname__, _code_of(method) if getattr(method, "__code__", None) else None]
 
 
 def default_cache_dir() -> str:

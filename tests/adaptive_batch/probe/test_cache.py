@@ -84,3 +84,22 @@ def test_a_poisoned_entry_is_never_a_hit(tmp_path, poison, reason):
     with lines_to(warnings.append):
         assert cache.load(fields) is None
     assert "ignoring invalid entry" in warnings[-1] and reason in warnings[-1] and "probing again" in warnings[-1]
+
+
+def test_a_plain_loops_key_is_the_same_for_the_same_step_and_an_lr_sweep_and_differs_with_the_optimizers_state():
+    """Nested code (a comprehension) was keyed by its repr, which holds its memory address: each
+    process had a key of its own and the cache never hit; an LR sweep probed at each LR."""
+    import torch
+
+    from adaptive_batch.probe.cache import step_fields
+
+    def the_same_loop(lr, momentum=0.0):  # built afresh each call, as in a new process
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        source = "def loss_fn(batch):\n    return sum(x.sum() for x in [model(batch)])\n"
+        scope = {"model": model}
+        exec(compile(source, "loop.py", "exec"), scope)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        return step_fields(model, optimizer, torch.zeros(1, 4), (scope["loss_fn"],))
+
+    assert the_same_loop(0.1) == the_same_loop(0.1) == the_same_loop(0.01)
+    assert the_same_loop(0.1, momentum=0.9)["optimizer"] != the_same_loop(0.1)["optimizer"]  # a momentum buffer
