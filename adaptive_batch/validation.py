@@ -6,6 +6,7 @@ validation never sits in the middle of the import graph.
 
 import difflib
 import math
+import numbers
 from typing import Any, Iterable, Optional, Sequence
 
 from adaptive_batch.errors import ConfigError
@@ -73,7 +74,8 @@ def check_safety_margin(value: Any, key: str = "memory_safety_margin") -> float:
 def check_positive_number(key: str, value: Any, fix: str) -> float:
     """Raises:
     ConfigError: unless ``value`` is a finite number above zero (NaN and infinity are not)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    # numbers.Real: numpy's floats too (a clip norm read from an array), never bool.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{key}={value!r} must be a positive finite number: {fix}.")
     return float(value)
 

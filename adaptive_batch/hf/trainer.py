@@ -449,9 +449,9 @@ class AdaptiveBatchTrainer(Trainer):
     def _cut_to_the_runs_end(self, batches: list, num_items: Any) -> Tuple[list, Any]:
         """A grown step past the last sample of a run of a fraction of an epoch, cut to it: its
         batch was the epoch's (a step of 32 trained 12 samples past a run of 2.5 epochs, at 4
-        times the LR). The planned loader cuts its own; several processes train the whole step."""
+        times the LR). The planned loader cuts its own; several processes or GPUs train the whole step."""
         last = self._last_sample_of_a_fractional_run() if self._growth.grows else None
-        if last is None or self._steps_are_loader_batches or self.args.world_size > 1:
+        if last is None or self._steps_are_loader_batches or self.args.world_size > 1 or self.args.n_gpu > 1:
             return batches, num_items
         left, kept = last - self._position.samples_seen, []
         for batch in batches:  # the Trainer steps after its count of micro-batches: those past the end are empty

@@ -143,8 +143,10 @@ def find_max_batch_size(
         logs.info("probe: a batch of 1 does not train (the model's BatchNorm needs 2 samples a channel): the search "
                   "runs again from 2, each trial's batch_size one less than the batch it trains.")
     # The search's first size is 1, its line and bounds measured from there: each size n stands for n + 1.
-    # It has what the first search left of the time budget (a stopped search answers what it found).
-    left = None if time_budget is None else max(time_budget - (time.perf_counter() - started), MIN_TIME_LEFT_S)
+    # It has what the first search left of the time budget (a stopped search answers what it found);
+    # with build= the budget is also each trial process's time before it is called hung: kept whole.
+    left = time_budget if time_budget is None or build is not None else max(
+        time_budget - (time.perf_counter() - started), MIN_TIME_LEFT_S)
     try:
         return 1 + search(make_batch=NextSize(make_batch),
                           max_batch_size=None if max_batch_size is None else max_batch_size - 1,

@@ -48,7 +48,8 @@ class FrameworkGrowthState:
     samples: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
-        return dict(asdict(self), version=STATE_VERSION)
+        # decided_epoch too, for a library of 2026-11-27 or older resuming it.
+        return dict(asdict(self), decided_epoch=self.decided_boundary, version=STATE_VERSION)
 
     @classmethod
     def from_dict(cls, state: Dict[str, Any]) -> "FrameworkGrowthState":

@@ -83,3 +83,13 @@ def test_the_safety_margin_is_checked_by_one_function_at_every_entry():
         with pytest.raises(ConfigError, match=rf"^{key.strip()}=1.0 must be a number in \[0, 1\): e.g. "
                                               rf"{key.strip()}=0.05 keeps 5% of the budget back\.$"):
             call()
+
+
+def test_a_positive_number_may_be_numpys():
+    import numpy as np
+
+    from adaptive_batch.validation import check_positive_number
+
+    assert check_positive_number("clip_grad_norm", np.float32(1.5), "e.g. 1.0") == 1.5
+    with pytest.raises(ConfigError, match="clip_grad_norm=True must be a positive finite number"):
+        check_positive_number("clip_grad_norm", True, "e.g. 1.0")

@@ -290,3 +290,5 @@ def test_cuda_capacity_is_what_the_card_and_the_process_memory_fraction_both_all
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: {0: fraction}[index], raising=False)
     capacity = cuda_capacity(torch.device("cuda", 0))
     assert (capacity.headroom_bytes, capacity.source, capacity.hard_limit) == (headroom, source, True)
+    # what max_memory is checked against: all the process can hold there, its own 5 GiB included
+    assert capacity.held_bytes == 5 * GiB and capacity.device_bytes == headroom + 5 * GiB
