@@ -365,8 +365,10 @@ def test_a_build_the_budget_does_not_use_is_said_in_one_line(monkeypatch):
     assert line.startswith("probe: build= is not used: a soft budget") and "max_memory=None" in line
 
 
-def test_the_search_from_2_has_what_the_first_search_left_of_the_time_budget(monkeypatch):
-    """The search run again from 2 once had a whole time budget of its own: twice the budget in all."""
+@pytest.mark.parametrize("build, second", [(None, 15.0), (lambda: None, 60.0)])
+def test_the_search_from_2_has_what_the_first_search_left_of_the_time_budget(monkeypatch, build, second):
+    """The search run again from 2 once had a whole time budget of its own: twice the budget in all.
+    With build= the budget is also each trial process's time before it is called hung: kept whole."""
     from adaptive_batch.probe import api
 
     clock, budgets = [100.0], []
@@ -382,8 +384,8 @@ def test_the_search_from_2_has_what_the_first_search_left_of_the_time_budget(mon
     monkeypatch.setattr(api.time, "perf_counter", lambda: clock[0])
     model = nn.Linear(2, 2)
     assert api.find_max_batch_size(lambda b: None, make_batch=lambda b: torch.zeros(b, 2), model=model,
-                                   time_budget=60.0) == 7
-    assert budgets == [60.0, 15.0]
+                                   time_budget=60.0, build=build) == 7
+    assert budgets == [60.0, second]
 
 
 def test_a_step_that_steps_an_optimizer_over_parameters_the_probe_was_not_given_is_refused_before_it_steps():
