@@ -161,9 +161,12 @@ def largest_that_trains(batch_size: int, target: ProbeTarget, **check: Any) -> i
     """
     if batch_size <= 1 or runs_consecutive_steps(batch_size, target, **check):
         return batch_size
-    bad, good = batch_size, _step_down(batch_size)
+    # Past the third failure each doubles the next step down: where every size fails (a heap the
+    # search's out-of-memory trials scarred) the walk takes a few checks, not one a size (71 from 98 to 3).
+    bad, good, failures = batch_size, _step_down(batch_size), 1
     while good > 1 and not runs_consecutive_steps(good, target, **check):
-        bad, good = good, _step_down(good)
+        failures += 1
+        bad, good = good, _step_down(good, STEP_DOWN * 2 ** max(0, failures - 3))
     # Back up only on CUDA, where a step's memory repeats: on CPU glibc's heap moves by 16-33 MiB
     # between runs, so a size that passed just under a failing one can fail in the next step.
     while target.device.type == "cuda" and bad - good > 1:
@@ -173,8 +176,15 @@ def largest_that_trains(batch_size: int, target: ProbeTarget, **check: Any) -> i
         else:
             bad = middle
     logs.info(f"probe: the answer is {good}, which runs {verify_steps(target.device)} consecutive steps; {bad} did not.")
+    if good * 2 <= batch_size:
+        logs.warning(
+            f"probe: the answer's check fell from the search's {batch_size} to {good}: steps that ran in the search "
+            "failed here, likely in a heap its out-of-memory trials left worse than a fresh process's (bf16 kernels "
+            "that allocate outside torch too); trials in fresh processes (find_max_batch_size(build=f)) or a soft "
+            "max_memory find what a fresh process trains."
+        )
     return good
 
 
-def _step_down(batch_size: int) -> int:
-    return max(1, min(batch_size - 1, int(batch_size * (1 - STEP_DOWN))))
+def _step_down(batch_size: int, fraction: float = STEP_DOWN) -> int:
+    return max(1, min(batch_size - 1, int(batch_size * (1 - min(fraction, 0.5)))))
