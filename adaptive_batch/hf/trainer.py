@@ -60,13 +60,8 @@ from adaptive_batch.hf.refusals import (
     refuse_what_growth_cannot_follow,
 )
 from adaptive_batch.hf.run_position import RunPosition, SampleCountedSchedule
-from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop
-from adaptive_batch.hf.trial_step import (
-    forward_as_accelerate_runs_it,
-    logged_metrics_kept,
-    why_trials_stay_here,
-    worst_case_that_collates,
-)
+from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop, why_trials_stay_here
+from adaptive_batch.hf.trial_step import forward_as_accelerate_runs_it, logged_metrics_kept, worst_case_that_collates
 from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.device import address_space_limit, prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size

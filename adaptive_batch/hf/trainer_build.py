@@ -23,6 +23,7 @@ import warnings
 
 import torch
 
+from adaptive_batch.probe.child import TrialProcessNotStartedError
 from adaptive_batch.probe.target import ProbeTarget
 
 
@@ -144,3 +145,11 @@ def stop_at_the_loop(trainer: Any) -> None:
     """
     if getattr(trainer, "_stop_at_the_loop", False):
         raise _AtTheLoop()
+
+
+def why_trials_stay_here(error: RuntimeError) -> str:
+    """What kept the trials from fresh processes, for the line that says they run here."""
+    if isinstance(error, TrialProcessNotStartedError):
+        return ("the trial processes could not import this script (run again as their main module, it does not stop "
+                "at `if __name__ == \"__main__\":`; call trainer.train() under that guard for trials in fresh processes)")
+    return f"a trial process could not build this Trainer ({str(error).strip().splitlines()[-1]})"

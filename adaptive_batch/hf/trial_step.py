@@ -1,6 +1,5 @@
 """The Trainer's probe steps as its training will: the forward as Accelerate will wrap it, the
-metrics a trainer's own step logs put back, the worst case collated before any trial, and the
-line that says why trials stay in the caller's process."""
+metrics a trainer's own step logs put back, and the worst case collated before any trial."""
 
 from contextlib import contextmanager
 import copy
@@ -11,7 +10,6 @@ from transformers import Trainer
 
 from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.probe.child import TrialProcessNotStartedError
 
 
 @contextmanager
@@ -69,12 +67,4 @@ def worst_case_that_collates(worst_case: RepeatedSample, samples: str = "trainin
     return worst_case
 
 
-def why_trials_stay_here(error: RuntimeError) -> str:
-    """What kept the trials from fresh processes, for the line that says they run here."""
-    if isinstance(error, TrialProcessNotStartedError):
-        return ("the trial processes could not import this script (run again as their main module, it does not stop "
-                "at `if __name__ == \"__main__\":`; call trainer.train() under that guard for trials in fresh processes)")
-    return f"a trial process could not build this Trainer ({str(error).strip().splitlines()[-1]})"
-
-
-__all__ = ["forward_as_accelerate_runs_it", "logged_metrics_kept", "why_trials_stay_here", "worst_case_that_collates"]
+__all__ = ["forward_as_accelerate_runs_it", "logged_metrics_kept", "worst_case_that_collates"]

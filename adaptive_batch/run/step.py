@@ -75,9 +75,8 @@ def accumulate_gradients(
             every micro-batch, so all ranks restart with the same smaller micro-batches (an error
             raised inside a collective leaves a rank waiting there, out of reach).
         observer: told ``start()`` at every attempt, ``before_micro_batch(piece)`` before each
-            forward and ``after_micro_batch(tokens)`` after each backward
-            (:class:`~adaptive_batch.schedule.noise_scale.MicroBatchGradients`,
-            :class:`~adaptive_batch.schedule.norm_layer_gradients.NormLayerGradients`).
+            forward and ``after_micro_batch(tokens)`` after each backward (the noise scale's
+            :class:`~adaptive_batch.schedule.noise_scale.MicroBatchGradients`, ``NormLayerGradients``).
         min_micro_batches: split the step into at least this many (2: two gradients to
             compare, ``noise_scale_split_step``); the limit is unchanged by it.
         layout: where the batch's samples lie (any structure; the first dimension by default).
@@ -97,8 +96,7 @@ def accumulate_gradients(
         if observer is not None:
             observer.start()
         run = partial(_run_micro_batches, forward_backward, batch, sizes, layout, agree_on_oom, observer)
-        # After an out-of-memory error in this step, oneDNN's "could not create a primitive" at
-        # smaller micro-batches is one too (a bf16 step under a real limit ended the run there).
+        # After an OOM in this step, oneDNN's primitive failure at smaller micro-batches is one too.
         sums, message = catch_oom(run, after_a_smaller_step=bool(messages)) if retry_on_oom else (run(), None)
         if message is None:
             return AccumulatedStep(*sums, sizes, limit, len(messages), messages)
