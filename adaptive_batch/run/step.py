@@ -96,8 +96,7 @@ def accumulate_gradients(
         if observer is not None:
             observer.start()
         run = partial(_run_micro_batches, forward_backward, batch, sizes, layout, agree_on_oom, observer)
-        # After an OOM in this step, oneDNN's primitive failure at smaller micro-batches is one too.
-        sums, message = catch_oom(run, after_a_smaller_step=bool(messages)) if retry_on_oom else (run(), None)
+        sums, message = catch_oom(run) if retry_on_oom else (run(), None)
         if message is None:
             return AccumulatedStep(*sums, sizes, limit, len(messages), messages)
         # Out of the except block, so the traceback no longer holds the failed step's tensors.

@@ -93,30 +93,6 @@ def test_out_of_memory_retries_the_same_rows_smaller():
         assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-6)  # partial gradients were dropped
 
 
-def test_after_an_out_of_memory_error_onednns_primitive_failure_is_one_too():
-    """A bf16 step under a real limit ran out of memory at 23, then failed at 11 with oneDNN's
-    "could not create a primitive" (its scratch unallocated), which ended the run."""
-    setup = Setup()
-    inner = setup.forward_backward
-    failures = iter([CPU_OOM, "could not create a primitive"])
-
-    def scarred(batch):
-        out = inner(batch)
-        if batch["tokens"].shape[0] > 3:
-            raise RuntimeError(next(failures))
-        return out
-
-    with lines_to(warn=lambda line: None):
-        step = accumulate_gradients(scarred, make_batch(), rows=10, micro_batch_limit=10, zero_grad=setup.zero_grad)
-    assert step.oom_retries == 2 and step.micro_batch_sizes == [2] * 5
-
-    def misconfigured(batch):  # at a step's first attempt it may be a real misconfiguration
-        raise RuntimeError("could not create a primitive")
-
-    with pytest.raises(RuntimeError, match="could not create a primitive"):
-        accumulate_gradients(misconfigured, make_batch(), rows=10, micro_batch_limit=10, zero_grad=setup.zero_grad)
-
-
 def test_other_errors_and_retry_off_propagate():
     setup = Setup()
 
