@@ -55,6 +55,10 @@ class AdaptiveBatch:
         shuffle: shuffle the samples, in another order each epoch.
         clip_grad_norm: clip the gradients' norm to this before each optimizer step.
         make_batch: ``f(b) -> `` a worst-case batch of ``b`` samples, for the probe.
+        build: a picklable top-level ``f() -> ProbeTarget(train_step, make_batch, model, optimizer)``
+            building the step afresh: under a hard address-space limit every probe trial then runs
+            in a fresh process, as with :func:`~adaptive_batch.find_max_batch_size` (an
+            out-of-memory trial here can leave this process unable to train what it ran).
         count_of: ``f(micro_batch) -> `` what its mean loss is over (samples by default).
         layout: where a batch's samples lie (the first dimension of its tensors by default).
         output_dir: where the probe's report goes (a new temporary directory when ``None``;
@@ -83,6 +87,7 @@ class AdaptiveBatch:
         shuffle: bool = True,
         clip_grad_norm: Optional[float] = None,
         make_batch: Optional[Callable[[int], Any]] = None,
+        build: Optional[Callable[[], ProbeTarget]] = None,
         count_of: Optional[Callable[[Any], Any]] = None,
         layout: Optional[BatchLayout] = None,
         output_dir: Optional[str] = None,
@@ -98,6 +103,7 @@ class AdaptiveBatch:
         _check_the_parts(model, optimizer, loss_fn, clip_grad_norm, data)
         self.model, self.optimizer, self.dataset = model, optimizer, data.dataset
         self._lr_scheduler, self._clip, self._make_batch = lr_scheduler, clip_grad_norm, make_batch
+        self._build = check_callable("build", build, "a top-level f() -> ProbeTarget(...)", allow_none=True)
         self._loss_fn, self._collate, self._shuffle = loss_fn, data.collate_fn, data.shuffle
         self._loader_options = data.options
         self._layout = layout or BatchLayout()
@@ -218,7 +224,7 @@ class AdaptiveBatch:
             # The key holds what the step is made of: another model's answer once came back.
             fields = step_fields(self.model, self.optimizer, self._make_batch(1), (self._loss_fn,)) if (
                 ctl.options.probe_cache_dir) else None
-            probe = partial(probe_batch_size, target=target, seq_len=0, cache_fields=fields)
+            probe = partial(probe_batch_size, target=target, seq_len=0, cache_fields=fields, build=self._build)
         try:
             ctl.settle(dataset_size=len(self.dataset), probe=probe)
         except ValueError as e:

@@ -380,3 +380,26 @@ def test_the_loops_own_parts_are_checked_when_it_is_built(change, message):
     parts.update(change)
     with pytest.raises(ConfigError, match=message):
         AdaptiveBatch(**parts)
+
+
+def test_a_build_goes_to_the_probe_for_trials_in_fresh_processes(monkeypatch):
+    """In-process trials under a real limit left a bf16 step's process unable to train what it ran
+    (the check walked from 99 to 3): the loop had no way to send them to fresh processes."""
+    import adaptive_batch.run.loop as loop
+
+    class Probed(Exception):
+        pass
+
+    def probe(options, *, target, build, **kwargs):
+        raise Probed(build)
+
+    monkeypatch.setattr(loop, "probe_batch_size", probe)
+    data, model, optimizer, loss_fn = _parts()
+    adaptive = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=1, use_maximum_batch_size=True,
+                             probe_cache=False, make_batch=lambda b: (torch.randn(b, 8), torch.randn(b, 1)),
+                             build=_parts, log=lambda line: None)
+    with pytest.raises(Probed) as probed:
+        adaptive.batch_size
+    assert probed.value.args[0] is _parts
+    with pytest.raises(ConfigError, match=r"build='parts' is not a function"):
+        AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=1, build="parts")
