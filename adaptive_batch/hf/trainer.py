@@ -578,6 +578,12 @@ class AdaptiveBatchTrainer(Trainer):
             f"device (the largest that fits {budget}: {state['max_micro_batch_size']}){evaluation}."
         )
 
+    def _last_sample_of_the_run(self) -> Optional[int]:
+        """This rank's samples of the whole run, where the dataset has a length."""
+        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
+            return None
+        return math.ceil(self.args.num_train_epochs * len(self.train_dataset) / self.args.world_size)
+
     def _last_sample_of_a_fractional_run(self) -> Optional[int]:
         """This rank's samples of a run of a fraction of an epoch (``num_train_epochs=1.5``):
         where it ends, as the Trainer's count of steps ends it at the first batch."""
@@ -604,7 +610,7 @@ class AdaptiveBatchTrainer(Trainer):
         if not (self._growth.grows or self._growth.lr.scales):
             return
         self._resumed_position = None
-        self._growth.run_samples = self._last_sample_of_a_fractional_run()  # the last batch cut to it
+        self._growth.run_samples = self._last_sample_of_the_run()  # the last batch cut to it
         if "growth" in state:
             if state.get("asked_effective_batch_size", 0) > state["max_micro_batch_size"]:
                 self._growth.allow_accumulation()

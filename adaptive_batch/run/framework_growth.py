@@ -266,6 +266,8 @@ class FrameworkGrowth:
 
     def _decide_reached(self, state: FrameworkGrowthState, *, log: bool) -> None:
         """The growth of every boundary ``state``'s steps or samples (over every rank) reach, in order."""
+        if self.run_samples is not None and state.samples >= self.run_samples:
+            return  # the run's last batch is cut: a boundary past it never trains (the log said it grew)
         reached = self.growth.batch_increase_interval.index(steps=state.steps, samples=state.samples * self.ranks,
                                                             tokens=0)
         for k in range(state.decided_boundary + 1, reached + 1):

@@ -210,6 +210,17 @@ def test_every_n_steps_the_batch_grows_mid_epoch_with_the_lr_in_force(every_3_st
     assert "adaptive-batch: interval 2 (6 steps): the batch 8 -> 16; LR x 4 from its first step." in every_3_steps.lines
 
 
+def test_a_boundary_the_run_ends_at_is_not_said_to_grow_the_batch(tmp_path):
+    """Every 32 samples over 3 epochs of 32: the last batch cut reaches the boundary at 96, which
+    no batch trains, and the log said "interval 3 (96 samples): the batch 16 -> 32"."""
+    trainer = _trainer(tmp_path, training={"save_strategy": "no"}, batch_increase_function=double_every_boundary_after_the_first,
+                       batch_increase_interval="32 samples", grow_with_accumulation=True)
+    trainer.train()
+    grew = [line for line in trainer.lines if line.startswith("adaptive-batch: interval")]
+    assert [line.split(":")[1].strip() for line in grew] == ["interval 1 (32 samples)", "interval 2 (64 samples)"]
+    assert sum(h["batch_size"] for h in _steps(trainer)) == EPOCHS * SAMPLES
+
+
 class Seq2SeqCollator:
     """Pads sources with 0 and targets with -100: targets of different lengths, so a micro-batch's
     token mean is not its rows' share of the batch's."""
