@@ -588,9 +588,7 @@ class AdaptiveBatchTrainer(Trainer):
         """This rank's samples of a run of a fraction of an epoch (``num_train_epochs=1.5``):
         where it ends, as the Trainer's count of steps ends it at the first batch."""
         epochs = self.args.num_train_epochs
-        if epochs == int(epochs) or self.train_dataset is None:
-            return None
-        return math.ceil(epochs * len(self.train_dataset) / self.args.world_size)
+        return None if epochs == int(epochs) else self._last_sample_of_the_run()
 
     def _samples_per_schedule_step(self, schedule_steps: int) -> float:
         """The samples one step of the schedule stands for: the run's over the schedule's steps,

@@ -10,8 +10,8 @@ memory, on a laptop, for an 80 GB card.
 
 Blind spots: kernels whose memory differs between devices (CUDA's fused attention keeps no
 ``seq x seq`` matrix, the CPU math path does), the CUDA context and the caching allocator's
-fragmentation (what ``memory_safety_margin`` is for), cuBLAS's workspaces unless the caller adds
-them (``adjust_bytes``; the recipes' planner does on CUDA), and anything ``torch.compile`` changes.
+fragmentation (what ``memory_safety_margin`` is for), and anything ``torch.compile`` changes.
+A plan for CUDA adds the cuBLAS workspaces a card's step keeps (``device_type``).
 """
 
 from dataclasses import asdict, dataclass, field
@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from adaptive_batch.errors import BatchSizeTooLargeError
 import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import after_margin
+from adaptive_batch.memory.device import CUBLAS_WORKSPACES_PER_STEP, cublas_workspace_bytes
 from adaptive_batch.memory.estimator import LinearMemoryEstimate
 from adaptive_batch.probe.fake_step import (
     CATEGORY_ORDER,
@@ -105,6 +106,7 @@ def plan_memory(
     extrapolate_layers: bool = True,
     assumptions: Iterable[str] = (),
     adjust_bytes: Optional[Dict[str, int]] = None,
+    device_type: str = "cpu",
     world_size: int = 1,
     shard: Optional[Callable[[nn.Module, DeviceMesh], None]] = None,
     micro_batches: Callable[[int], int] = lambda batch_size: 1,
@@ -133,6 +135,8 @@ def plan_memory(
             size), carried into the plan.
         adjust_bytes: bytes added to every step's peak, by category (negative to take off):
             what the fake model stands in for differently (e.g. NF4 weights planned dense).
+        device_type: the device planned for; on ``"cuda"`` the step's cuBLAS workspaces are added
+            (fake tensors make none; a card's step holds one per thread from its first product).
         world_size: plan one rank's share of a data-parallel run over this many ranks:
             ``shard(model, mesh)`` applies FSDP2 under a fake process group of that size
             (no other process, nothing sent), and ``FSDPMemTracker`` counts the rank's sharded
@@ -154,6 +158,9 @@ def plan_memory(
     check_safety_margin(safety_margin, key="safety_margin")
     if world_size > 1 and shard is None:
         raise ValueError(f"world_size={world_size} needs shard, the function that applies FSDP2.")
+    assumptions = list(assumptions)
+    if device_type.startswith("cuda"):
+        adjust_bytes = _with_cublas_workspaces(adjust_bytes, assumptions)
     with fake_process_group(world_size) as mesh:
         return _plan(
             build_model=build_model,
@@ -285,6 +292,16 @@ class _FakeSteps:
                 (low.backward, low.optimizer), (high.backward, high.optimizer))]
         )
         return _adjusted(whole.peak(b), self._adjust_bytes)
+
+
+def _with_cublas_workspaces(adjust_bytes: Optional[Dict[str, int]], assumptions: List[str]) -> Dict[str, int]:
+    """``adjust_bytes`` with a CUDA step's cuBLAS workspaces, the forward's and the backward's."""
+    each = cublas_workspace_bytes()
+    assumptions.append(f"CUDA: {CUBLAS_WORKSPACES_PER_STEP} cuBLAS workspaces of {each / 2**20:g} MiB "
+                       "(CUBLAS_WORKSPACE_CONFIG, else torch's default on Hopper), the forward's and the backward's")
+    adjusted = dict(adjust_bytes or {})
+    adjusted["other"] = adjusted.get("other", 0) + CUBLAS_WORKSPACES_PER_STEP * each
+    return adjusted
 
 
 def _adjusted(row: PlanRow, adjust_bytes: Optional[Dict[str, int]]) -> PlanRow:

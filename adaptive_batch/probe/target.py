@@ -50,16 +50,24 @@ class ProbeTarget:
         """
         check_callable("train_step", self.train_step, "lambda batch: ... (forward, backward, optimizer step)")
         check_callable("make_batch", self.make_batch, MAKE_BATCH_EXAMPLE)
-        if not isinstance(self.model, nn.Module):
-            raise ConfigError(f"model={self.model!r} is not a torch.nn.Module: pass the module train_step trains.")
-        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer={self.optimizer!r} is not a torch.optim.Optimizer: pass the optimizer "
-                              "train_step steps (its state is put back after the probe), or None.")
+        check_model_and_optimizer(self.model, self.optimizer, trained_by="train_step")
         return replace(self, device=step_device(self.model, self.device))
 
     def snapshot(self, directory: Optional[str] = None) -> TrainingStateSnapshot:
         """A context that saves the model, optimizer, scheduler and RNG and puts them back."""
         return TrainingStateSnapshot(self.model, self.optimizer, self.lr_scheduler, directory=directory)
+
+
+def check_model_and_optimizer(model: Any, optimizer: Any, *, trained_by: str, optimizer_required: bool = False) -> None:
+    """Raises:
+    ConfigError: for a model that is no ``nn.Module``, or an optimizer that is no torch optimizer
+        (or none, where one is required)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model={model!r} is not a torch.nn.Module: pass the module {trained_by} trains.")
+    if (optimizer is not None or optimizer_required) and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer: pass the optimizer over the "
+                          f"parameters {trained_by} trains (its state is put back after a probe)"
+                          + ("." if optimizer_required else ", or None."))
 
 
 @contextmanager

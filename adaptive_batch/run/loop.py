@@ -25,7 +25,7 @@ from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.api import needs_two_samples
 from adaptive_batch.probe.cache import step_fields
 from adaptive_batch.probe.service import probe_batch_size
-from adaptive_batch.probe.target import ProbeTarget, check_make_batch, step_device
+from adaptive_batch.probe.target import ProbeTarget, check_make_batch, check_model_and_optimizer, step_device
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.state import RunState
@@ -316,11 +316,7 @@ def _check_the_parts(model: Any, optimizer: Any, loss_fn: Any, clip_grad_norm: A
             ``loss_fn`` that cannot be called, a ``clip_grad_norm`` not above 0, or a
             ``batch_size`` larger than the dataset.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model={model!r} is not a torch.nn.Module: pass the module loss_fn trains.")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer: pass the optimizer over the "
-                          "model's parameters, e.g. torch.optim.AdamW(model.parameters()).")
+    check_model_and_optimizer(model, optimizer, trained_by="loss_fn", optimizer_required=True)
     check_callable("loss_fn", loss_fn, "lambda batch: criterion(model(batch[0]), batch[1])")
     if clip_grad_norm is not None:
         check_positive_number("clip_grad_norm", clip_grad_norm, "the largest gradient norm, e.g. 1.0, or None")

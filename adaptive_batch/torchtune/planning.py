@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 import torch
@@ -10,7 +10,6 @@ from torchtune import config, modules, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.memory.device import CUBLAS_WORKSPACES_PER_STEP, cublas_workspace_bytes
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.fake_step import KnownStateOptimizer
 from adaptive_batch.probe.plan import MemoryPlan, plan_memory
@@ -99,23 +98,6 @@ def _nf4_base_weights(cfg_model: DictConfig, dtype: torch.dtype, assumptions: Li
     return OmegaConf.merge(cfg_model, {"quantize_base": False}), {"parameters": stored - dense, "activations": largest}
 
 
-def _with_cublas_workspaces(
-    adjust_bytes: Optional[Dict[str, int]], device_type: str, assumptions: List[str],
-) -> Optional[Dict[str, int]]:
-    """On CUDA, the step's cuBLAS workspaces added: fake tensors make none, and a card's step
-    holds them from its first product."""
-    if not str(device_type).startswith("cuda"):
-        return adjust_bytes
-    workspaces = CUBLAS_WORKSPACES_PER_STEP * cublas_workspace_bytes()
-    assumptions.append(
-        f"CUDA: {CUBLAS_WORKSPACES_PER_STEP} cuBLAS workspaces of {cublas_workspace_bytes() / 2**20:g} MiB "
-        "(CUBLAS_WORKSPACE_CONFIG, else torch's default on Hopper), the forward's and the backward's"
-    )
-    adjusted = dict(adjust_bytes or {})
-    adjusted["other"] = adjusted.get("other", 0) + workspaces
-    return adjusted
-
-
 def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
     names, _ = t.__tensor_flatten__()
     return [getattr(t, name) for name in names]
@@ -159,7 +141,6 @@ def plan_from_config(
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))
     make_optimizer = _optimizer_factory(cfg.optimizer, assumptions)
     cfg_model, adjust_bytes = _nf4_base_weights(cfg.model, dtype, assumptions)
-    adjust_bytes = _with_cublas_workspaces(adjust_bytes, device_type or cfg.get("device", "cpu"), assumptions)
     step = _RecipeStep(cfg, cfg_model, dtype, config.instantiate(cfg.loss), make_optimizer)
     return plan_memory(
         build_model=step.build_model,
@@ -173,6 +154,7 @@ def plan_from_config(
         extrapolate_layers=extrapolate_layers,
         assumptions=assumptions,
         adjust_bytes=adjust_bytes,
+        device_type=str(device_type or cfg.get("device", "cpu")),
         world_size=world_size,
         shard=step.shard,
         micro_batches=partial(
