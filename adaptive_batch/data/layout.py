@@ -65,6 +65,25 @@ class BatchLayout:
             )
         return self._split(batch, sizes, rows)
 
+    def copies(self, batch: Any, rows: int) -> List[torch.Tensor]:
+        """Copies of ``rows`` samples of each of the batch's per-sample tensors (the whole batch as
+        often as it fits, then its first samples): memory that holds what more samples of its
+        inputs hold. Nothing for ``rows`` of 0 or less.
+
+        Raises:
+            ValueError: as :meth:`rows`.
+        """
+        size = self.rows(batch)
+        held = []
+        for leaf in _tensors(batch):
+            if not self._has_rows(leaf, size):
+                continue  # shared by every sample (a scale, a mask of another shape): held once
+            left = rows
+            while left > 0:
+                held.append(leaf.narrow(self.batch_dim, 0, min(left, size)).clone())
+                left -= size
+        return held
+
     def _has_rows(self, value: torch.Tensor, rows: int) -> bool:
         return value.dim() > self.batch_dim and value.shape[self.batch_dim] == rows
 

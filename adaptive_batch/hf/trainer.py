@@ -27,6 +27,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import IterableDataset
 
 from transformers import Trainer, TrainerCallback
@@ -37,10 +38,11 @@ from transformers.utils import is_datasets_available
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.distributed import RankGroup
-from adaptive_batch.errors import ConfigError
+from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 from adaptive_batch.files import atomic_write
 import adaptive_batch.logs as logs
 from adaptive_batch.hf.micro_batches import (
+    InputsHeld,
     describe_micro_batches,
     effective_batch_args,
     label_items,
@@ -61,9 +63,11 @@ from adaptive_batch.hf.refusals import (
 )
 from adaptive_batch.hf.run_position import RunPosition, SampleCountedSchedule
 from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop, why_trials_stay_here
-from adaptive_batch.hf.trial_step import forward_as_accelerate_runs_it, logged_metrics_kept, worst_case_that_collates
+from adaptive_batch.hf.trial_step import (
+    a_batch_maker_of_rows, forward_as_accelerate_runs_it, logged_metrics_kept, worst_case_that_collates,
+)
 from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
-from adaptive_batch.memory.device import address_space_limit, prepare_allocator
+from adaptive_batch.memory.device import address_space_limit, format_bytes, prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
 from adaptive_batch.probe.service import ProbeOptions
@@ -72,7 +76,7 @@ from adaptive_batch.run.framework_growth import FrameworkGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, micro_batch_sizes, micro_batches_per_trial
 from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
-from adaptive_batch.validation import check_callable, check_positive_int
+from adaptive_batch.validation import check_bool, check_callable, check_positive_int
 
 STATE_FILE = "adaptive_batch.json"
 
@@ -153,6 +157,7 @@ class AdaptiveBatchTrainer(Trainer):
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size, allow_none=True)
         check_callable("make_batch", make_batch, "lambda b: collator([longest_sample] * b)", allow_none=True)
         check_positive_int("global_batch_size", global_batch_size, allow_none=True)
+        check_bool("probe_eval", probe_eval)  # "false" from a config file is truthy
         if self._growth.grows:  # before the Trainer's own line for a stream, which asks for max_steps
             refuse_a_stream(kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
         super().__init__(*args, **kwargs)
@@ -257,7 +262,7 @@ class AdaptiveBatchTrainer(Trainer):
         args = self.args
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
         # The worst-case batch first: samples it cannot be made from are refused before any trial.
-        make_batch = self._make_batch or worst_case_that_collates(
+        make_batch = a_batch_maker_of_rows(self._make_batch) if self._make_batch else worst_case_that_collates(
             RepeatedSample.longest(*self._as_the_loader_takes(self.train_dataset)))
         state: Dict[str, int] = {}
         # Evaluation first: the training answer's check is then the last thing run on the heap
@@ -289,13 +294,32 @@ class AdaptiveBatchTrainer(Trainer):
                 return probe(build=None)
 
         with self._forward_as_trained, logged_metrics_kept(self):
-            # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
-            found = self._ranks.smallest(probe_here_or_in_children)
+            try:
+                # Data-parallel ranks train the same micro-batch: every rank takes the smallest rank's.
+                found = self._ranks.smallest(probe_here_or_in_children)
+            except BatchSizeTooLargeError as e:
+                e.args = (e.args[0] + self._inputs_of_a_step(make_batch, effective),)
+                raise
         per_device, accumulation = split_effective_batch(effective, found, uneven_allowed=uneven_allowed(self))
         state.update(effective_batch_size=effective, asked_effective_batch_size=effective, max_micro_batch_size=found,
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
                      **self._settings())
         return state
+
+    def _inputs_of_a_step(self, make_batch: Callable[[int], Any], effective: int) -> str:
+        """What a step of ``effective`` samples holds of its inputs at a micro-batch of 1, said
+        where that is more than the micro-batch's: a budget under batch 1 may be the step's images."""
+        held = InputsHeld.at(1, effective, grows=self._growth.grows,
+                             grows_by_accumulation=self.trials_grow_by_accumulation(),
+                             prefetched=self.args.device.type == "cpu")
+        samples = 2 * held.step_rows + held.prefetched_rows - 1  # beside the micro-batch the step trains
+        if samples <= 1:
+            return ""
+        sample = sum(t.numel() * t.element_size() for t in tree_leaves(make_batch(1)) if isinstance(t, torch.Tensor))
+        return (f" Beside it the Trainer's step holds the inputs of {samples} more samples "
+                f"({format_bytes(samples * sample)}): the rest of the step's {held.step_rows}, the next step's as they are fetched, and the one its loader "
+                "keeps; a smaller effective batch (per_device_train_batch_size x gradient_accumulation_steps, or "
+                "global_batch_size) leaves more.")
 
     def _average_a_loss_that_ignores_the_item_count(self) -> None:
         """A step in several micro-batches is the whole batch's step only where each micro-batch's
@@ -331,10 +355,15 @@ class AdaptiveBatchTrainer(Trainer):
                   "share of the step's labels (the Trainer would add them up undivided).")
 
     def _own_compute_loss(self) -> Optional[str]:
-        """The trainer class of the user's (or TRL's) that overrides ``compute_loss``, if one does:
-        its loss may ignore ``num_items_in_batch`` whatever the model's does (a plain mean)."""
-        return next((cls.__name__ for cls in type(self).__mro__ if "compute_loss" in vars(cls)
-                     and cls not in (AdaptiveBatchTrainer, Trainer) and issubclass(cls, Trainer)), None)
+        """The class of the user's (or TRL's) that overrides ``compute_loss``, if one does (a
+        subclass, a mixin before this class, a trainer after it): its loss may ignore
+        ``num_items_in_batch`` whatever the model's does (a plain mean)."""
+        for cls in type(self).__mro__:
+            compute_loss = vars(cls).get("compute_loss")
+            if compute_loss is None or cls in (AdaptiveBatchTrainer, Trainer):
+                continue
+            return getattr(compute_loss, "_owner", cls.__name__)
+        return None
 
     def _as_the_loader_takes(self, dataset: Any, description: str = "training") -> Tuple[Any, Callable]:
         """``dataset`` and the collator as ``Trainer``'s loaders take them: the columns the model's
@@ -484,16 +513,51 @@ class AdaptiveBatchTrainer(Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None, **kwargs: Any) -> Any:
-        """``Trainer``'s loss; where a step has several micro-batches and the loss is not weighted
-        by the step's tokens, each micro-batch's mean weighted by its labels (rows, where it has
-        none), so every label weighs the same as in the whole batch's mean: the Trainer weighs
-        micro-batches alike, and a seq2seq step split 3 ways moved its parameters by 1.5e-2."""
+        """``Trainer``'s loss, weighted as :meth:`_weighed_loss` says (an override of a subclass or
+        a mixin is weighted by the wrapper :meth:`__init_subclass__` puts around it)."""
+        def trainers() -> Any:
+            return super(AdaptiveBatchTrainer, self).compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
+
+        return trainers() if self._weighing_loss else self._weighed_loss(trainers, model, inputs, num_items_in_batch)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass whose ``compute_loss`` is another's (its own, or a mixin's before this
+        class) has it wrapped in :meth:`_weighed_loss`: shadowed, the weighting did not happen
+        while the log said it did, and a mixin's mean was added up undivided (3 times the
+        batch's gradient at 3 micro-batches)."""
+        super().__init_subclass__(**kwargs)
+        compute_loss = cls.compute_loss
+        if compute_loss is AdaptiveBatchTrainer.compute_loss or getattr(compute_loss, "_weighed", False):
+            return
+        owner = next(klass for klass in cls.__mro__ if vars(klass).get("compute_loss") is compute_loss)
+
+        @functools.wraps(compute_loss)
+        def weighed(self: "AdaptiveBatchTrainer", model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._weighing_loss:  # reached through an outer override's super(): weighted there
+                return compute_loss(self, model, inputs, *args, **kwargs)
+            count = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
+            return self._weighed_loss(lambda: compute_loss(self, model, inputs, *args, **kwargs), model, inputs, count)
+
+        weighed._weighed, weighed._owner = True, owner.__name__
+        cls.compute_loss = weighed
+
+    _weighing_loss = False  # inside the outermost compute_loss of a step, which weighs it
+
+    def _weighed_loss(self, compute: Callable[[], Any], model: nn.Module, inputs: Any, num_items_in_batch: Any) -> Any:
+        """``compute()``'s loss; where a step has several micro-batches and the loss is not
+        weighted by the step's tokens, each micro-batch's mean weighted by its labels (rows, where
+        it has none), so every label weighs the same as in the whole batch's mean: the Trainer
+        weighs micro-batches alike, and a seq2seq step split 3 ways moved its parameters by 1.5e-2."""
         rows = self._update_rows
         shared = model.training and len(rows) > 1
         # Counted before the Trainer takes the labels out for a loss function.
         items = label_items(inputs, self._shifts_labels) if shared else 0.0
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch, **kwargs)
+        self._weighing_loss = True
+        try:
+            result = compute()
+        finally:
+            self._weighing_loss = False
         weight = self._undo_the_ranks_factor(num_items_in_batch)
         if shared and not self._loss_weighted_by_items(num_items_in_batch):
             weight *= micro_batch_weight(items, self._step_items, len(rows))
@@ -747,9 +811,15 @@ class AdaptiveBatchTrainer(Trainer):
         where the effective batch fits in it. Dropping the gradients after every micro-batch found
         16 where a fresh Trainer failed 16 at step 1 and trained 12."""
         effective = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        rows = BatchLayout().rows(batch)
         # The effective batch is per device: the rule's global batch over one rank.
-        pieces = [batch] * micro_batches_per_trial(BatchLayout().rows(batch), global_batch_size=effective,
+        pieces = [batch] * micro_batches_per_trial(rows, global_batch_size=effective,
                                                    grow_with_accumulation=self.trials_grow_by_accumulation())
+        inputs = InputsHeld.at(rows, effective, grows=self._growth.grows,
+                               grows_by_accumulation=self.trials_grow_by_accumulation(),
+                               prefetched=self.args.device.type == "cpu")
+        # The inputs training holds beside this micro-batch: the step's others and the next one.
+        held = BatchLayout().copies(batch, inputs.step_rows - rows + inputs.prefetched_rows)
         self.current_gradient_accumulation_steps = len(pieces)
         # The step's count where the Trainer passes one (a compute_loss_func may divide by it), this
         # rank's alone: the Trainer's sums it over the ranks (a collective), and ranks probe their
@@ -764,6 +834,9 @@ class AdaptiveBatchTrainer(Trainer):
             self._clip_grad_norm(self.model)
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
+        # The next step's micro-batches, fetched while the loop's list still holds this one's.
+        following = BatchLayout().copies(batch, inputs.step_rows)
+        del held, following
 
     def trials_grow_by_accumulation(self) -> bool:
         """Whether the run may grow past the answer in micro-batches (``grow_with_accumulation``),

@@ -3,13 +3,15 @@ metrics a trainer's own step logs put back, and the worst case collated before a
 
 from contextlib import contextmanager
 import copy
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from torch import nn
 from transformers import Trainer
 
+from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.rng import rng_state, set_rng_state
 
 
 @contextmanager
@@ -67,4 +69,29 @@ def worst_case_that_collates(worst_case: RepeatedSample, samples: str = "trainin
     return worst_case
 
 
-__all__ = ["forward_as_accelerate_runs_it", "logged_metrics_kept", "worst_case_that_collates"]
+def a_batch_maker_of_rows(make_batch: Callable[[int], Any]) -> Callable[[int], Any]:
+    """The user's ``make_batch``, once ``make_batch(2)`` gave a batch of 2 samples (the trials
+    count and split its rows as the Trainer's batches').
+
+    Raises:
+        ConfigError: for a batch with no tensor of 2 rows (a string, a batch of another size),
+            before any trial.
+    """
+    rng = rng_state()  # a batch maker may draw random numbers; the run's draws stay its own
+    try:
+        batch = make_batch(2)
+        rows = BatchLayout().rows(batch)
+    except ValueError:
+        rows = None
+    finally:
+        set_rng_state(rng)
+    if rows != 2:
+        got = f"{rows} rows" if rows is not None else "no tensor with a dimension of samples"
+        raise ConfigError(
+            f"make_batch: make_batch(2) returned a {type(batch).__name__} with {got}: it must return the collated batch "
+            "of the b samples it is given, as the model takes it, e.g. make_batch=lambda b: collator([longest_sample] * b)."
+        )
+    return make_batch
+
+
+__all__ = ["a_batch_maker_of_rows", "forward_as_accelerate_runs_it", "logged_metrics_kept", "worst_case_that_collates"]

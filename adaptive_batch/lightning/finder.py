@@ -37,7 +37,7 @@ from adaptive_batch.run.framework_growth import FrameworkGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, equal_micro_batches
 from adaptive_batch.schedule.growth import GrowthOptions, function_name
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
-from adaptive_batch.validation import check_callable, check_positive_int
+from adaptive_batch.validation import check_bool, check_callable, check_positive_int
 
 # Samples looked at for the worst case when no make_batch is given: the largest of them,
 # by the elements of its collated tensors, stands for every batch (padding collators pad to it).
@@ -125,7 +125,7 @@ class AdaptiveBatchFinder(Callback):
         check_positive_int("max_batch_size", max_batch_size, allow_none=True)
         check_callable("make_batch", make_batch, MAKE_BATCH_EXAMPLE, allow_none=True)
         self.max_memory, self.batch_arg_name, self.make_batch = max_memory, batch_arg_name, make_batch
-        self.max_batch_size, self.stop_after, self._log = max_batch_size, stop_after, log
+        self.max_batch_size, self.stop_after, self._log = max_batch_size, check_bool("stop_after", stop_after), log
         self.batch = FrameworkGrowth(
             GrowthOptions(batch_increase_function=batch_increase_function, batch_increase_interval=batch_increase_interval,
                           grow_with_accumulation=grow_with_accumulation),

@@ -114,3 +114,16 @@ def test_a_tuple_batch_accumulates_to_the_unsplit_gradient():
                                 zero_grad=model.zero_grad)
     assert step.micro_batch_sizes == [3, 3] and int(step.num_tokens) == 6
     assert torch.allclose(model.weight.grad, whole, atol=1e-6)
+
+
+def test_copies_hold_the_rows_asked_of_each_per_sample_tensor_and_share_the_rest():
+    """What a trial holds for the inputs training keeps beside its micro-batch: whole copies of
+    the batch, then its first samples, of every tensor with a row per sample, and nothing of a
+    tensor shared by every sample."""
+    batch = {"pixel_values": torch.randn(4, 3, 2, 2), "labels": torch.arange(4), "scale": torch.ones(3)}
+    held = BatchLayout().copies(batch, 10)
+    assert [t.shape[0] for t in held] == [4, 4, 2, 4, 4, 2]
+    assert sum(t.numel() * t.element_size() for t in held) == 10 * (3 * 2 * 2 * 4 + 8)
+    assert all(t.data_ptr() != batch["pixel_values"].data_ptr() for t in held)  # copies, not views
+    assert BatchLayout().copies(batch, 0) == []
+    assert [t.shape for t in BatchLayout(batch_dim=1).copies(torch.zeros(2, 3), 4)] == [(2, 3), (2, 1)]

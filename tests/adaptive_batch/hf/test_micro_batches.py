@@ -6,6 +6,7 @@ import torch
 pytest.importorskip("transformers")
 
 from adaptive_batch.hf.micro_batches import (  # noqa: E402
+    InputsHeld,
     describe_micro_batches,
     label_items,
     micro_batch_weight,
@@ -115,3 +116,16 @@ def test_an_override_is_said_to_take_the_ranks_factor_only_where_its_loss_is_mul
 
     assert not scaled_by_the_ranks(model, inputs, mean, ranks=4)
     assert scaled_by_the_ranks(model, inputs, through_the_trainer, ranks=4)
+
+
+@pytest.mark.parametrize("micro_batch, effective, grows, by_accumulation, prefetched, expected", [
+    (56, 112, False, False, True, (112, 56)),  # the step's two micro-batches, the next one on the CPU
+    (56, 112, False, False, False, (112, 0)),  # on a card the next one waits on the host
+    (128, 16, False, False, True, (128, 128)),  # a micro-batch past the step: the trial's own rows
+    (8, 64, True, False, True, (8, 8)),  # growing, a step reaches the answer in one micro-batch
+    (8, 64, True, True, False, (16, 0)),  # or in two, growing by accumulation
+])
+def test_the_inputs_a_trainer_step_holds(micro_batch, effective, grows, by_accumulation, prefetched, expected):
+    held = InputsHeld.at(micro_batch, effective, grows=grows, grows_by_accumulation=by_accumulation,
+                         prefetched=prefetched)
+    assert (held.step_rows, held.prefetched_rows) == expected

@@ -241,6 +241,10 @@ def test_a_second_train_probes_and_trains_again(tmp_path):
 def test_a_max_batch_size_under_one_is_refused_before_the_model_is_touched(tmp_path):
     with pytest.raises(ConfigError, match="max_batch_size=0 must be a positive integer"):
         _trainer(tmp_path, max_batch_size=0)
+    # "false" from a config file was taken as true: the evaluation batch probed and changed
+    with pytest.raises(ConfigError, match="probe_eval='false' must be true or false: set probe_eval=True or "
+                       "probe_eval=False"):
+        _trainer(tmp_path, probe_eval="false")
 
 
 def test_a_global_batch_sets_the_step_whatever_the_per_device_batch(tmp_path):
@@ -317,6 +321,61 @@ def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(t
     assert len(trials) <= 6 and sum(" fits" not in line for line in trials) <= 1, trials
     budget = int(24 * 2**20 * 0.99)
     assert trainer_peak(found) <= budget < trainer_peak(found + 1)
+
+
+class _ImageClassifier(torch.nn.Module):
+    """A conv net whose inputs (3 x 64 x 64 images) weigh more than its activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.head(torch.relu(self.conv(pixel_values)).mean((2, 3)))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_an_input_heavy_answer_holds_the_inputs_the_trainers_loop_holds(tmp_path):
+    """The Trainer fetches every micro-batch of a step before its first forward, the next step's
+    while its list still holds these, and Accelerate's loader keeps one more: a trial that held
+    its one micro-batch answered 112 for a step of 112 images under 16 MiB, which the Trainer
+    trained at 21 MiB. The trial at a micro-batch is now MemTracker's on the Trainer's own loop."""
+    from transformers import Trainer
+    from transformers.data.data_collator import default_data_collator
+
+    from adaptive_batch.probe.trials import measure_training_step
+
+    generator = torch.Generator().manual_seed(0)
+    images = [{"pixel_values": torch.randn(3, 64, 64, generator=generator), "labels": i % 4} for i in range(448)]
+
+    def build(cls, per_device, accumulation, **kwargs):
+        torch.manual_seed(0)
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=per_device,
+                                 gradient_accumulation_steps=accumulation, max_steps=2, report_to=[], use_cpu=True,
+                                 disable_tqdm=True, save_strategy="no", logging_strategy="no")
+        return cls(model=_ImageClassifier(), args=args, train_dataset=images, **kwargs)
+
+    probed = build(AdaptiveBatchTrainer, 112, 1, max_memory="16MiB", probe_eval=False)
+    probed.train()
+    state = probed.adaptive_batch
+    assert state["gradient_accumulation_steps"] > 1
+    trained = memtracker_peak(Trainer, lambda cls: build(
+        cls, state["per_device_train_batch_size"], state["gradient_accumulation_steps"]))
+    assert trained <= 16 * 2**20 * 0.99, (state, trained)
+    # the trial at 56 of a step of 112 against the Trainer's own 56 x 2
+    trial = build(AdaptiveBatchTrainer, 112, 1, probe_eval=False)
+    trial.create_optimizer()
+    make_batch = lambda b: default_data_collator([images[0]] * b)  # noqa: E731
+    step = measure_training_step(trial.trial_target(make_batch).on_its_device(), make_batch(56))
+    assert max(step.phase_peak_bytes.values()) == pytest.approx(
+        memtracker_peak(Trainer, lambda cls: build(cls, 56, 2)), rel=0.01)
+    # a budget the step's images alone pass: said, beside batch 1's line
+    from adaptive_batch import BatchSizeTooLargeError
+
+    with pytest.raises(BatchSizeTooLargeError, match=r"batch size 1 does not fit: .* Beside it the Trainer's step "
+                       r"holds the inputs of 224 more samples \(10.50 MiB\): .* a smaller effective batch"):
+        build(AdaptiveBatchTrainer, 112, 1, max_memory="8MiB", probe_eval=False).train()
 
 
 def test_the_trials_train_the_model_train_prepares(tmp_path):
@@ -403,6 +462,13 @@ def test_samples_the_worst_case_cannot_be_made_from_are_one_line_before_any_tria
     trainer.train_dataset = [{"input_ids": [], "labels": []}] * 8
     with pytest.raises(ConfigError, match=r"the training samples have no tokens or values .* drop the empty samples"):
         trainer.train()
+    # a make_batch of something else: a bare ValueError once named keys the Trainer does not take
+    for made, got in (("junk", "a str with no tensor with a dimension of samples"),
+                      ({"input_ids": torch.zeros(3, 8, dtype=torch.long)}, "a dict with 3 rows")):
+        trainer._make_batch = lambda b, made=made: made
+        with pytest.raises(ConfigError, match=f"make_batch: make_batch\\(2\\) returned {got}: it must return the "
+                                              "collated batch of the b samples"):
+            trainer.train()
     assert not any(line.startswith("probe trial") for line in trainer.lines)
 
 
@@ -683,9 +749,36 @@ class _AdaptiveMeanLossTrainer(AdaptiveBatchTrainer, _MeanLossTrainer):
     pass
 
 
-def test_a_trainers_own_compute_loss_that_ignores_the_item_count_is_averaged_over_the_micro_batches(tmp_path):
+class _MeanLossMixin:
+    compute_loss = _MeanLossTrainer.compute_loss
+
+
+class _MixedInMeanLossTrainer(_MeanLossMixin, AdaptiveBatchTrainer):
+    pass
+
+
+class _SubclassMeanLossTrainer(AdaptiveBatchTrainer):
+    compute_loss = _MeanLossTrainer.compute_loss
+
+
+class _SuperCallingSubclass(_SubclassMeanLossTrainer):
+    """An override over an override, reaching it through super(): weighed once, not twice."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+@pytest.mark.parametrize("composed, owner", [
+    (_AdaptiveMeanLossTrainer, "_MeanLossTrainer"), (_MixedInMeanLossTrainer, "_MeanLossMixin"),
+    (_SubclassMeanLossTrainer, "_SubclassMeanLossTrainer"), (_SuperCallingSubclass, "_SuperCallingSubclass"),
+], ids=["a-trainer-after", "a-mixin-before", "a-subclass", "a-subclass-calling-super"])
+def test_a_trainers_own_compute_loss_that_ignores_the_item_count_is_averaged_over_the_micro_batches(
+        tmp_path, composed, owner):
     """Split 3 + 3 + 2, a compute_loss override returning a mean took 3 times the batch's gradient:
-    only the model's loss and compute_loss_func were asked whether they read the count."""
+    only the model's loss and compute_loss_func were asked whether they read the count. Then the
+    override of a subclass or of a mixin before AdaptiveBatchTrainer shadowed its weighting: the
+    mixin's means were added up undivided (3 times the gradient), the subclass's weighed alike
+    (the log said otherwise)."""
 
     def run(trainer_class, out, **kwargs):
         torch.manual_seed(0)
@@ -702,8 +795,8 @@ def test_a_trainers_own_compute_loss_that_ignores_the_item_count_is_averaged_ove
 
     whole = run(_MeanLossTrainer, tmp_path / "whole")
     lines = []
-    split = run(_AdaptiveMeanLossTrainer, tmp_path / "split", max_batch_size=3, probe_eval=False, log=lines.append)
+    split = run(composed, tmp_path / "split", max_batch_size=3, probe_eval=False, log=lines.append)
     assert split.adaptive_batch["gradient_accumulation_steps"] == 3
-    assert any("_MeanLossTrainer.compute_loss ignores num_items_in_batch" in line for line in lines), lines
+    assert any(f"{owner}.compute_loss ignores num_items_in_batch" in line for line in lines), lines
     for a, b in zip(split.model.parameters(), whole.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
