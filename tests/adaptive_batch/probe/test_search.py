@@ -424,6 +424,27 @@ def test_a_time_budget_stops_at_the_largest_fit_when_the_next_trial_would_end_pa
         assert stop == []
 
 
+def test_noise_in_the_small_steps_times_does_not_stop_the_search_short(monkeypatch):
+    """A stall of 60 ms in the step at batch 2 of a small model (steps of 10 ms) put a trial at
+    73460 past a budget of 600 s by the line through batch 1 and 2: the search stopped at 2 where
+    73460 fit in 0.04 s. It now tries halfway first, whose step says what a sample costs."""
+    clock = FakeClock()
+    monkeypatch.setattr(search.time, "perf_counter", clock.perf_counter)
+    seen = set()
+
+    def step(batch_size):  # stalls the first time it sees each of the small sizes the line is drawn through
+        clock.now += 0.01 + 4e-7 * batch_size + (0.06 * (batch_size - 1) if batch_size < 4 and batch_size not in seen
+                                                    else 0.0)
+        seen.add(batch_size)
+        return StepMemory({"backward": 1000 + 10 * batch_size}, start_bytes=1000)  # the line allows the jump
+
+    lines = []
+    with lines_to(lines.append):
+        result = search_max_batch_size(step, budget_bytes=1000 + 10 * 73460, time_budget_s=600.0)
+    assert result.max_batch_size == 73460 and not result.stopped_by_time
+    assert any(line.startswith("probe: a trial at batch 73460 would end past probe_time_budget=600") for line in lines)
+
+
 def test_ranks_stop_for_time_together():
     """Ranks search in lockstep: one rank's wish to stop (its clock) is every rank's."""
     lines = []
