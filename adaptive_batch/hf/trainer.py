@@ -74,7 +74,7 @@ from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.run.framework_growth import FrameworkGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, micro_batch_sizes, micro_batches_per_trial
-from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions
+from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions, same_function_recorded
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 from adaptive_batch.validation import check_bool, check_callable, check_positive_int
 
@@ -403,7 +403,7 @@ class AdaptiveBatchTrainer(Trainer):
                **{key: saved.get(key, unset[key]) for key in unset},
                **{key: saved[key] for key in asked if key in saved}}
         for key, value in asked.items():
-            if key in was and was[key] != value:
+            if key in was and not same_function_recorded(was[key], value):
                 raise ConfigError(
                     f"resume_from_checkpoint={checkpoint}: it trained {key}={was[key]!r}, this Trainer asks for "
                     f"{value!r}; put it back to resume that run, or train from the start in another output_dir."

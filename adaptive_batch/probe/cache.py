@@ -8,17 +8,16 @@ out of range or disagree with the key (a batch of 0, a batch over the cap, anoth
 sequence length, a found size no fitting trial backs) is ignored with a warning: never trusted.
 """
 
-import functools
 import hashlib
 from importlib import metadata
 import json
 import os
-import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
 
+from adaptive_batch.identity import code_of, digest
 from adaptive_batch.files import atomic_write
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.report import ProbeReport
@@ -51,8 +50,8 @@ def step_fields(model: Any, optimizer: Any, batch: Any, functions: Tuple[Callabl
     settings = None if optimizer is None else (type(optimizer).__qualname__, [
         {k: _on_or_off(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    return {"model": f"{type(model).__qualname__}:{_digest([modules, tensors])}", "optimizer": _digest(settings),
-            "batch": _digest(shapes), "code": _digest([_code_of(fn) for fn in functions])}
+    return {"model": f"{type(model).__qualname__}:{digest([modules, tensors])}", "optimizer": digest(settings),
+            "batch": digest(shapes), "code": digest([code_of(fn) for fn in functions])}
 
 
 def _on_or_off(value: Any) -> Any:
@@ -62,26 +61,6 @@ def _on_or_off(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_on_or_off(v) for v in value]
     return value if isinstance(value, (bool, str, type(None))) else type(value).__qualname__
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _code_of(fn: Any) -> Any:
-    """What a function runs, the same in every process: its bytecode, names and constants, nested
-    code (a lambda, a comprehension) by its own (a ``repr`` holds a memory address); a partial's
-    function and arguments; a callable object's ``forward`` or ``__call__``."""
-    if isinstance(fn, functools.partial):
-        return [_code_of(fn.func), repr(fn.args), repr(sorted(fn.keywords.items()))]
-    if isinstance(fn, types.CodeType):
-        consts = [_code_of(c) if isinstance(c, types.CodeType) else repr(c) for c in fn.co_consts]
-        return [fn.co_code.hex(), list(fn.co_names), consts]
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        return _code_of(code)
-    method = getattr(type(fn), "forward", None) or getattr(type(fn), "__call__", None)
-    return [type(fn).__qualname__, _code_of(method) if getattr(method, "__code__", None) else None]
 
 
 def default_cache_dir() -> str:

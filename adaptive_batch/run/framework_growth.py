@@ -17,7 +17,9 @@ from typing import Any, Dict, Optional, Tuple
 from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
 from adaptive_batch.run.grower import per_rank_increase
-from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions, function_name, grow_batch_size
+from adaptive_batch.schedule.growth import (
+    GrowthDecision, GrowthOptions, function_identity, function_name, grow_batch_size, same_function_recorded,
+)
 from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRScalingOptions
 
 STATE_VERSION = 1
@@ -171,7 +173,7 @@ class FrameworkGrowth:
         # Every fit before ranks, or the interval, were kept ran on one rank, growing per epoch.
         restored.settings = {"world_size": 1, "batch_increase_interval": "epoch", **restored.settings}
         for key, value in settings.items():
-            if restored.settings.get(key) != value:
+            if not same_function_recorded(restored.settings.get(key), value):
                 raise ConfigError(
                     f"{key}={value!r}, but the checkpoint's fit ran with {key}={restored.settings.get(key)!r}: its "
                     "batch would no longer be the one it trained. Resume with the checkpoint's setting, or start a new fit."
@@ -355,7 +357,7 @@ class FrameworkGrowth:
 def growth_settings(growth: GrowthOptions, lr: LRScalingOptions) -> Dict[str, Any]:
     """The growth and LR settings a resumed fit must share with the checkpoint's, as plain values."""
     fn = growth.batch_increase_function
-    return dict(batch_increase_function=None if fn is None else function_name(fn),
+    return dict(batch_increase_function=None if fn is None else function_identity(fn),
                 batch_increase_interval=str(growth.batch_increase_interval),
                 grow_with_accumulation=growth.grow_with_accumulation, lr_scaling=lr.lr_scaling,
                 lr_scaling_reference=lr.lr_scaling_reference, weight_decay_scaling=lr.weight_decay_scaling)

@@ -20,7 +20,7 @@ from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.schedule.global_batch import KEY as GLOBAL_KEY
 from adaptive_batch.schedule.global_batch import GlobalBatchOptions, check_global_batch
 from adaptive_batch.schedule.growth import KEY as GROWTH_KEY
-from adaptive_batch.schedule.growth import GrowthOptions, function_name
+from adaptive_batch.schedule.growth import GrowthOptions, function_identity, function_name
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 from adaptive_batch.schedule.noise_scale import NoiseScaleOptions
 
@@ -85,11 +85,11 @@ class AdaptiveBatchOptions:
     def trained_values(self) -> Dict[str, Any]:
         """Each flat setting that changes what is trained (:data:`UNTRAINED_KEYS` aside), as the
         run takes it, for :class:`~adaptive_batch.run.state.RunState`'s fingerprint: a function as
-        its dotted name, any other object as its text."""
+        its dotted name and bound values (:func:`function_identity`), any other object as its text."""
         def plain(value: Any) -> Any:
             if value is None or isinstance(value, (bool, int, float, str)):
                 return value
-            return function_name(value) if callable(value) else str(value)
+            return function_identity(value) if callable(value) else str(value)
 
         return {f.name: plain(getattr(getattr(self, s.name), f.name)) for s in fields(self)
                 for f in fields(getattr(self, s.name)) if f.name not in UNTRAINED_KEYS}

@@ -20,6 +20,7 @@ import adaptive_batch.logs as logs
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.session import BatchSession
+from adaptive_batch.schedule.growth import same_function_recorded
 
 RUN_STATE_KEY = "adaptive_batch_run"
 # The memory budget: with a fixed global batch it sets only how each step is split into
@@ -51,6 +52,14 @@ def _by_content(key: str, value: Any) -> Any:
     if isinstance(value, str) and _PATH_KEY.search(key) and value and os.path.exists(value):
         return {"content": content_digest(value)}
     return value
+
+
+def _same_record(saved: Optional[str], now: Optional[str]) -> bool:
+    """Two fingerprints of a setting, the growth function's as
+    :func:`~adaptive_batch.schedule.growth.same_function_recorded` compares them."""
+    if saved == now or saved is None or now is None:
+        return saved == now
+    return same_function_recorded(json.loads(saved), json.loads(now))
 
 
 class RunState:
@@ -116,7 +125,8 @@ class RunState:
         defaults = AdaptiveBatchOptions.defaults()
         return sorted(
             key for key in set(before) | set(self.fingerprint)
-            if before.get(key) != self.fingerprint.get(key) and not self._newer_key_at_default(key, before, defaults)
+            if not _same_record(before.get(key), self.fingerprint.get(key))
+            and not self._newer_key_at_default(key, before, defaults)
         )
 
     def _newer_key_at_default(self, key: str, before: Mapping[str, str], defaults: Mapping[str, Any]) -> bool:

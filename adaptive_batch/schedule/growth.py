@@ -26,9 +26,10 @@ import functools
 import importlib
 import inspect
 import math
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from adaptive_batch.errors import BatchIncreaseFunctionError, ConfigError
+from adaptive_batch.identity import code_of, digest
 from adaptive_batch.schedule.interval import GrowthInterval, parse_interval
 from adaptive_batch.validation import check_bool
 
@@ -191,6 +192,70 @@ def function_name(fn: Callable) -> str:
         return f"{module}.{qualname}"
     kind = type(fn)
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def function_identity(fn: Callable) -> str:
+    """:func:`function_name` and what the function is bound to, the same in every process, for a
+    checkpoint's comparison: a closure's values that stay put (a factory's arguments:
+    ``linear_ramp(8)`` and ``linear_ramp(56)`` have one name), its defaults, and a lambda's code
+    (a script's lambdas are all ``<lambda>``). State a function changes as it runs (a list, a
+    dict, an object) is left out: a resumed run has moved it on."""
+    return _identity(fn, depth=0)
+
+
+def _identity(fn: Callable, depth: int) -> str:
+    if isinstance(fn, functools.partial):
+        arguments = [_bound(a, depth) for a in fn.args] + [f"{k}={_bound(v, depth)}"
+                                                           for k, v in sorted(fn.keywords.items())]
+        return f"{_identity(fn.func, depth + 1)}({', '.join(arguments)})"
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 4:  # a function bound to itself stops here
+        return function_name(fn)
+    cells = zip(code.co_freevars, getattr(fn, "__closure__", None) or ())
+    bound = [f"{name}={_bound(cell.cell_contents, depth)}" for name, cell in cells if _stays_put(_contents(cell))]
+    defaults = getattr(fn, "__defaults__", None) or ()
+    named = {**dict(zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults)),
+             **(getattr(fn, "__kwdefaults__", None) or {})}
+    bound += [f"{name}={_bound(value, depth)}" for name, value in named.items() if _stays_put(value)]
+    anonymous = fn.__name__ == "<lambda>"
+    if not bound and not anonymous:
+        return function_name(fn)
+    return (f"{function_name(fn)}" + (f" with {', '.join(bound)}" if bound else "")
+            + (f" #{digest(code_of(fn))[:8]}" if anonymous else ""))
+
+
+def same_function_recorded(saved: Any, now: Any) -> bool:
+    """Whether a checkpoint's record of the growth function is ``now``'s
+    (:func:`function_identity`), a record written before identities held bound values (its
+    bare name) being taken as the function of that name."""
+    if saved == now:
+        return True
+    return isinstance(saved, str) and isinstance(now, str) and (
+        now.startswith(saved + " with ") or now.startswith(saved + " #"))
+
+
+_EMPTY = object()
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return _EMPTY
+
+
+def _stays_put(value: Any) -> bool:
+    """Whether a bound value is settings, not state: a number, a string, a function, a tuple of them."""
+    if isinstance(value, tuple):
+        return all(_stays_put(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str)) or (
+        callable(value) and not isinstance(value, type) and hasattr(value, "__code__"))
+
+
+def _bound(value: Any, depth: int) -> str:
+    if isinstance(value, tuple):
+        return f"({', '.join(_bound(v, depth) for v in value)})"
+    return _identity(value, depth + 1) if callable(value) and hasattr(value, "__code__") else repr(value)
 
 
 def call_batch_increase_function(

@@ -86,6 +86,18 @@ def test_a_resume_takes_the_checkpoints_batch_and_decided_boundaries_or_refuses_
     older = {("decided_epoch" if key == "decided_boundary" else key): value for key, value in saved.items()}
     resumed = _growth()
     assert resumed.resume(older, {"lr_scaling": "linear"}) == 4 and resumed.grow_at(0) is None
+    # the growth function as the adapters record it: a factory bound to other values is another
+    from adaptive_batch import linear_ramp
+    from adaptive_batch.run.framework_growth import growth_settings
+
+    def recorded(fn):
+        return growth_settings(GrowthOptions(batch_increase_function=fn), LRScalingOptions())
+
+    growth = _growth()
+    growth.start(6, 2, recorded(linear_ramp(8)))
+    with pytest.raises(ConfigError, match=r"batch_increase_function='.*ramp with every_n_epochs=1, increment=56', but "
+                                          r"the checkpoint's fit ran with .*increment=8'"):
+        _growth().resume(growth.state.to_dict(), recorded(linear_ramp(56)))
 
 
 def test_the_lr_in_force_is_the_schedules_times_the_factor_and_the_hooks_leave_with_detach():

@@ -57,6 +57,27 @@ def test_a_setting_newer_than_the_checkpoint_counts_as_changed_only_off_its_defa
     assert other.changed_settings() == ["noise_scale_estimator"]
 
 
+def test_a_growth_function_bound_to_other_values_is_a_changed_setting(tmp_path):
+    """linear_ramp(8) resumed as linear_ramp(56) was taken: both had one name."""
+    from adaptive_batch import linear_ramp
+    from adaptive_batch.schedule.growth import function_name
+
+    def settings(fn):
+        return AdaptiveBatchOptions.from_flat({"batch_increase_function": fn}).trained_values()
+
+    saved = run_state(tmp_path, **settings(linear_ramp(8))).state_dict()
+    other = run_state(tmp_path, **settings(linear_ramp(56)))
+    other.load_state_dict(saved)
+    assert other.changed_settings() == ["batch_increase_function"]
+    same = run_state(tmp_path, **settings(linear_ramp(8)))
+    same.load_state_dict(saved)
+    assert same.changed_settings() == []
+    older = run_state(tmp_path, batch_increase_function=function_name(linear_ramp(8))).state_dict()
+    resumed = run_state(tmp_path, **settings(linear_ramp(8)))
+    resumed.load_state_dict(older)  # a checkpoint that recorded the name alone
+    assert resumed.changed_settings() == []
+
+
 def test_fingerprints_are_canonical():
     assert fingerprint({"b": {"y": 1, "x": [1, 2]}, "a": None}) == {"a": "null", "b": '{"x": [1, 2], "y": 1}'}
 

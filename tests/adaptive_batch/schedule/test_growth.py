@@ -277,6 +277,40 @@ def test_a_partial_or_a_callable_object_is_named_without_a_memory_address():
 
 
 
+def test_a_functions_identity_holds_what_it_is_bound_to_and_not_its_state():
+    """A checkpoint compared growth functions by name: linear_ramp(8) resumed as linear_ramp(56),
+    and one lambda as another, trained another schedule without a word."""
+    import functools
+
+    from adaptive_batch.schedule.growth import function_identity, linear_ramp, same_function_recorded
+
+    assert function_identity(linear_ramp(8)) != function_identity(linear_ramp(56))
+    assert function_identity(linear_ramp(8)) == function_identity(linear_ramp(8))  # the same in every process
+    assert function_identity(lambda e, b: 1) != function_identity(lambda e, b: 2)
+    assert "increment=8" in function_identity(linear_ramp(8)) and " at 0x" not in function_identity(lambda e, b: 1)
+    assert function_identity(functools.partial(multiply_every, factor=2)) != function_identity(
+        functools.partial(multiply_every, factor=4))
+    calls = []
+
+    def stateful(epoch, current_batch_size, limit=64):  # its list moves on as it runs: not compared
+        calls.append(epoch)
+        return 0
+
+    before = function_identity(stateful)
+    stateful(0, 4)
+    assert function_identity(stateful) == before and before.endswith("stateful with limit=64")
+    assert function_identity(double_every_epoch) == "adaptive_batch.schedule.growth.double_every_epoch"
+    # a record written before identities held bound values is its bare name
+    assert same_function_recorded(function_name_of(linear_ramp(8)), function_identity(linear_ramp(8)))
+    assert not same_function_recorded(function_identity(linear_ramp(8)), function_identity(linear_ramp(56)))
+
+
+def function_name_of(fn):
+    from adaptive_batch.schedule.growth import function_name
+
+    return function_name(fn)
+
+
 def test_an_integer_of_another_type_is_an_int():
     """numpy's integers (a schedule read from an array) are ints: 4 was refused as not one."""
     import numpy as np
