@@ -201,10 +201,12 @@ class AdaptiveBatch:
             ValueError: when batches have already been drawn.
             ConfigError: when a setting that changes what is trained (``max_batch_size``, the
                 growth function, ``lr_scaling``, ``batch_size``, the dataset's size, ...) differs
-                from the saved loop's, naming it and both values.
+                from the saved loop's, naming it and both values; when the saved loop stepped an
+                ``lr_scheduler`` and this one has none, or the other way round.
         """
         if self._dataloader is not None:
             raise ValueError("load_state_dict() after batches(): load the state first, then draw the batches.")
+        _refuse_another_schedule(state, self._lr_scheduler)
         self._run_state.load_state_dict(state)
         try:
             self._run_state.check_resume()
@@ -282,6 +284,26 @@ class AdaptiveBatch:
             piece = dict(batch) if isinstance(batch, dict) else batch
             total += float(self._forward_backward(piece)[1])
         self._optimizer_step(total)
+
+
+def _refuse_another_schedule(state: Dict[str, Any], lr_scheduler: Any) -> None:
+    """Raises:
+    ConfigError: when the saved loop stepped an LR schedule and this one has none (it trained at
+        the optimizer's constant LR where the saved run decayed it), or the other way round (the
+        schedule would start over mid-run)."""
+    saved = "lr_scheduler" in state
+    if saved and lr_scheduler is None:
+        raise ConfigError(
+            "load_state_dict(): the saved loop stepped an lr_scheduler (its state is in the checkpoint) and this "
+            "AdaptiveBatch has none, so it would train at the optimizer's LR: pass lr_scheduler= built as before, "
+            "or train from the start without the saved state."
+        )
+    if not saved and lr_scheduler is not None:
+        raise ConfigError(
+            f"load_state_dict(): this AdaptiveBatch has lr_scheduler={type(lr_scheduler).__name__} and the saved loop "
+            "had none, so its schedule would start over mid-run: build it without lr_scheduler to resume, or train "
+            "from the start without the saved state."
+        )
 
 
 def _refuse_before_any_step(options: AdaptiveBatchOptions, make_batch: Optional[Callable[[int], Any]],

@@ -341,6 +341,29 @@ def test_a_resume_with_a_setting_that_changes_what_is_trained_is_refused_naming_
     _loop(lr_scaling="none").load_state_dict(state)  # a default said out loud is the same setting
 
 
+def test_a_resume_without_the_saved_schedule_or_with_a_new_one_is_refused():
+    """A loop rebuilt without its lr_scheduler took the state and trained at the optimizer's
+    constant LR where the saved run had decayed it to a sixteenth."""
+
+    def loop(scheduled):
+        data, model, optimizer, loss_fn = _parts(samples=48)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step) if scheduled else None
+        return AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, lr_scheduler=schedule, log=lambda m: None)
+
+    for saved_with, resumed_with, message in (
+            (True, False, r"the saved loop stepped an lr_scheduler .* and this AdaptiveBatch has none, so it would "
+                          r"train at the optimizer's LR: pass lr_scheduler= built as before"),
+            (False, True, r"this AdaptiveBatch has lr_scheduler=LambdaLR and the saved loop had none, so its "
+                          r"schedule would start over mid-run")):
+        saved = loop(saved_with)
+        saved.step(next(iter(saved.batches(0))))
+        with pytest.raises(ConfigError, match=message):
+            loop(resumed_with).load_state_dict(saved.state_dict())
+    saved = loop(True)
+    saved.step(next(iter(saved.batches(0))))
+    loop(True).load_state_dict(saved.state_dict())  # built as before: taken
+
+
 def test_the_probe_cache_keys_what_the_step_is_made_of_and_another_model_probes_again(tmp_path):
     """The cache key was the device and the budget alone: a model a quarter of the width read the
     wider model's answer back ("probe cache hit ... no probing") and trained a quarter of what fit."""
