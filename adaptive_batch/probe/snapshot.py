@@ -25,7 +25,8 @@ from adaptive_batch.rng import rng_state, set_rng_state
 
 
 class TrainingStateSnapshot:
-    """Saves model, optimizer, LR scheduler and RNG state on entry and restores it on exit.
+    """Saves model (its gradients too), optimizer, LR scheduler and RNG state on entry and
+    restores it on exit; the steps inside start with no gradients.
 
     Used as a context manager around probe steps; the state is restored whether the block ends
     normally or with an error, and the snapshot file is removed.
@@ -62,13 +63,18 @@ class TrainingStateSnapshot:
         fd, self._named = _unnamed_or_owned_file(self.directory or tempfile.gettempdir())
         self._file = os.fdopen(fd, "w+b")
         self._path = f"/proc/self/fd/{fd}" if self._named is None else self._named
-        state = {"model": self.model.state_dict()}
+        # Gradients a caller holds mid-accumulation go to the file and out of the trials' way.
+        grads = {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
+        state = {"model": self.model.state_dict(), "grads": grads}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         torch.save(state, self._file)
         self._file.flush()
+        del state, grads
+        for p in self.model.parameters():
+            p.grad = None
         self._rng = rng_state()
 
     def restore(self) -> None:
@@ -91,8 +97,9 @@ class TrainingStateSnapshot:
             # mapping cannot.
             state = torch.load(self._path, mmap=False, weights_only=True)
         self.model.load_state_dict(state["model"])
-        for p in self.model.parameters():
-            p.grad = None
+        saved_grads = state.get("grads", {})
+        for name, p in self.model.named_parameters():
+            p.grad = saved_grads[name].clone() if name in saved_grads else None  # out of the file's mapping
         if self.optimizer is not None:
             # The saved values go back into the tensors the steps left (load_state_dict would
             # allocate new ones): the memory the caller trains on is then laid out as it was

@@ -58,6 +58,21 @@ def test_everything_comes_back_bitwise(tmp_path, warm):
     assert os.listdir(tmp_path) == []  # the snapshot file is gone
 
 
+def test_gradients_held_mid_accumulation_come_back_and_the_steps_start_without_them(tmp_path):
+    """A probe between two micro-batches of the caller's step dropped the first one's gradients."""
+    model, opt, sched = make()
+    model(torch.randn(4, 8)).sum().backward()  # a micro-batch the caller has not stepped on yet
+    held = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model[1].bias.grad = None  # a parameter with no gradient stays without one
+    del held["1.bias"]
+    with TrainingStateSnapshot(model, opt, sched, directory=str(tmp_path)):
+        assert all(p.grad is None for p in model.parameters())
+        train_steps(model, opt, sched, n=1)
+        model(torch.randn(4, 8)).sum().backward()  # the steps leave gradients of their own
+    for name, p in model.named_parameters():
+        assert (p.grad is None) if name not in held else torch.equal(p.grad, held[name]), name
+
+
 def test_restored_when_the_block_raises(tmp_path):
     model, opt, sched = make()
     before = model[0].weight.clone()
