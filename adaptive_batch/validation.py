@@ -12,8 +12,9 @@ from typing import Any, Iterable, Optional, Sequence
 from adaptive_batch.errors import ConfigError
 
 
-def check_known_keys(keys: Iterable[str], known_keys: Iterable[str]) -> None:
-    """Rejects top-level keys the recipe does not read (``key=value`` typos add new keys).
+def check_known_keys(keys: Iterable[str], known_keys: Iterable[str], *, kind: str = "config key",
+                     reader: str = "this recipe") -> None:
+    """Rejects keys ``reader`` does not read (``key=value`` typos add new keys).
 
     Raises:
         ConfigError: naming the first unknown key and the closest known one.
@@ -24,7 +25,7 @@ def check_known_keys(keys: Iterable[str], known_keys: Iterable[str]) -> None:
             continue
         close = difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-        raise ConfigError(f"unknown config key {key!r}: this recipe does not read it; {hint}")
+        raise ConfigError(f"unknown {kind} {key!r}: {reader} does not read it; {hint}")
 
 
 def check_bool(key: str, value: Any) -> bool:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Optional
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.validation import check_positive_int
 
 # torch's DataLoader options that do not choose the samples of a batch: passed through as given.
 LOADER_KEYS = (
@@ -51,6 +52,7 @@ def loader_settings(
         )
     if settings.batch_size is None:
         raise ConfigError("batch_size is missing: pass batch_size=, the batch the first step takes.")
+    check_positive_int("batch_size", settings.batch_size)
     _check_options(settings.options)
     return settings
 

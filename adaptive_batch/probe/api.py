@@ -52,7 +52,7 @@ from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
 from adaptive_batch.probe.target import ProbeTarget, check_make_batch, only_its_optimizer_steps
-from adaptive_batch.validation import check_safety_margin
+from adaptive_batch.validation import check_callable, check_safety_margin
 
 
 def find_max_batch_size(
@@ -114,7 +114,7 @@ def find_max_batch_size(
 
     Raises:
         ConfigError: for a bad ``max_memory``, ``safety_margin``, ``max_batch_size``,
-            ``time_budget`` or ``device``, a model without parameters (and no ``device``), or a
+            ``time_budget``, ``device``, ``lr_scheduler`` or ``build``, a model without parameters (and no ``device``), or a
             ``make_batch`` that ignores its size; before any step runs; for ``max_batch_size=1``
             where the model cannot train a batch of 1 (its BatchNorm needs 2 samples); for a
             ``train_step`` that steps an optimizer over parameters that are not ``model``'s (the
@@ -123,6 +123,7 @@ def find_max_batch_size(
     """
     if safety_margin is not None:
         check_safety_margin(safety_margin, key="safety_margin")
+    check_callable("build", build, "my_module.build_target, a top-level f() -> ProbeTarget(...)", allow_none=True)
     search = functools.partial(
         _search, train_step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory=max_memory,
         safety_margin=safety_margin, max_batch_size=max_batch_size, device=device, lr_scheduler=lr_scheduler,

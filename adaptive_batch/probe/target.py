@@ -51,6 +51,10 @@ class ProbeTarget:
         check_callable("train_step", self.train_step, "lambda batch: ... (forward, backward, optimizer step)")
         check_callable("make_batch", self.make_batch, MAKE_BATCH_EXAMPLE)
         check_model_and_optimizer(self.model, self.optimizer, trained_by="train_step")
+        if self.lr_scheduler is not None and not all(
+                callable(getattr(self.lr_scheduler, name, None)) for name in ("state_dict", "load_state_dict")):
+            raise ConfigError(f"lr_scheduler={self.lr_scheduler!r} has no state_dict() and load_state_dict() to put it "
+                              "back with: pass the torch LR scheduler the step advances, or None.")
         return replace(self, device=step_device(self.model, self.device))
 
     def snapshot(self, directory: Optional[str] = None) -> TrainingStateSnapshot:

@@ -25,12 +25,14 @@ from adaptive_batch.errors import ConfigError
 from adaptive_batch.probe.api import needs_two_samples
 from adaptive_batch.probe.cache import step_fields
 from adaptive_batch.probe.service import probe_batch_size
-from adaptive_batch.probe.target import ProbeTarget, check_make_batch, check_model_and_optimizer, step_device
+from adaptive_batch.probe.target import (
+    MAKE_BATCH_EXAMPLE, ProbeTarget, check_make_batch, check_model_and_optimizer, step_device,
+)
 from adaptive_batch.run.controller import AdaptiveBatchController, StepOutcome
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.state import RunState
 from adaptive_batch.schedule.lr_progress import check_counted_in_samples
-from adaptive_batch.validation import check_callable, check_positive_number
+from adaptive_batch.validation import check_bool, check_callable, check_known_keys, check_positive_number
 
 
 class AdaptiveBatch:
@@ -94,8 +96,11 @@ class AdaptiveBatch:
         log: Optional[Callable[[str], None]] = None,
         **settings: Any,
     ) -> None:
+        check_known_keys(settings, [*AdaptiveBatchOptions.keys(), *LOADER_KEYS, *_OWN_ARGUMENTS],
+                         kind="argument", reader="AdaptiveBatch")
+        _check_the_functions(collate_fn=collate_fn, make_batch=make_batch, count_of=count_of, layout=layout)
         data = loader_settings(
-            dataset, batch_size=batch_size, collate_fn=collate_fn, shuffle=shuffle,
+            dataset, batch_size=batch_size, collate_fn=collate_fn, shuffle=check_bool("shuffle", shuffle),
             options={key: settings.pop(key) for key in LOADER_KEYS if key in settings},
         )
         options = AdaptiveBatchOptions.from_flat(settings)
@@ -330,6 +335,23 @@ def _refuse_before_any_step(options: AdaptiveBatchOptions, make_batch: Optional[
         check_counted_in_samples(lr_scheduler)
 
 
+# The arguments of AdaptiveBatch's own, for the nearest name to a misspelt one.
+_OWN_ARGUMENTS = ("batch_size", "collate_fn", "lr_scheduler", "shuffle", "clip_grad_norm", "make_batch", "build",
+                  "count_of", "layout", "output_dir", "log")
+
+
+def _check_the_functions(*, collate_fn: Any, make_batch: Any, count_of: Any, layout: Any) -> None:
+    """Raises:
+    ConfigError: for a function argument that cannot be called, or a ``layout`` that is no
+        :class:`BatchLayout`, when the loop is built (not at its first batch)."""
+    check_callable("collate_fn", collate_fn, "torch.utils.data.default_collate, or f(samples) -> batch")
+    check_callable("make_batch", make_batch, MAKE_BATCH_EXAMPLE, allow_none=True)
+    check_callable("count_of", count_of, "lambda batch: (batch['labels'] != -100).sum()", allow_none=True)
+    if layout is not None and not isinstance(layout, BatchLayout):
+        raise ConfigError(f"layout={layout!r} is no BatchLayout: pass e.g. layout=BatchLayout(batch_dim=1), "
+                          "or None for the first dimension of the batch's tensors.")
+
+
 def _check_the_parts(model: Any, optimizer: Any, loss_fn: Any, clip_grad_norm: Any, data: Any) -> None:
     """The loop's own parts, checked when it is built (a negative clip norm flipped every gradient).
 
@@ -343,6 +365,8 @@ def _check_the_parts(model: Any, optimizer: Any, loss_fn: Any, clip_grad_norm: A
     if clip_grad_norm is not None:
         check_positive_number("clip_grad_norm", clip_grad_norm, "the largest gradient norm, e.g. 1.0, or None")
     samples = len(data.dataset)
+    if samples == 0:
+        raise ConfigError("the dataset has no samples: there is nothing to train; pass the training samples.")
     if data.batch_size > samples:
         raise ConfigError(
             f"batch_size={data.batch_size} is larger than the dataset's {samples} samples: every step would train "

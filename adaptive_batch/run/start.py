@@ -65,6 +65,12 @@ def starting_batch(
     accumulation = gradient_accumulation_steps
     if growth.batch_increase_function is None:
         if report is None:
+            if probe.max_batch_size is not None and batch_size > probe.max_batch_size:
+                raise ConfigError(
+                    f"batch_size={batch_size} is over max_batch_size={probe.max_batch_size}, the bound of the probe "
+                    f"and of growth, neither of which runs: set batch_size to at most {probe.max_batch_size}, or "
+                    "remove max_batch_size."
+                )
             return batch_size * accumulation, batch_size
         micro = report.batch_size
         logs.info(f"use_maximum_batch_size: training with batch_size={micro}")
@@ -78,16 +84,16 @@ def starting_batch(
     )
     start = batch_size * accumulation
     with_accumulation = growth.grow_with_accumulation
-    logs.info(
-        f"batch_increase_function: starting at {start} samples a step, micro-batches of up to "
-        f"{bound}; growth " + ("may pass it by gradient accumulation." if with_accumulation else "stops there.")
-    )
-    if start > bound and not with_accumulation:
+    if start > bound and not with_accumulation:  # said first: the start line below is the one trained
         logs.warning(
             f"batch_size={batch_size} x gradient_accumulation_steps={accumulation} is over "
             f"the largest batch that fits, {bound}: starting at {bound}."
         )
         start = bound
+    logs.info(
+        f"batch_increase_function: starting at {start} samples a step, micro-batches of up to "
+        f"{bound}; growth " + ("may pass it by gradient accumulation." if with_accumulation else "stops there.")
+    )
     return start, bound
 
 

@@ -197,6 +197,9 @@ def test_a_model_that_cannot_train_a_batch_of_one_capped_at_one_or_over_budget_a
         (dict(max_memory="lots"), "max_memory='lots' cannot be parsed"),
         (dict(safety_margin=1.5), "safety_margin=1.5 must be a number in [0, 1)"),
         (dict(max_batch_size=0), "max_batch_size=0 must be a positive integer or null"),
+        # once an AttributeError after the trials, and a build taken and never used
+        (dict(lr_scheduler=42), "lr_scheduler=42 has no state_dict() and load_state_dict() to put it back with"),
+        (dict(build=42), "build=42 is not a function"),
     ],
 )
 def test_bad_arguments(kwargs, message):

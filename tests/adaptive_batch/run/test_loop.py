@@ -57,7 +57,7 @@ def test_probing_needs_a_worst_case_batch_said_before_any_step():
     data, model, optimizer, loss_fn = _parts()
     with pytest.raises(ConfigError, match="pass make_batch=f"):
         AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, use_maximum_batch_size=True)
-    with pytest.raises(ConfigError, match="unknown adaptive-batch setting 'batch_sise'"):
+    with pytest.raises(ConfigError, match="unknown argument 'batch_sise': AdaptiveBatch does not read it; did you mean"):
         AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, batch_sise=8)
     with pytest.raises(ConfigError, match="max_tokens=512: .* remove max_tokens and set batch_size"):
         AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, max_tokens=512)
@@ -396,6 +396,15 @@ def test_the_probe_cache_keys_what_the_step_is_made_of_and_another_model_probes_
     ({"batch_size": 1000}, r"batch_size=1000 is larger than the dataset's 48 samples: .* at most 48"),
     ({"loss_fn": "mse"}, r"loss_fn='mse'"),
     ({"optimizer": "adam"}, r"optimizer='adam' is not a torch.optim.Optimizer"),
+    # each once a TypeError or AttributeError at the first batch, or taken without a word
+    ({"batch_sise": 8}, r"unknown argument 'batch_sise': AdaptiveBatch does not read it; did you mean 'batch_size'\?"),
+    ({"batch_size": "8"}, r"batch_size='8' must be a positive integer"),
+    ({"collate_fn": 42}, r"collate_fn=42 is not a function"),
+    ({"count_of": 5}, r"count_of=5 is not a function"),
+    ({"make_batch": 42}, r"make_batch=42 is not a function"),
+    ({"layout": "dim1"}, r"layout='dim1' is no BatchLayout: pass e.g. layout=BatchLayout\(batch_dim=1\)"),
+    ({"shuffle": "no"}, r"shuffle='no' must be true or false"),  # it shuffled
+    ({"dataset": []}, r"the dataset has no samples"),  # said "set batch_size to at most 0"
 ])
 def test_the_loops_own_parts_are_checked_when_it_is_built(change, message):
     data, model, optimizer, loss_fn = _parts()
@@ -403,6 +412,21 @@ def test_the_loops_own_parts_are_checked_when_it_is_built(change, message):
     parts.update(change)
     with pytest.raises(ConfigError, match=message):
         AdaptiveBatch(**parts)
+
+
+def test_a_batch_over_max_batch_size_is_refused_where_nothing_bounds_it_and_the_start_said_once_clamped():
+    """batch_size=8 with max_batch_size=4 trained 8 a step, over the stated bound; with growth the
+    log said it started at 16, then that it started at 4."""
+    data, model, optimizer, loss_fn = _parts()
+    with pytest.raises(ConfigError, match=r"batch_size=8 is over max_batch_size=4, the bound of the probe and of "
+                                          r"growth, neither of which runs: set batch_size to at most 4"):
+        AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=8, max_batch_size=4).batch_size
+    lines = []
+    grown = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=16, max_batch_size=4,
+                          batch_increase_function=double_every_epoch, log=lines.append)
+    assert grown.batch_size == 4
+    assert [line for line in lines if "starting at" in line][-1].startswith(
+        "batch_increase_function: starting at 4 samples a step")
 
 
 def test_a_build_goes_to_the_probe_for_trials_in_fresh_processes(monkeypatch):
