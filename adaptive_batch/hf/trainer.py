@@ -184,7 +184,8 @@ class AdaptiveBatchTrainer(Trainer):
         self._step_items = 0.0  # the labels of the step being trained, which its micro-batches' losses share
         self._loss_func_ignores_count = False  # a compute_loss_func found to return a plain mean
         self._epoch_start_growth: Optional[dict] = None  # growing within epochs: the state a resume replays from
-        self.add_callback(_BatchHooks(self))
+        # First among the callbacks, so the LR it holds at a step's start is what the others read.
+        self.callback_handler.callbacks.insert(0, _BatchHooks(self))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Probes (or, resuming, reads the checkpoint's batches), then trains as ``Trainer`` does.
@@ -857,6 +858,12 @@ class _BatchHooks(TrainerCallback):
 
     def __init__(self, trainer: AdaptiveBatchTrainer) -> None:
         self.trainer = trainer
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The LR in force from the step's start, where a callback reads the optimizer (here, in
+        # on_pre_optimizer_step); the optimizer's post-hook puts the unscaled LR back for the
+        # scheduler, which steps next. Callbacks saw the unscaled LR until the update itself.
+        self.trainer._growth.hold_lr()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer ends 1.5 epochs by its count of steps at the first batch, which a grown

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
 from adaptive_batch import ConfigError
 from adaptive_batch.hf import AdaptiveBatchTrainer
@@ -187,9 +187,24 @@ EVERY_3_STEPS = dict(batch_increase_function=double_every_boundary_after_the_fir
                      grow_with_accumulation=True)
 
 
+class _LRSeen(TrainerCallback):
+    """What a callback of the user's reads of the optimizer's LR, at a step's start and before its update."""
+
+    def __init__(self):
+        self.seen = {"on_step_begin": [], "on_pre_optimizer_step": []}
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.seen["on_step_begin"].append(optimizer.param_groups[0]["lr"])
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.seen["on_pre_optimizer_step"].append(optimizer.param_groups[0]["lr"])
+
+
 @pytest.fixture(scope="module")
 def every_3_steps(tmp_path_factory):
     trainer = _trainer(tmp_path_factory.mktemp("steps"), training={"save_steps": 1}, **EVERY_3_STEPS)
+    trainer.lr_seen = _LRSeen()
+    trainer.add_callback(trainer.lr_seen)
     trainer.train()
     return trainer
 
@@ -208,6 +223,9 @@ def test_every_n_steps_the_batch_grows_mid_epoch_with_the_lr_in_force(every_3_st
     expected = [1e-3 * (1 - s / (EPOCHS * SAMPLES)) * b / FIRST for s, b in zip(seen, trained)]
     assert [h["learning_rate"] for h in steps] == pytest.approx(expected, rel=1e-6)
     assert "adaptive-batch: interval 2 (6 steps): the batch 8 -> 16; LR x 4 from its first step." in every_3_steps.lines
+    # a callback's own read of the optimizer is the LR in force too (it saw the unscaled one)
+    for hook, seen in every_3_steps.lr_seen.seen.items():
+        assert seen == pytest.approx(expected, rel=1e-6), hook
 
 
 def test_a_boundary_the_run_ends_at_is_not_said_to_grow_the_batch(tmp_path):
