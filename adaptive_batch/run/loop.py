@@ -183,10 +183,27 @@ class AdaptiveBatch:
             MicroBatchOutOfMemoryError: when one-sample micro-batches run out of memory.
         """
         self._settle()
+        self._check_the_rows(batch)
         return self.controller.step(
             batch, forward_backward=self._forward_backward, optimizer_step=self._optimizer_step,
             zero_grad=self._zero_grad,
         )
+
+    def _check_the_rows(self, batch: Any) -> None:
+        """Raises:
+        ConfigError: for a batch the layout counts as more samples than the step drew (its
+            first tensor is no row a sample: an ``EmbeddingBag``'s flat indices): the step was
+            cut into micro-batches of those rows, and its bags lost their bounds (an error deep
+            in the model, or wrong gradients without one)."""
+        rows, drawn = self._layout.rows(batch), self.controller.batch.batch_size
+        if rows > drawn:
+            raise ConfigError(
+                f"the step drew {drawn} samples and the batch's first tensor along batch_dim="
+                f"{self._layout.batch_dim} has {rows}: its tensors are not one row a sample (an EmbeddingBag's flat "
+                "indices, a packed sequence), and the step is cut into micro-batches by that count; collate one row "
+                "a sample (padded ids and a mask), or say how many samples a batch holds with "
+                "layout=BatchLayout(batch_size_of=f) where no step is cut."
+            )
 
     def state_dict(self) -> Dict[str, Any]:
         """The batch, probe result, data position and LR schedule, for a checkpoint beside the

@@ -414,6 +414,27 @@ def test_the_loops_own_parts_are_checked_when_it_is_built(change, message):
         AdaptiveBatch(**parts)
 
 
+def test_a_batch_whose_first_tensor_is_no_row_a_sample_is_one_line_at_its_first_step():
+    """An EmbeddingBag's flat indices: the step counted their length as its samples and cut them
+    into micro-batches, and the model failed on offsets past its piece of the indices."""
+    torch.manual_seed(0)
+    bags = [(torch.randint(0, 50, (int(n),)), int(n) % 3) for n in torch.randint(2, 9, (32,))]
+
+    def collate(samples):
+        lengths = torch.tensor([len(ids) for ids, _ in samples])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+        return torch.cat([ids for ids, _ in samples]), offsets, torch.tensor([label for _, label in samples])
+
+    bag, head = torch.nn.EmbeddingBag(50, 8), torch.nn.Linear(8, 3)
+    model = torch.nn.Sequential(bag, head)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    adaptive = AdaptiveBatch(model, optimizer, bags, lambda b: torch.nn.functional.cross_entropy(head(bag(b[0], b[1])), b[2]),
+                             batch_size=8, collate_fn=collate, log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"the step drew 8 samples and the batch's first tensor along batch_dim=0 "
+                                          r"has \d+: its tensors are not one row a sample .* collate one row a sample"):
+        adaptive.step(next(iter(adaptive.batches(0))))
+
+
 def test_a_batch_over_max_batch_size_is_refused_where_nothing_bounds_it_and_the_start_said_once_clamped():
     """batch_size=8 with max_batch_size=4 trained 8 a step, over the stated bound; with growth the
     log said it started at 16, then that it started at 4."""
