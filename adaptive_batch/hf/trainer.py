@@ -582,8 +582,14 @@ class AdaptiveBatchTrainer(Trainer):
 
     @property
     def _shifts_labels(self) -> bool:
-        """Whether the model's loss shifts its labels (a causal LM's), as the Trainer counts them."""
-        return bool(getattr(self, "_loss_shifts_labels", False))
+        """Whether the model's loss shifts its labels (a causal LM's), as the Trainer counts them,
+        or a language-model head the Trainer reads no loss type of (GPT-2's ``GPT2LMHeadModel``:
+        a step's mean loss, split, was weighted by a label a row too many)."""
+        if getattr(self, "_loss_shifts_labels", False):
+            return True
+        model = getattr(self.model, "module", self.model)
+        return (getattr(model, "loss_type", None) is None and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+                and not getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
     def _loss_weighted_by_items(self, num_items_in_batch: Any) -> bool:
         """Whether ``Trainer`` divides the loss by the step's tokens, as it decides it."""

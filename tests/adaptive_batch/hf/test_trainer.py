@@ -323,6 +323,35 @@ def test_under_accumulation_the_answer_is_memtrackers_on_the_trainers_own_loop(t
     assert trainer_peak(found) <= budget < trainer_peak(found + 1)
 
 
+def test_a_gpt2_mean_loss_split_weighs_its_micro_batches_by_the_labels_it_shifts(tmp_path):
+    """GPT-2's LM head has no loss type the Trainer reads, so its labels were counted unshifted:
+    a compute_loss_func's mean over the shifted labels, split 4 + 3 + 3, weighed each micro-batch
+    by a label a row too many and moved the parameters by 3e-3 from the whole batch's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def shifted_mean(outputs, labels, num_items_in_batch=None):
+        logits = outputs.logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    def run(trainer_class, out, **kwargs):
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=512, n_embd=32, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=10, max_steps=1, optim="sgd",
+                                 learning_rate=0.5, max_grad_norm=0.0, report_to=[], use_cpu=True, disable_tqdm=True,
+                                 save_strategy="no", logging_strategy="no")
+        trainer = trainer_class(model=GPT2LMHeadModel(config), args=args, train_dataset=_samples(10),
+                                data_collator=ByteCollator(), compute_loss_func=shifted_mean, **kwargs)
+        trainer.train()
+        return trainer
+
+    whole = run(Trainer, tmp_path / "whole")
+    split = run(AdaptiveBatchTrainer, tmp_path / "split", max_batch_size=4, probe_eval=False)
+    assert split._update_rows == [4, 3, 3]
+    for a, b in zip(split.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 class _ImageClassifier(torch.nn.Module):
     """A conv net whose inputs (3 x 64 x 64 images) weigh more than its activations."""
 
