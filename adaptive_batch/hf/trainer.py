@@ -74,7 +74,7 @@ from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.run.framework_growth import FrameworkGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, micro_batch_sizes, micro_batches_per_trial
-from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions, same_function_recorded
+from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions, same_setting_recorded
 from adaptive_batch.schedule.lr_scaling import LRScalingOptions
 from adaptive_batch.validation import check_bool, check_callable, check_positive_int
 
@@ -310,9 +310,7 @@ class AdaptiveBatchTrainer(Trainer):
     def _inputs_of_a_step(self, make_batch: Callable[[int], Any], effective: int) -> str:
         """What a step of ``effective`` samples holds of its inputs at a micro-batch of 1, said
         where that is more than the micro-batch's: a budget under batch 1 may be the step's images."""
-        held = InputsHeld.at(1, effective, grows=self._growth.grows,
-                             grows_by_accumulation=self.trials_grow_by_accumulation(),
-                             prefetched=self.args.device.type == "cpu")
+        held = self._inputs_held(1, effective)
         samples = 2 * held.step_rows + held.prefetched_rows - 1  # beside the micro-batch the step trains
         if samples <= 1:
             return ""
@@ -360,10 +358,11 @@ class AdaptiveBatchTrainer(Trainer):
         subclass, a mixin before this class, a trainer after it): its loss may ignore
         ``num_items_in_batch`` whatever the model's does (a plain mean)."""
         for cls in type(self).__mro__:
+            if cls is Trainer:  # what comes after it is shadowed by it
+                return None
             compute_loss = vars(cls).get("compute_loss")
-            if compute_loss is None or cls in (AdaptiveBatchTrainer, Trainer):
-                continue
-            return getattr(compute_loss, "_owner", cls.__name__)
+            if compute_loss is not None and cls is not AdaptiveBatchTrainer:
+                return getattr(compute_loss, "_owner", cls.__name__)
         return None
 
     def _as_the_loader_takes(self, dataset: Any, description: str = "training") -> Tuple[Any, Callable]:
@@ -404,7 +403,7 @@ class AdaptiveBatchTrainer(Trainer):
                **{key: saved.get(key, unset[key]) for key in unset},
                **{key: saved[key] for key in asked if key in saved}}
         for key, value in asked.items():
-            if key in was and not same_function_recorded(was[key], value):
+            if key in was and not same_setting_recorded(key, was[key], value):
                 raise ConfigError(
                     f"resume_from_checkpoint={checkpoint}: it trained {key}={was[key]!r}, this Trainer asks for "
                     f"{value!r}; put it back to resume that run, or train from the start in another output_dir."
@@ -531,7 +530,7 @@ class AdaptiveBatchTrainer(Trainer):
         compute_loss = cls.compute_loss
         if compute_loss is AdaptiveBatchTrainer.compute_loss or getattr(compute_loss, "_weighed", False):
             return
-        owner = next(klass for klass in cls.__mro__ if vars(klass).get("compute_loss") is compute_loss)
+        owner = next((klass for klass in cls.__mro__ if vars(klass).get("compute_loss") is compute_loss), cls)
 
         @functools.wraps(compute_loss)
         def weighed(self: "AdaptiveBatchTrainer", model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -583,13 +582,12 @@ class AdaptiveBatchTrainer(Trainer):
     @property
     def _shifts_labels(self) -> bool:
         """Whether the model's loss shifts its labels (a causal LM's), as the Trainer counts them,
-        or a language-model head the Trainer reads no loss type of (GPT-2's ``GPT2LMHeadModel``:
-        a step's mean loss, split, was weighted by a label a row too many)."""
+        or one of the language-model heads the Trainer reads no loss type of that shift theirs
+        (:data:`SHIFTING_LM_HEADS`: GPT-2's mean loss, split, was weighted by a label a row too many)."""
         if getattr(self, "_loss_shifts_labels", False):
             return True
         model = getattr(self.model, "module", self.model)
-        return (getattr(model, "loss_type", None) is None and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
-                and not getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        return getattr(model, "loss_type", None) is None and type(model).__name__ in SHIFTING_LM_HEADS
 
     def _loss_weighted_by_items(self, num_items_in_batch: Any) -> bool:
         """Whether ``Trainer`` divides the loss by the step's tokens, as it decides it."""
@@ -822,9 +820,7 @@ class AdaptiveBatchTrainer(Trainer):
         # The effective batch is per device: the rule's global batch over one rank.
         pieces = [batch] * micro_batches_per_trial(rows, global_batch_size=effective,
                                                    grow_with_accumulation=self.trials_grow_by_accumulation())
-        inputs = InputsHeld.at(rows, effective, grows=self._growth.grows,
-                               grows_by_accumulation=self.trials_grow_by_accumulation(),
-                               prefetched=self.args.device.type == "cpu")
+        inputs = self._inputs_held(rows, effective)
         # The inputs training holds beside this micro-batch: the step's others and the next one.
         held = BatchLayout().copies(batch, inputs.step_rows - rows + inputs.prefetched_rows)
         self.current_gradient_accumulation_steps = len(pieces)
@@ -845,6 +841,12 @@ class AdaptiveBatchTrainer(Trainer):
         following = BatchLayout().copies(batch, inputs.step_rows)
         del held, following
 
+    def _inputs_held(self, micro_batch: int, effective: int) -> InputsHeld:
+        """The inputs a step of this Trainer holds at ``micro_batch`` (:class:`InputsHeld`)."""
+        return InputsHeld.at(micro_batch, effective, grows=self._growth.grows,
+                             grows_by_accumulation=self.trials_grow_by_accumulation(),
+                             prefetched=self.args.device.type == "cpu")
+
     def trials_grow_by_accumulation(self) -> bool:
         """Whether the run may grow past the answer in micro-batches (``grow_with_accumulation``),
         so every trial runs two, with the first one's gradients alive (a trial process is told)."""
@@ -856,6 +858,12 @@ class AdaptiveBatchTrainer(Trainer):
         evaluation loop sets it; the training trials left it in train mode), ``prediction_step``."""
         self.model.eval()
         self.prediction_step(self.model, batch, prediction_loss_only=bool(self.args.prediction_loss_only))
+
+
+# Causal language-model heads whose loss shifts the labels and whose loss_type the Trainer
+# cannot read (XLNet's and XLM's LM heads, named alike, do not shift theirs).
+SHIFTING_LM_HEADS = frozenset({"GPT2LMHeadModel", "GPT2DoubleHeadsModel", "OpenAIGPTLMHeadModel",
+                               "OpenAIGPTDoubleHeadsModel", "CTRLLMHeadModel"})
 
 
 class _BatchHooks(TrainerCallback):
@@ -870,6 +878,11 @@ class _BatchHooks(TrainerCallback):
         # on_pre_optimizer_step); the optimizer's post-hook puts the unscaled LR back for the
         # scheduler, which steps next. Callbacks saw the unscaled LR until the update itself.
         self.trainer._growth.hold_lr()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The unscaled LR for the scheduler, which steps next, also where a GradScaler skipped
+        # the update (no post-hook of the optimizer's ran then).
+        self.trainer._growth.release_lr()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer ends 1.5 epochs by its count of steps at the first batch, which a grown

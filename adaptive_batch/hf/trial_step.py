@@ -79,12 +79,13 @@ def a_batch_maker_of_rows(make_batch: Callable[[int], Any]) -> Callable[[int], A
     """
     rng = rng_state()  # a batch maker may draw random numbers; the run's draws stay its own
     try:
-        batch = make_batch(2)
+        batch = make_batch(2)  # its own errors are its own
+    finally:
+        set_rng_state(rng)
+    try:
         rows = BatchLayout().rows(batch)
     except ValueError:
         rows = None
-    finally:
-        set_rng_state(rng)
     if rows != 2:
         got = f"{rows} rows" if rows is not None else "no tensor with a dimension of samples"
         raise ConfigError(

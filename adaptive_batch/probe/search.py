@@ -611,9 +611,11 @@ class _Search:
         candidate = b.clamp(self.predicted if self.predicted is not None else (start_at or 2 * b.lo),
                             bounded=not self.trust_prediction)
         while not b.settled():
-            candidate = self.clock.within_budget(candidate, b.lo)
-            if candidate is None:
+            within = self.clock.within_budget(candidate, b.lo)
+            if within is None:
                 break
+            if within != candidate:  # not the interpolated size: its outcome says nothing of the line
+                self.from_interpolation, candidate = False, within
             if self.spare_the_caller and candidate == b.lo + 1 and b.foresees_failure(candidate):
                 b.judge_over(candidate)
                 break
@@ -690,11 +692,11 @@ class _Clock:
         if self.budget_s is None:  # the same config on every rank: none of them asks
             return batch_size
         asked, asked_seconds = batch_size, self.seconds(batch_size)
-        while True:
-            elapsed = time.perf_counter() - self.start
+        elapsed = time.perf_counter() - self.start
+        # The budget spent is no trial's prediction: stop at once (every rank agreeing).
+        while not self.agree(elapsed > self.budget_s):
             seconds = self.seconds(batch_size)
-            over = elapsed > self.budget_s or (seconds is not None and elapsed + seconds > self.budget_s)
-            if not self.agree(over):
+            if not self.agree(seconds is not None and elapsed + seconds > self.budget_s):
                 if batch_size != asked:
                     logs.info(f"probe: a trial at batch {asked} would end past probe_time_budget={self.budget_s:g} "
                               f"by the steps so far; batch {batch_size} first, whose step says more.")
@@ -702,6 +704,7 @@ class _Clock:
             if batch_size - largest_fit <= 1:
                 break
             batch_size = largest_fit + (batch_size - largest_fit) // 2
+            elapsed = time.perf_counter() - self.start
         self.stopped = True
         about = "" if asked_seconds is None else f" a trial at batch {asked} would take about {asked_seconds:.0f}s more, and"
         logs.info(

@@ -20,7 +20,6 @@ from adaptive_batch.memory.budget import (
     MemoryBudget,
     check_reserve_bytes as _check_reserve_bytes,
     memory_budget,
-    training_state_bytes,
     trial_headroom_bytes,
 )
 from adaptive_batch.memory.device import (
@@ -34,6 +33,7 @@ from adaptive_batch.memory.device import (
     proc_status_bytes,
 )
 from adaptive_batch.memory.oom import collections_of_new_objects, first_line
+from adaptive_batch.memory.tracker import live_tensor_bytes
 from adaptive_batch.probe.cache import ProbeCache, default_cache_dir, library_versions
 from adaptive_batch.probe.children import search_in_children, trials_in_children
 from adaptive_batch.probe.lockstep import LockstepTrial
@@ -166,7 +166,7 @@ def step_budget(
     device = target.device
     capacity = device_capacity(device)
     max_memory = options.max_memory_bytes(capacity.device_bytes)
-    live = training_state_bytes(target.model, target.optimizer)
+    live = live_tensor_bytes(target.state_tensors())
 
     def budget(in_children: bool) -> MemoryBudget:
         return memory_budget(max_memory_bytes=max_memory, capacity=capacity, live_bytes=live,
@@ -196,7 +196,7 @@ class TrialLimits:
 
     @classmethod
     def read(cls, budget: MemoryBudget, capacity: DeviceCapacity, target: ProbeTarget) -> "TrialLimits":
-        state = training_state_bytes(target.model, target.optimizer)
+        state = live_tensor_bytes(target.state_tensors())
         vm_size = proc_status_bytes("VmSize") if target.device.type == "cpu" else None
         address_space = None if vm_size is None else vm_size + trial_headroom_bytes(budget, capacity, state_bytes=state)
         return cls(address_space, _check_reserve_bytes(budget, capacity, device=target.device, state_bytes=state))

@@ -99,7 +99,8 @@ class TrainingStateSnapshot:
         self.model.load_state_dict(state["model"])
         saved_grads = state.get("grads", {})
         for name, p in self.model.named_parameters():
-            p.grad = saved_grads[name].clone() if name in saved_grads else None  # out of the file's mapping
+            grad = saved_grads.get(name)  # a CPU one out of the file's mapping; a card's is loaded fresh
+            p.grad = None if grad is None else grad.clone() if grad.device.type == "cpu" else grad
         if self.optimizer is not None:
             # The saved values go back into the tensors the steps left (load_state_dict would
             # allocate new ones): the memory the caller trains on is then laid out as it was

@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from adaptive_batch.errors import ConfigError
+from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.probe.snapshot import TrainingStateSnapshot
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.validation import check_callable
@@ -31,6 +32,8 @@ class ProbeTarget:
         optimizer: its optimizer, if the step keeps state.
         device: where the step runs; the model's when ``None`` (:meth:`on_its_device`).
         lr_scheduler: put back with the model and optimizer after the probe, when given.
+        held: tensors the run keeps beside the model and optimizer through every step (a noise
+            scale's copy of the gradients), counted with them.
     """
 
     train_step: Callable[[Any], None]
@@ -39,6 +42,13 @@ class ProbeTarget:
     optimizer: Optional[torch.optim.Optimizer] = None
     device: Optional[torch.device] = None
     lr_scheduler: Optional[Any] = None
+    held: Tuple[torch.Tensor, ...] = ()
+
+    def state_tensors(self) -> List[torch.Tensor]:
+        """The tensors the run keeps between steps: the model's, its gradients, the optimizer's
+        state and :attr:`held` (a soft budget once missed a noise scale's copy of the gradients,
+        and training at the answer passed ``max_memory`` by it)."""
+        return state_tensors(self.model, self.optimizer) + list(self.held)
 
     def on_its_device(self) -> "ProbeTarget":
         """This target, checked, with its device resolved (:func:`step_device`).

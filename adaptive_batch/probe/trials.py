@@ -17,7 +17,6 @@ from torch.utils._pytree import tree_leaves
 
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.faults import fault_point
-from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.memory.device import free_mkl_buffers
 from adaptive_batch.memory.oom import collections_of_new_objects, release_memory
 from adaptive_batch.memory.tracker import StepMemory, measure_phase_peaks
@@ -37,7 +36,7 @@ def measure_training_step(target: ProbeTarget, batch: Any) -> StepMemory:
         Whatever the step raises, out-of-memory errors included (its gradients are dropped).
     """
     model, optimizer = target.model, target.optimizer
-    baseline = state_tensors(model, optimizer) + [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    baseline = target.state_tensors() + [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     try:
         return measure_phase_peaks(lambda: target.train_step(batch), target.device, baseline, model=model,
                                    optimizer=optimizer)

@@ -24,7 +24,6 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 import adaptive_batch.logs as logs
-from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.memory.device import cuda_index, cuda_memory_fraction
 from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.memory.tracker import measure_peak_bytes
@@ -128,7 +127,7 @@ def runs_consecutive_steps(
                 if not by_tensors:
                     target.train_step(batch)
                     continue
-                baseline = state_tensors(target.model, target.optimizer) + _tensors_of(batch)
+                baseline = target.state_tensors() + _tensors_of(batch)
                 peak = measure_peak_bytes(lambda: target.train_step(batch), device, baseline)
                 if peak > budget_bytes:
                     return f"step {step + 1}'s live tensors peaked at {peak} bytes, over the budget's {budget_bytes}"

@@ -18,7 +18,7 @@ from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
 from adaptive_batch.run.grower import per_rank_increase
 from adaptive_batch.schedule.growth import (
-    GrowthDecision, GrowthOptions, function_identity, function_name, grow_batch_size, same_function_recorded,
+    GrowthDecision, GrowthOptions, function_identity, function_name, grow_batch_size, same_setting_recorded,
 )
 from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRScalingOptions
 
@@ -173,7 +173,7 @@ class FrameworkGrowth:
         # Every fit before ranks, or the interval, were kept ran on one rank, growing per epoch.
         restored.settings = {"world_size": 1, "batch_increase_interval": "epoch", **restored.settings}
         for key, value in settings.items():
-            if not same_function_recorded(restored.settings.get(key), value):
+            if not same_setting_recorded(key, restored.settings.get(key), value):
                 raise ConfigError(
                     f"{key}={value!r}, but the checkpoint's fit ran with {key}={restored.settings.get(key)!r}: its "
                     "batch would no longer be the one it trained. Resume with the checkpoint's setting, or start a new fit."

@@ -99,8 +99,8 @@ class AdaptiveBatch:
         check_known_keys(settings, [*AdaptiveBatchOptions.keys(), *LOADER_KEYS, *_OWN_ARGUMENTS],
                          kind="argument", reader="AdaptiveBatch")
         _check_the_functions(collate_fn=collate_fn, make_batch=make_batch, count_of=count_of, layout=layout)
-        data = loader_settings(
-            dataset, batch_size=batch_size, collate_fn=collate_fn, shuffle=check_bool("shuffle", shuffle),
+        data = loader_settings(  # no collate_fn: torch's, as a DataLoader takes None
+            dataset, batch_size=batch_size, collate_fn=collate_fn or default_collate, shuffle=check_bool("shuffle", shuffle),
             options={key: settings.pop(key) for key in LOADER_KEYS if key in settings},
         )
         options = AdaptiveBatchOptions.from_flat(settings)
@@ -192,11 +192,11 @@ class AdaptiveBatch:
     def _check_the_rows(self, batch: Any) -> None:
         """Raises:
         ConfigError: for a batch the layout counts as more samples than the step drew (its
-            first tensor is no row a sample: an ``EmbeddingBag``'s flat indices): the step was
-            cut into micro-batches of those rows, and its bags lost their bounds (an error deep
-            in the model, or wrong gradients without one)."""
+            first tensor is no row a sample: an ``EmbeddingBag``'s flat indices) where the step
+            is cut into micro-batches of those rows: its bags lost their bounds (an error deep in
+            the model, or wrong gradients without one). Uncut, it trains as it is."""
         rows, drawn = self._layout.rows(batch), self.controller.batch.batch_size
-        if rows > drawn:
+        if rows > drawn and len(self.controller.session.split_step(rows).micro_batch_sizes) > 1:
             raise ConfigError(
                 f"the step drew {drawn} samples and the batch's first tensor along batch_dim="
                 f"{self._layout.batch_dim} has {rows}: its tensors are not one row a sample (an EmbeddingBag's flat "
@@ -361,7 +361,8 @@ def _check_the_functions(*, collate_fn: Any, make_batch: Any, count_of: Any, lay
     """Raises:
     ConfigError: for a function argument that cannot be called, or a ``layout`` that is no
         :class:`BatchLayout`, when the loop is built (not at its first batch)."""
-    check_callable("collate_fn", collate_fn, "torch.utils.data.default_collate, or f(samples) -> batch")
+    check_callable("collate_fn", collate_fn, "torch.utils.data.default_collate, or f(samples) -> batch",
+                   allow_none=True)
     check_callable("make_batch", make_batch, MAKE_BATCH_EXAMPLE, allow_none=True)
     check_callable("count_of", count_of, "lambda batch: (batch['labels'] != -100).sum()", allow_none=True)
     if layout is not None and not isinstance(layout, BatchLayout):

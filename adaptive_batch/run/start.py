@@ -36,7 +36,7 @@ def first_batch(
     if global_batch is None:
         start, micro = starting_batch(
             batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, report=report,
-            probe=options.probe, growth=options.growth,
+            probe=options.probe, growth=options.growth, token_budget=options.tokens.max_tokens is not None,
         )
         return start, micro, None
     plan = global_batch_plan(
@@ -54,6 +54,7 @@ def starting_batch(
     report: Optional[ProbeReport],
     probe: ProbeOptions,
     growth: GrowthOptions,
+    token_budget: bool = False,
 ) -> Tuple[int, int]:
     """The first step's samples (per rank) and the largest micro-batch.
 
@@ -61,11 +62,16 @@ def starting_batch(
     a step ``gradient_accumulation_steps`` of them. With growth ``batch_size`` x
     ``gradient_accumulation_steps`` is the first step, and the largest batch that fits (or
     ``max_batch_size``) the largest micro-batch.
+
+    Raises:
+        ConfigError: for a ``batch_size`` over ``max_batch_size`` where neither the probe nor
+            growth (nor a ``token_budget``, which draws up to it) bounds the batch.
     """
     accumulation = gradient_accumulation_steps
     if growth.batch_increase_function is None:
         if report is None:
-            if probe.max_batch_size is not None and batch_size > probe.max_batch_size:
+            # Token budgets draw as many samples as fit the budget, max_batch_size at most.
+            if probe.max_batch_size is not None and batch_size > probe.max_batch_size and not token_budget:
                 raise ConfigError(
                     f"batch_size={batch_size} is over max_batch_size={probe.max_batch_size}, the bound of the probe "
                     f"and of growth, neither of which runs: set batch_size to at most {probe.max_batch_size}, or "

@@ -20,7 +20,7 @@ import adaptive_batch.logs as logs
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.session import BatchSession
-from adaptive_batch.schedule.growth import same_function_recorded
+from adaptive_batch.schedule.growth import same_setting_recorded
 
 RUN_STATE_KEY = "adaptive_batch_run"
 # The memory budget: with a fixed global batch it sets only how each step is split into
@@ -54,12 +54,12 @@ def _by_content(key: str, value: Any) -> Any:
     return value
 
 
-def _same_record(saved: Optional[str], now: Optional[str]) -> bool:
-    """Two fingerprints of a setting, the growth function's as
-    :func:`~adaptive_batch.schedule.growth.same_function_recorded` compares them."""
+def _same_record(key: str, saved: Optional[str], now: Optional[str]) -> bool:
+    """Two fingerprints of a setting, as
+    :func:`~adaptive_batch.schedule.growth.same_setting_recorded` compares them."""
     if saved == now or saved is None or now is None:
         return saved == now
-    return same_function_recorded(json.loads(saved), json.loads(now))
+    return same_setting_recorded(key, json.loads(saved), json.loads(now))
 
 
 class RunState:
@@ -125,7 +125,7 @@ class RunState:
         defaults = AdaptiveBatchOptions.defaults()
         return sorted(
             key for key in set(before) | set(self.fingerprint)
-            if not _same_record(before.get(key), self.fingerprint.get(key))
+            if not _same_record(key, before.get(key), self.fingerprint.get(key))
             and not self._newer_key_at_default(key, before, defaults)
         )
 

@@ -195,67 +195,47 @@ def function_name(fn: Callable) -> str:
 
 
 def function_identity(fn: Callable) -> str:
-    """:func:`function_name` and what the function is bound to, the same in every process, for a
-    checkpoint's comparison: a closure's values that stay put (a factory's arguments:
-    ``linear_ramp(8)`` and ``linear_ramp(56)`` have one name), its defaults, and a lambda's code
-    (a script's lambdas are all ``<lambda>``). State a function changes as it runs (a list, a
-    dict, an object) is left out: a resumed run has moved it on."""
-    return _identity(fn, depth=0)
+    """:func:`function_name` and, where it says too little, what the function is, the same in
+    every process, for a checkpoint's comparison: one of this module's factories with its
+    arguments (``linear_ramp(8)`` and ``linear_ramp(56)`` have one name), a lambda with a digest
+    of its code (a script's lambdas are all ``<lambda>``). A closure of your own is its name:
+    what it holds may be state it moves on, or differ in every process (a start time)."""
+    made_by = getattr(fn, FACTORY_CALL, None)
+    if made_by is not None:
+        return f"{function_name(fn)} [{made_by}]"
+    if getattr(fn, "__name__", None) == "<lambda>" and not isinstance(fn, functools.partial):
+        return f"{function_name(fn)} #{digest(code_of(fn))[:8]}"
+    return function_name(fn)
 
 
-def _identity(fn: Callable, depth: int) -> str:
-    if isinstance(fn, functools.partial):
-        arguments = [_bound(a, depth) for a in fn.args] + [f"{k}={_bound(v, depth)}"
-                                                           for k, v in sorted(fn.keywords.items())]
-        return f"{_identity(fn.func, depth + 1)}({', '.join(arguments)})"
-    code = getattr(fn, "__code__", None)
-    if code is None or depth > 4:  # a function bound to itself stops here
-        return function_name(fn)
-    cells = zip(code.co_freevars, getattr(fn, "__closure__", None) or ())
-    bound = [f"{name}={_bound(cell.cell_contents, depth)}" for name, cell in cells if _stays_put(_contents(cell))]
-    defaults = getattr(fn, "__defaults__", None) or ()
-    named = {**dict(zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults)),
-             **(getattr(fn, "__kwdefaults__", None) or {})}
-    bound += [f"{name}={_bound(value, depth)}" for name, value in named.items() if _stays_put(value)]
-    anonymous = fn.__name__ == "<lambda>"
-    if not bound and not anonymous:
-        return function_name(fn)
-    return (f"{function_name(fn)}" + (f" with {', '.join(bound)}" if bound else "")
-            + (f" #{digest(code_of(fn))[:8]}" if anonymous else ""))
-
-
-def same_function_recorded(saved: Any, now: Any) -> bool:
-    """Whether a checkpoint's record of the growth function is ``now``'s
-    (:func:`function_identity`), a record written before identities held bound values (its
-    bare name) being taken as the function of that name."""
+def same_setting_recorded(key: str, saved: Any, now: Any) -> bool:
+    """Whether a checkpoint's record of setting ``key`` is ``now``'s; for the growth function
+    (:func:`function_identity`), a record written before identities said more than the name (its
+    bare name) is taken as the function of that name."""
     if saved == now:
         return True
-    return isinstance(saved, str) and isinstance(now, str) and (
-        now.startswith(saved + " with ") or now.startswith(saved + " #"))
+    return key == KEY and isinstance(saved, str) and isinstance(now, str) and (
+        now.startswith(saved + " [") or now.startswith(saved + " #"))
 
 
-_EMPTY = object()
+# Where one of this module's factories records the call that made a function.
+FACTORY_CALL = "__growth_factory_call__"
 
 
-def _contents(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # a cell not yet filled
-        return _EMPTY
+def _records_its_call(factory: Callable[..., BatchIncreaseFunction]) -> Callable[..., BatchIncreaseFunction]:
+    """``factory``, whose functions record the call that made them (:func:`function_identity`)."""
+    signature = inspect.signature(factory)
 
+    @functools.wraps(factory)
+    def made(*args: Any, **kwargs: Any) -> BatchIncreaseFunction:
+        fn = factory(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = ", ".join(f"{name}={value!r}" for name, value in bound.arguments.items())
+        setattr(fn, FACTORY_CALL, f"{factory.__name__}({arguments})")
+        return fn
 
-def _stays_put(value: Any) -> bool:
-    """Whether a bound value is settings, not state: a number, a string, a function, a tuple of them."""
-    if isinstance(value, tuple):
-        return all(_stays_put(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str)) or (
-        callable(value) and not isinstance(value, type) and hasattr(value, "__code__"))
-
-
-def _bound(value: Any, depth: int) -> str:
-    if isinstance(value, tuple):
-        return f"({', '.join(_bound(v, depth) for v in value)})"
-    return _identity(value, depth + 1) if callable(value) and hasattr(value, "__code__") else repr(value)
+    return made
 
 
 def call_batch_increase_function(
@@ -386,6 +366,7 @@ class GrowthOptions:
 # Built-ins. Each returns the function; a config points at the factory with ``_component_``.
 
 
+@_records_its_call
 def step_increments(epochs: Sequence[int], increments: Sequence[int]) -> BatchIncreaseFunction:
     """Adds ``increments[i]`` at the start of epoch ``epochs[i]``, nothing at other epochs.
 
@@ -412,6 +393,7 @@ def step_increments(epochs: Sequence[int], increments: Sequence[int]) -> BatchIn
 # first argument they get is the boundary index either way.
 
 
+@_records_its_call
 def linear_ramp(increment: int, every_n_epochs: int = 1) -> BatchIncreaseFunction:
     """Adds ``increment`` samples every ``every_n_epochs`` epochs (not before epoch 1).
 
@@ -430,6 +412,7 @@ def linear_ramp(increment: int, every_n_epochs: int = 1) -> BatchIncreaseFunctio
     return ramp
 
 
+@_records_its_call
 def multiply_every(factor: float, every_n_epochs: int = 1) -> BatchIncreaseFunction:
     """Multiplies the batch by ``factor`` every ``every_n_epochs`` epochs (not before epoch 1):
     Smith et al., "Don't decay the learning rate, increase the batch size".
@@ -457,6 +440,7 @@ def double_every_epoch(epoch: int, current_batch_size: int) -> int:
     return current_batch_size if epoch > 0 else 0
 
 
+@_records_its_call
 def linear_rampup(start_batch_size: int, final_batch_size: int, ramp_intervals: int) -> BatchIncreaseFunction:
     """Megatron's ``--rampup-batch-size`` and GPT-3's shape: the global batch goes linearly from
     ``start_batch_size`` at boundary 0 to ``final_batch_size`` at boundary ``ramp_intervals``,
@@ -486,6 +470,7 @@ def linear_rampup(start_batch_size: int, final_batch_size: int, ramp_intervals: 
     return rampup
 
 
+@_records_its_call
 def seesaw(total_intervals: int, warmup_intervals: int = 0, factor: int = 2) -> BatchIncreaseFunction:
     """Seesaw (Meterez et al. 2025, arXiv 2510.14717): where a cosine schedule's LR has fallen
     by another ``factor`` (to 1/2, 1/4, ... of the peak, for ``factor=2``), multiply the batch

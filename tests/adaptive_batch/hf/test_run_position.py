@@ -202,9 +202,9 @@ class _LRSeen(TrainerCallback):
 
 @pytest.fixture(scope="module")
 def every_3_steps(tmp_path_factory):
-    trainer = _trainer(tmp_path_factory.mktemp("steps"), training={"save_steps": 1}, **EVERY_3_STEPS)
-    trainer.lr_seen = _LRSeen()
-    trainer.add_callback(trainer.lr_seen)
+    seen = _LRSeen()  # the user's own callback, given first, as users give theirs
+    trainer = _trainer(tmp_path_factory.mktemp("steps"), training={"save_steps": 1}, callbacks=[seen], **EVERY_3_STEPS)
+    trainer.lr_seen = seen
     trainer.train()
     return trainer
 

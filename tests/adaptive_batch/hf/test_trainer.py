@@ -498,6 +498,13 @@ def test_samples_the_worst_case_cannot_be_made_from_are_one_line_before_any_tria
         with pytest.raises(ConfigError, match=f"make_batch: make_batch\\(2\\) returned {got}: it must return the "
                                               "collated batch of the b samples"):
             trainer.train()
+
+    def its_own_error(b):
+        raise ValueError("no such shard")
+
+    trainer._make_batch = its_own_error  # its own error (it was lost to an UnboundLocalError)
+    with pytest.raises(ValueError, match="no such shard"):
+        trainer.train()
     assert not any(line.startswith("probe trial") for line in trainer.lines)
 
 

@@ -95,8 +95,8 @@ def test_a_resume_takes_the_checkpoints_batch_and_decided_boundaries_or_refuses_
 
     growth = _growth()
     growth.start(6, 2, recorded(linear_ramp(8)))
-    with pytest.raises(ConfigError, match=r"batch_increase_function='.*ramp with every_n_epochs=1, increment=56', but "
-                                          r"the checkpoint's fit ran with .*increment=8'"):
+    with pytest.raises(ConfigError, match=r"batch_increase_function='.*ramp \[linear_ramp\(increment=56, "
+                                          r"every_n_epochs=1\)\]', but the checkpoint's fit ran with .*increment=8, "):
         _growth().resume(growth.state.to_dict(), recorded(linear_ramp(56)))
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import TensorDataset, default_collate
 
 from adaptive_batch import AdaptiveBatch, ConfigError, double_every_epoch
 
@@ -433,6 +433,19 @@ def test_a_batch_whose_first_tensor_is_no_row_a_sample_is_one_line_at_its_first_
     with pytest.raises(ConfigError, match=r"the step drew 8 samples and the batch's first tensor along batch_dim=0 "
                                           r"has \d+: its tensors are not one row a sample .* collate one row a sample"):
         adaptive.step(next(iter(adaptive.batches(0))))
+    # two views a sample (2N rows): cut at the 4 rows that fit, the views of a sample went apart
+    data, model, optimizer, loss_fn = _parts()
+
+    def two_views(samples):
+        inputs, targets = default_collate(samples)
+        return torch.cat([inputs, inputs + 0.1]), torch.cat([targets, targets])
+
+    views = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, collate_fn=two_views, log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"the step drew 4 samples and the batch's first tensor along batch_dim=0 "
+                                          r"has 8"):
+        views.step(next(iter(views.batches(0))))
+    plain = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=4, collate_fn=None, log=lambda m: None)
+    assert plain.step(next(iter(plain.batches(0)))).global_step == 1  # None is torch's collate, as a DataLoader takes it
 
 
 def test_a_batch_over_max_batch_size_is_refused_where_nothing_bounds_it_and_the_start_said_once_clamped():

@@ -42,6 +42,21 @@ def test_with_growth_the_largest_fit_rounded_bounds_the_micro_batch_and_the_star
     assert start(report, rounded, with_accumulation, batch_size=16)[0] == (16, 8)
 
 
+def test_a_batch_over_max_batch_size_is_refused_only_where_nothing_it_bounds_runs():
+    """batch_size=8 with max_batch_size=4 trained 8 a step; a token budget draws up to
+    max_batch_size samples whatever batch_size says, so there it stands."""
+    capped = ProbeOptions(max_batch_size=4)
+    with pytest.raises(ConfigError, match=r"batch_size=8 is over max_batch_size=4, the bound of the probe and of "
+                                          r"growth, neither of which runs"):
+        start(probe=capped, batch_size=8)
+    assert starting_batch(batch_size=8, gradient_accumulation_steps=1, report=None, probe=capped,
+                          growth=GrowthOptions(), token_budget=True) == (8, 8)
+    (got, lines, warnings) = start(probe=capped, growth=GROW, batch_size=16)
+    assert got == (4, 4) and "starting at 4" in warnings[0]
+    assert [line for line in lines if "starting at" in line] == [
+        "batch_increase_function: starting at 4 samples a step, micro-batches of up to 4; growth stops there."]
+
+
 def test_growth_is_bounded_by_the_verified_batch_not_the_search():
     """On an H100 the search found 173 and 173 failed within 10 consecutive steps (the answer
     was 170), yet growth was bounded by 173."""

@@ -277,38 +277,51 @@ def test_a_partial_or_a_callable_object_is_named_without_a_memory_address():
 
 
 
-def test_a_functions_identity_holds_what_it_is_bound_to_and_not_its_state():
+def test_a_functions_identity_says_which_factory_call_or_lambda_it_is_and_not_what_it_holds():
     """A checkpoint compared growth functions by name: linear_ramp(8) resumed as linear_ramp(56),
-    and one lambda as another, trained another schedule without a word."""
+    and one lambda as another, trained another schedule without a word. What a closure of your
+    own holds is not compared: it may be state it moves on, or differ in every process."""
     import functools
+    import time
 
-    from adaptive_batch.schedule.growth import function_identity, linear_ramp, same_function_recorded
+    from adaptive_batch.schedule.growth import (
+        KEY,
+        function_identity,
+        function_name,
+        linear_ramp,
+        same_setting_recorded,
+        seesaw,
+        step_increments,
+    )
 
     assert function_identity(linear_ramp(8)) != function_identity(linear_ramp(56))
-    assert function_identity(linear_ramp(8)) == function_identity(linear_ramp(8))  # the same in every process
+    assert function_identity(linear_ramp(8)) == function_identity(linear_ramp(increment=8))  # the same in every process
+    assert function_identity(linear_ramp(8)).endswith("[linear_ramp(increment=8, every_n_epochs=1)]")
+    assert function_identity(step_increments([1], [8])) != function_identity(step_increments([1], [56]))
+    assert function_identity(seesaw(4)) != function_identity(seesaw(4, factor=4))
     assert function_identity(lambda e, b: 1) != function_identity(lambda e, b: 2)
-    assert "increment=8" in function_identity(linear_ramp(8)) and " at 0x" not in function_identity(lambda e, b: 1)
-    assert function_identity(functools.partial(multiply_every, factor=2)) != function_identity(
-        functools.partial(multiply_every, factor=4))
-    calls = []
+    assert " at 0x" not in function_identity(lambda e, b: 1)
 
-    def stateful(epoch, current_batch_size, limit=64):  # its list moves on as it runs: not compared
-        calls.append(epoch)
-        return 0
+    def my_growth(epoch, current_batch_size, step=4):
+        return step
 
-    before = function_identity(stateful)
-    stateful(0, 4)
-    assert function_identity(stateful) == before and before.endswith("stateful with limit=64")
+    started, counted = time.time(), 0
+
+    def holds(epoch, current_batch_size):  # a start time and a counter: not compared
+        nonlocal counted
+        counted += 1
+        return int(started > 0)
+
+    before = function_identity(holds)
+    holds(0, 4)
+    assert function_identity(holds) == before == function_name(holds)
+    partial = functools.partial(my_growth, step=8)
+    assert function_identity(partial) == function_name(partial)  # as recorded before identities
     assert function_identity(double_every_epoch) == "adaptive_batch.schedule.growth.double_every_epoch"
-    # a record written before identities held bound values is its bare name
-    assert same_function_recorded(function_name_of(linear_ramp(8)), function_identity(linear_ramp(8)))
-    assert not same_function_recorded(function_identity(linear_ramp(8)), function_identity(linear_ramp(56)))
-
-
-def function_name_of(fn):
-    from adaptive_batch.schedule.growth import function_name
-
-    return function_name(fn)
+    # a record written before identities said more is the bare name
+    assert same_setting_recorded(KEY, function_name(linear_ramp(8)), function_identity(linear_ramp(8)))
+    assert not same_setting_recorded(KEY, function_identity(linear_ramp(8)), function_identity(linear_ramp(56)))
+    assert not same_setting_recorded("lr_scaling", "linear", "linear [x]")  # the growth function's rule alone
 
 
 def test_an_integer_of_another_type_is_an_int():
