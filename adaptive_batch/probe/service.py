@@ -8,10 +8,10 @@ the candidates for the throughput objective, and writes ``batch_probe.json`` (an
 """
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import math
 import os
-from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Tuple, Union
 
 from adaptive_batch.distributed import MAX_MEMORY_ENV, RankGroup
 from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
@@ -236,6 +236,8 @@ def probe_batch_size(
     save_report: bool = True,
     build: Optional[Callable[[], ProbeTarget]] = None,
     first_guess: Optional[FirstGuessFor] = None,
+    held: Tuple[Any, ...] = (),
+    trial_fields: Optional[Dict[str, Any]] = None,
 ) -> ProbeReport:
     """Finds the batch to train with (or reuses a cached result) and writes the report.
 
@@ -261,6 +263,10 @@ def probe_batch_size(
         first_guess: ``guess(budget_bytes, cap)``, the answer predicted without real steps by a
             caller that knows the model (the recipes: fake steps of their config's model); the
             search starts there where the guess counts what the budget counts.
+        held: tensors the run holds beside the target's state through every step (a noise
+            scale's copy of the gradients), counted with it (:attr:`ProbeTarget.held`).
+        trial_fields: what the run's settings add to a trial beside ``cache_fields`` (its
+            micro-batches, the noise scale), for the cache key.
 
     Returns:
         The report: what ``batch_probe.json`` holds (``batch_size`` is the one to use).
@@ -270,7 +276,7 @@ def probe_batch_size(
         ConfigError: for a ``max_memory`` the device cannot give, or a device this torch lacks.
     """
     with logs.lines_to(log), collections_of_new_objects():
-        target = target.on_its_device()
+        target = replace(target, held=(*target.held, *held)).on_its_device()
         ranks = ranks or RankGroup(target.device)
         budget, capacity, in_children = step_budget(options, target, build=build, distributed=ranks.distributed)
         # Every rank searches against the smallest budget; each measures against its own.
@@ -281,7 +287,7 @@ def probe_batch_size(
         check = _AnswerCheck(target, limits, min(rank_budgets), budget.is_soft, ranks, output_dir)
         cache = ProbeCache(options.probe_cache_dir or default_cache_dir()) if options.probe_cache else None
         key = dict(
-            cache_fields or {}, seq_len=seq_len, device=device_name(target.device), budget_bytes=min(rank_budgets),
+            cache_fields or {}, **(trial_fields or {}), seq_len=seq_len, device=device_name(target.device), budget_bytes=min(rank_budgets),
             rank_budget_bytes=rank_budgets, batch_size_cap=cap, batch_size_rounding=options.batch_size_rounding,
             batch_size_objective=options.batch_size_objective, throughput_tolerance=options.throughput_tolerance,
             versions=library_versions(),
@@ -422,7 +428,8 @@ def _guess_where_units_match(
             not budget.is_soft and target.device.type == "cpu"):
         return None
     try:
-        guess = guess_for(budget_bytes, cap)
+        # The guess's fake step holds the model's state alone: what the run holds beside it is not its to fill.
+        guess = guess_for(budget_bytes - live_tensor_bytes(target.held), cap)
     except Exception as e:  # noqa: BLE001 - an operator fake tensors lack, a model the planner cannot build
         logs.warning(f"probe: no first guess ({type(e).__name__}: {first_line(e)}); measuring the line from real steps.")
         return None

@@ -169,6 +169,11 @@ class Grower:
             self.gradients = MicroBatchGradients(list(params))
             self.gradients.allocate()
 
+    def held_tensors(self) -> list:
+        """The tensors the noise scale holds through every step (the micro-batch estimator's copy of
+        the gradients), for the probe to count beside the model and optimizer."""
+        return getattr(self.gradients, "held", [])
+
     def measure_noise(self, global_samples: float) -> Optional[float]:
         """Folds the step's micro-batch gradients into the noise scale; returns it in samples
         (``None`` before it can be measured, or when it is not)."""

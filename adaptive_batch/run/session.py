@@ -279,8 +279,20 @@ class BatchSession:
             raise ValueError("settle() needs probe= to find the largest batch that fits.")
         self.probe_report = probe(
             options.probe, dataset_size=dataset_size, ranks=self.ranks, output_dir=self.output_dir, save_report=False,
+            held=tuple(self.grower.held_tensors()), trial_fields=self._trial_fields(),
         )
         return True
+
+    def _trial_fields(self) -> Dict[str, Any]:
+        """What the settings add to a trial's memory beside the step the caller names (the probe
+        cache's key): the micro-batches it runs and how the noise scale is measured. An answer
+        cached without the noise scale once came back beside it, and one with it 17% small."""
+        noise = self.options.noise
+        return dict(gradient_accumulation_steps=self._accumulation,
+                    global_batch_size=self.options.global_batch.global_batch_size,
+                    grow_with_accumulation=self.options.growth.grow_with_accumulation,
+                    measure_noise_scale=noise.measure_noise_scale, noise_scale_estimator=noise.noise_scale_estimator,
+                    noise_scale_split_step=noise.noise_scale_split_step)
 
     def probe_micro_batches(self, micro_batch_size: int) -> int:
         """How many micro-batches a probe trial at ``micro_batch_size`` runs before its optimizer

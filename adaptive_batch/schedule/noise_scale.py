@@ -168,6 +168,11 @@ class MicroBatchGradients:
 
         self._previous = [torch.zeros_like(local_tensor(p), dtype=torch.float32) for p in self.params]
 
+    @property
+    def held(self) -> list:
+        """The copy of the gradients, which the run holds through every step."""
+        return list(self._previous or [])
+
     def start(self) -> None:
         """A step (or its retry) begins: gradients are zero."""
         if self._previous is None:

@@ -94,6 +94,23 @@ def test_probe_finds_caches_and_reports(tmp_path):
     assert again.cache.hit is True and again.batch_size == report.batch_size
 
 
+def test_what_the_run_holds_beside_its_state_is_counted_and_keyed(tmp_path):
+    """A noise scale's copy of the gradients lives through every step: under a soft budget it was
+    no trial's tensor and no state's, and training at the answer passed max_memory by it."""
+    opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache_dir=str(tmp_path / "cache"))
+    common = dict(seq_len=256, dataset_size=10_000, cache_fields={"model": "mlp"}, log=lambda line: None)
+    plain = probe_batch_size(opts, _mlp_parts(), **common)
+    copy = torch.zeros(2**18)  # 1 MiB held through the run
+    held = probe_batch_size(opts, _mlp_parts(), held=(copy,), trial_fields={"measure_noise_scale": True}, **common)
+    assert held.cache.hit is False  # another key: the plain answer is not this run's
+    assert held.max_batch_size < plain.max_batch_size
+    for report in (plain, held):  # each answer's trial fits its own budget, with what it holds
+        fit = next(t for t in report.trials if t.batch_size == report.max_batch_size and t.fits)
+        assert fit.peak_bytes <= report.budget.budget_bytes
+    first, again = plain.trials[0], held.trials[0]  # the warmup, at the same size: the copy counted in its peak
+    assert first.batch_size == again.batch_size and again.peak_bytes >= first.peak_bytes + copy.nbytes
+
+
 def test_a_search_stopped_by_its_time_budget_says_so_and_is_not_cached(tmp_path):
     opts = ProbeOptions(use_maximum_batch_size=True, max_memory=4 * 2**20, probe_cache_dir=str(tmp_path / "cache"),
                         probe_time_budget=1e-9)

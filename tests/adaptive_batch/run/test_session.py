@@ -46,6 +46,27 @@ def run_epoch(s: BatchSession, epoch: int, tokens_per_sample: int = 10) -> Tuple
     return steps, resizes
 
 
+def test_the_probe_is_told_what_the_noise_scale_holds_and_the_settings_a_trial_depends_on(tmp_path):
+    """The copy of the gradients the micro-batch estimator keeps was not counted under a soft
+    budget, and answers cached without the noise scale came back beside it."""
+    s = BatchSession(AdaptiveBatchOptions(probe=ProbeOptions(use_maximum_batch_size=True),
+                                          noise=NoiseScaleOptions(measure_noise_scale=True)),
+                     batch_size=4, gradient_accumulation_steps=2, device=CPU, output_dir=str(tmp_path), max_seq_len=0,
+                     log=lambda line: None)
+    model = torch.nn.Linear(8, 4)
+    s.grower.track_gradients(model)
+    told = {}
+
+    def probe(options, **kwargs):
+        told.update(kwargs)
+        from adaptive_batch.probe.report import ProbeReport
+        return ProbeReport(max_batch_size=4, batch_size=4, budget_bytes=2**30)
+
+    s.settle(dataset_size=40, probe=probe)
+    assert sum(t.numel() * t.element_size() for t in told["held"]) == sum(p.numel() * 4 for p in model.parameters())
+    assert told["trial_fields"]["measure_noise_scale"] is True and told["trial_fields"]["gradient_accumulation_steps"] == 2
+
+
 def test_growth_at_each_epoch_is_the_epochs_batch_and_every_sample_is_trained_once(tmp_path):
     s = session(tmp_path, growth=GrowthOptions(batch_increase_function=DOUBLE), probe=ProbeOptions(max_batch_size=16))
     s.settle(dataset_size=40)
