@@ -85,22 +85,26 @@ def check_token_budget(
     if not lengths:
         raise ValueError("the dataset is empty: there is nothing to batch by tokens.")
     shortest, longest = min(lengths), max(lengths)
+    # The least budget every check below takes, so a fix does not lead to the next error (a
+    # budget raised to the shortest sample then could not hold min_batch_size of the longest).
+    enough = max(shortest, longest if long_sample_policy == "error" or min_batch_size > 1 else 0,
+                 min_batch_size * longest if min_batch_size > 1 else 0)
     if max_tokens < shortest:
         raise ValueError(
             f"max_tokens={max_tokens} is smaller than the shortest sample ({shortest} tokens): "
-            f"raise max_tokens to at least {shortest}."
+            f"raise max_tokens to at least {enough}."
         )
     too_long = sum(1 for n in lengths if n > max_tokens)
     if too_long and long_sample_policy == "error":
         raise ValueError(
             f"max_tokens={max_tokens}: {too_long} samples are longer (up to {longest} tokens); "
-            f"raise max_tokens to {longest} or set long_sample_policy=truncate."
+            f"raise max_tokens to {enough} or set long_sample_policy=truncate."
         )
     capped = min(longest, max_tokens)
     if min_batch_size * capped > max_tokens:
         raise ValueError(
             f"max_tokens={max_tokens} cannot hold min_batch_size={min_batch_size} samples of the "
-            f"longest length ({capped} tokens): raise max_tokens to {min_batch_size * capped} or "
+            f"longest length ({capped} tokens, truncated to the budget): raise max_tokens to {enough} or "
             "lower min_batch_size."
         )
     return too_long

@@ -53,6 +53,7 @@ class Grower:
         self.noise_scale = GradientNoiseScale(noise.noise_scale_ema) if noise.measure_noise_scale else None
         self.estimator = noise.noise_scale_estimator
         self.gradients: Optional[Union[MicroBatchGradients, NormLayerGradients]] = None
+        self._said_nothing_measured = False
         self._samples_per_token: Optional[float] = None
         self._warned_no_noise = False
 
@@ -179,6 +180,11 @@ class Grower:
         (``None`` before it can be measured, or when it is not)."""
         step = None if self.gradients is None else self.gradients.step_noise(self.ranks)
         if step is None:
+            if self.noise_scale is not None and self._noise_in_samples() is None and not self._said_nothing_measured:
+                self._said_nothing_measured = True  # once: a run of such steps logged no noise scale without a word
+                logs.warning("measure_noise_scale=True: a step of one micro-batch has no two gradients to compare, so "
+                             "gradient_noise_scale is not logged until one has; set noise_scale_split_step=True, or "
+                             "noise_scale_estimator=norm_layers to read it from every step.")
             return None if self.noise_scale is None else self._noise_in_samples()
         self.noise_scale.update(step.estimate)
         self._samples_per_token = global_samples / step.tokens

@@ -63,13 +63,15 @@ def parse_interval(value: object) -> GrowthInterval:
     """
     if isinstance(value, GrowthInterval):
         return value
-    if isinstance(value, str) and value.strip() == "epoch":
+    text = value.strip().lower() if isinstance(value, str) else None  # "2 Steps" as "2 steps"
+    if text == "epoch":
         return GrowthInterval()
-    match = _PATTERN.match(value) if isinstance(value, str) else None
+    match = _PATTERN.match(text) if text is not None else None
     if match is None or int(match.group(1)) < 1:
         raise ConfigError(
             f"{KEY}={value!r} is not an interval: use epoch, or a positive count and a unit, "
-            f"e.g. {KEY}='100 steps', '50000 samples' or '10000000 tokens'."
+            f"e.g. {KEY}='100 steps', '50000 samples' or '10000000 tokens'; to grow every N epochs, keep "
+            "epoch and give the growth function every_n_epochs (adaptive_batch.linear_ramp(8, every_n_epochs=2))."
         )
     unit = match.group(2) if match.group(2).endswith("s") else match.group(2) + "s"
     return GrowthInterval(unit=unit, every=int(match.group(1)))

@@ -1,4 +1,5 @@
 import random
+import re
 
 import pytest
 
@@ -127,6 +128,18 @@ def test_bad_budgets(kwargs, message):
     with pytest.raises(ValueError) as info:
         check_token_budget([3, 50, 150, 300], **kwargs)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=2, min_batch_size=4), dict(max_tokens=2, long_sample_policy="error"),
+                                    dict(max_tokens=100, min_batch_size=3), dict(max_tokens=2)])
+def test_the_fix_a_bad_budget_names_passes_every_check(kwargs):
+    """max_tokens=16 min_batch_size=4 said "raise max_tokens to at least 66" (the shortest
+    sample), and 66 then said "raise max_tokens to 264"."""
+    lengths = [3, 50, 150, 300]
+    with pytest.raises(ValueError) as info:
+        check_token_budget(lengths, **kwargs)
+    fixed = int(re.search(r"raise max_tokens to (?:at least )?(\d+)", str(info.value)).group(1))
+    check_token_budget(lengths, **dict(kwargs, max_tokens=fixed))
 
 
 def test_truncation_count_is_reported():

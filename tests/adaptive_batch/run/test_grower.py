@@ -61,3 +61,28 @@ def test_per_rank_increase_passes_statistics_and_the_noise_scale_mark_on():
     assert per_rank.needs_gradient_noise_scale
     # 2 ranks x 4 = global 8, toward 24: +16 globally, +8 a rank
     assert call_batch_increase_function(per_rank, 1, 4, stats=stats) == 8
+
+
+def test_steps_of_one_micro_batch_that_measure_no_noise_scale_say_so_once():
+    """The key's line promises gradient_noise_scale every step; a run of one-micro-batch steps
+    logged none, without a word."""
+    import torch
+
+    from adaptive_batch.distributed import RankGroup
+    from adaptive_batch.logs import lines_to
+    from adaptive_batch.run.grower import Grower
+    from adaptive_batch.schedule.growth import GrowthOptions
+    from adaptive_batch.schedule.noise_scale import NoiseScaleOptions
+
+    grower = Grower(GrowthOptions(), NoiseScaleOptions(measure_noise_scale=True), ranks=RankGroup(torch.device("cpu")))
+    model = torch.nn.Linear(4, 1)
+    grower.track_gradients(model)
+    warnings = []
+    with lines_to(lambda line: None, warnings.append):
+        for _ in range(3):  # steps of one micro-batch each
+            grower.gradients.start()
+            model(torch.ones(2, 4)).sum().backward()
+            grower.gradients.after_micro_batch(torch.tensor(2.0))
+            assert grower.measure_noise(2.0) is None
+    assert len(warnings) == 1 and "a step of one micro-batch has no two gradients to compare" in warnings[0]
+    assert "noise_scale_split_step=True" in warnings[0]

@@ -8,6 +8,7 @@ from adaptive_batch.schedule.interval import GrowthInterval, parse_interval
 @pytest.mark.parametrize("value,unit,every", [
     ("epoch", "epoch", 1), ("100 steps", "steps", 100), ("1 step", "steps", 1),
     ("50000 samples", "samples", 50000), (" 7  tokens ", "tokens", 7),
+    ("2 Steps", "steps", 2), ("Epoch", "epoch", 1),  # "2 step" was taken and "2 Steps" refused
 ])
 def test_parses_every_form(value, unit, every):
     assert parse_interval(value) == GrowthInterval(unit=unit, every=every)
@@ -17,6 +18,12 @@ def test_parses_every_form(value, unit, every):
 def test_bad_intervals_name_the_key_and_the_forms(value):
     with pytest.raises(ConfigError, match=r"batch_increase_interval=.* is not an interval: use epoch, or a positive count"):
         parse_interval(value)
+
+
+def test_every_n_epochs_is_pointed_to_the_functions_own_interval():
+    with pytest.raises(ConfigError, match=r"'2 epochs' is not an interval: .* to grow every N epochs, keep epoch and give "
+                                          r"the growth function every_n_epochs"):
+        parse_interval("2 epochs")
 
 
 def test_growth_options_hold_it_parsed():
