@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 import torch
@@ -11,6 +11,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
+from adaptive_batch.memory.device import format_bytes
 from adaptive_batch.probe.fake_step import KnownStateOptimizer
 from adaptive_batch.probe.plan import MemoryPlan, plan_memory
 from adaptive_batch.probe.search import FirstGuess
@@ -103,6 +104,21 @@ def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
     return [getattr(t, name) for name in names]
 
 
+def _with_the_noise_scales_copy(cfg: DictConfig, step: "_RecipeStep", world_size: int, adjust_bytes: Dict[str, int],
+                                assumptions: List[str]) -> Dict[str, int]:
+    """``adjust_bytes`` with the copy of the gradients ``measure_noise_scale`` holds through the
+    run (the micro-batch estimator's: fp32, each rank's share of the trainable parameters), said
+    in ``assumptions``; the probe counts it, and the plan once answered one more than it."""
+    if not cfg.get("measure_noise_scale", False) or cfg.get("noise_scale_estimator", "micro_batches") != "micro_batches":
+        return adjust_bytes
+    with torch.device("meta"):  # counted, not allocated
+        trainable = sum(p.numel() for p in step.build_model().parameters() if p.requires_grad)
+    copy = trainable * 4 // world_size
+    assumptions.append(f"measure_noise_scale=True holds an fp32 copy of the trainable gradients through the run "
+                       f"({format_bytes(copy)} a rank), counted with the gradients")
+    return {**adjust_bytes, "gradients": adjust_bytes.get("gradients", 0) + copy}
+
+
 def plan_from_config(
     cfg: DictConfig,
     *,
@@ -142,6 +158,7 @@ def plan_from_config(
     make_optimizer = _optimizer_factory(cfg.optimizer, assumptions)
     cfg_model, adjust_bytes = _nf4_base_weights(cfg.model, dtype, assumptions)
     step = _RecipeStep(cfg, cfg_model, dtype, config.instantiate(cfg.loss), make_optimizer)
+    adjust_bytes = _with_the_noise_scales_copy(cfg, step, world_size, adjust_bytes, assumptions)
     return plan_memory(
         build_model=step.build_model,
         build_optimizer=step.build_optimizer,

@@ -63,6 +63,31 @@ def test_a_cuda_plan_holds_the_steps_two_cublas_workspaces_and_a_cpu_plan_none(m
     assert not any("cuBLAS" in a for a in cpu.assumptions)
 
 
+@pytest.mark.parametrize("name, trainable", [("full_single_device.yaml", None), ("lora_single_device.yaml", "adapters")])
+def test_the_noise_scales_copy_of_the_trainable_gradients_is_planned(name, trainable):
+    """The probe counts the micro-batch estimator's fp32 copy of the gradients; the plan answered
+    one more than the probe (17 where 16 trained)."""
+    import torch
+
+    from adaptive_batch.torchtune.planning import _RecipeStep, plan_from_config
+    from torchtune import config
+
+    plain = plan_from_config(_config(name), device_memory_bytes=None, safety_margin=0.0)
+    cfg = _config(name, measure_noise_scale=True)
+    noisy = plan_from_config(cfg, device_memory_bytes=None, safety_margin=0.0)
+    step = _RecipeStep(cfg, cfg.model, torch.float32, config.instantiate(cfg.loss), lambda params: None)
+    with torch.device("meta"):
+        model = step.build_model()
+    counted = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert (trainable == "adapters") == (counted < sum(p.numel() for p in model.parameters()))
+    assert noisy.row_at(4).peak_bytes - plain.row_at(4).peak_bytes == 4 * counted
+    assert any("fp32 copy of the trainable gradients" in a for a in noisy.assumptions)
+    if trainable is None:  # no copy where it reads each example's norm-layer gradients
+        layers = _config(name, measure_noise_scale=True, noise_scale_estimator="norm_layers")
+        assert plan_from_config(layers, device_memory_bytes=None, safety_margin=0.0).row_at(4).peak_bytes == (
+            plain.row_at(4).peak_bytes)
+
+
 @pytest.mark.parametrize("config, expected", [
     (None, 32 * 2**20),  # torch's default on Hopper
     (":4096:2:16:8", (4096 * 2 + 16 * 8) * 1024),
