@@ -158,7 +158,6 @@ def plan_from_config(
     make_optimizer = _optimizer_factory(cfg.optimizer, assumptions)
     cfg_model, adjust_bytes = _nf4_base_weights(cfg.model, dtype, assumptions)
     step = _RecipeStep(cfg, cfg_model, dtype, config.instantiate(cfg.loss), make_optimizer)
-    adjust_bytes = _with_the_noise_scales_copy(cfg, step, world_size, adjust_bytes, assumptions)
     return plan_memory(
         build_model=step.build_model,
         build_optimizer=step.build_optimizer,
@@ -169,8 +168,8 @@ def plan_from_config(
         max_batch_size=max_batch_size,
         optimizer_in_backward=step.optimizer_in_bwd,
         extrapolate_layers=extrapolate_layers,
-        assumptions=assumptions,
-        adjust_bytes=adjust_bytes,
+        assumptions=assumptions,  # the list the noise scale's line joins (the next argument)
+        adjust_bytes=_with_the_noise_scales_copy(cfg, step, world_size, adjust_bytes, assumptions),
         device_type=str(device_type or cfg.get("device", "cpu")),
         world_size=world_size,
         shard=step.shard,
