@@ -110,6 +110,14 @@ class InputsHeld:
             step = max(effective, micro_batch)
         return cls(step, micro_batch if prefetched else 0)
 
+    def beside(self, micro_batch: int) -> int:
+        """The samples held beside a ``micro_batch`` through its step: the step's others and the next one."""
+        return self.step_rows - micro_batch + self.prefetched_rows
+
+    def at_peak(self, micro_batch: int) -> int:
+        """The samples held beside a ``micro_batch`` at the most: also the next step's, fetched at its end."""
+        return self.beside(micro_batch) + self.step_rows
+
 
 def label_items(batch: Any, shifts_labels: bool = False) -> float:
     """What a mean loss of ``batch`` averages over, counted as the Trainer counts

@@ -311,14 +311,14 @@ class AdaptiveBatchTrainer(Trainer):
         """What a step of ``effective`` samples holds of its inputs at a micro-batch of 1, said
         where that is more than the micro-batch's: a budget under batch 1 may be the step's images."""
         held = self._inputs_held(1, effective)
-        samples = 2 * held.step_rows + held.prefetched_rows - 1  # beside the micro-batch the step trains
+        samples = held.at_peak(1)
         if samples <= 1:
             return ""
         sample = sum(t.numel() * t.element_size() for t in tree_leaves(make_batch(1)) if isinstance(t, torch.Tensor))
         return (f" Beside it the Trainer's step holds the inputs of {samples} more samples "
-                f"({format_bytes(samples * sample)}): the rest of the step's {held.step_rows}, the next step's as they are fetched, and the one its loader "
-                "keeps; a smaller effective batch (per_device_train_batch_size x gradient_accumulation_steps, or "
-                "global_batch_size) leaves more.")
+                f"({format_bytes(samples * sample)}): the rest of the step's {held.step_rows}, the next step's as "
+                "they are fetched, and the one its loader keeps; a smaller effective batch "
+                "(per_device_train_batch_size x gradient_accumulation_steps, or global_batch_size) leaves more.")
 
     def _average_a_loss_that_ignores_the_item_count(self) -> None:
         """A step in several micro-batches is the whole batch's step only where each micro-batch's
@@ -822,7 +822,7 @@ class AdaptiveBatchTrainer(Trainer):
                                                    grow_with_accumulation=self.trials_grow_by_accumulation())
         inputs = self._inputs_held(rows, effective)
         # The inputs training holds beside this micro-batch: the step's others and the next one.
-        held = BatchLayout().copies(batch, inputs.step_rows - rows + inputs.prefetched_rows)
+        held = BatchLayout().copies(batch, inputs.beside(rows))
         self.current_gradient_accumulation_steps = len(pieces)
         # The step's count where the Trainer passes one (a compute_loss_func may divide by it), this
         # rank's alone: the Trainer's sums it over the ranks (a collective), and ranks probe their

@@ -85,7 +85,7 @@ class AdaptiveBatchOptions:
     def trained_values(self) -> Dict[str, Any]:
         """Each flat setting that changes what is trained (:data:`UNTRAINED_KEYS` aside), as the
         run takes it, for :class:`~adaptive_batch.run.state.RunState`'s fingerprint: a function as
-        its dotted name and bound values (:func:`function_identity`), any other object as its text."""
+        its identity (:func:`function_identity`), any other object as its text."""
         def plain(value: Any) -> Any:
             if value is None or isinstance(value, (bool, int, float, str)):
                 return value

@@ -129,3 +129,5 @@ def test_the_inputs_a_trainer_step_holds(micro_batch, effective, grows, by_accum
     held = InputsHeld.at(micro_batch, effective, grows=grows, grows_by_accumulation=by_accumulation,
                          prefetched=prefetched)
     assert (held.step_rows, held.prefetched_rows) == expected
+    assert held.beside(micro_batch) == expected[0] - micro_batch + expected[1]
+    assert held.at_peak(micro_batch) == held.beside(micro_batch) + expected[0]
