@@ -169,9 +169,10 @@ def run_in_child(
     """
     context = multiprocessing.get_context("forkserver")
     # The server imports torch once and has run no parallel region, so its forks start clean
-    # (a fork of a process whose OpenMP pool ran hangs) and a trial costs its build, not an import.
+    # (a fork of a process whose OpenMP pool ran hangs) and a trial costs its build, not an import:
+    # torch's optimizers import its compiler when the first is built (0.75 s a trial on CPU).
     # A build may name more (a recipe's torchtune): the first trial's list holds for the process.
-    context.set_forkserver_preload(["torch", __name__, *getattr(build, "preload", ())])
+    context.set_forkserver_preload(["torch", "torch._dynamo", __name__, *getattr(build, "preload", ())])
     keep_socket_paths_short()
     parent, child = context.Pipe(duplex=False)
     process = context.Process(

@@ -43,7 +43,11 @@ def build_hanging() -> ProbeTarget:
 
 
 def build_telling_its_process() -> ProbeTarget:
-    """A build that fails with the threads and glibc setting its process trains with."""
+    """A build that fails with the threads and glibc setting its process trains with, and
+    whether torch's compiler, which its optimizers import, was imported before it."""
+    import sys
+
     from adaptive_batch.memory.device import glibc_mmap_threshold_set
 
-    raise ValueError(f"threads={torch.get_num_threads()} mmap_threshold={glibc_mmap_threshold_set()}")
+    raise ValueError(f"threads={torch.get_num_threads()} mmap_threshold={glibc_mmap_threshold_set()} "
+                     f"compiler_imported={'torch._dynamo' in sys.modules}")
