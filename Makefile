@@ -32,10 +32,13 @@ run-distributed: $(STAMP)
 # Everything, as CI runs it (.ci/run): one pytest worker a core (pytest-xdist), a test file to a
 # worker (its module-scoped runs are shared by its tests), in tests/conftest.py's order (the files
 # of many slow tests first; xdist 3.8's own reorder by test count left the two-rank file, 7 tests and
-# 2 minutes, for last). TEST_WORKERS=0 runs in this process.
+# 2 minutes, for last). TEST_WORKERS=0 runs in this process. Bytecode caches are written, as Python
+# does by default: under PYTHONDONTWRITEBYTECODE (set on this kind of machine) each of the suite's
+# hundred-odd processes compiled the library and recipes again (0.5 s each), and each worker
+# rewrote every test module's asserts.
 TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 # Without the tests that need processes of their own (real memory limits, torchrun, an install).
 test-fast: $(STAMP)
