@@ -32,7 +32,7 @@ from torch.utils.data import IterableDataset
 
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import LengthGroupedSampler
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, SaveStrategy, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, SaveStrategy, get_last_checkpoint, has_length
 from transformers.utils import is_datasets_available
 
 from adaptive_batch.data.layout import BatchLayout
@@ -382,8 +382,10 @@ class AdaptiveBatchTrainer(Trainer):
         if self.args.world_size == 1:
             settings["max_memory"] = self.max_memory
         settings.update(growth_settings(self._growth.growth, self._growth.lr))
-        if self._growth.grows:  # its position and schedule count each rank's samples
+        if self._growth.grows:  # its position and schedule count each rank's samples of this data
             settings["world_size"] = self.args.world_size
+            if has_length(self.train_dataset):
+                settings["dataset_size"] = len(self.train_dataset)
         return settings
 
     def _refuse_what_changed_since(self, saved: Dict[str, Any], checkpoint: str) -> None:

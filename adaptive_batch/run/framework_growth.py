@@ -25,6 +25,10 @@ from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRScalingOptions
 STATE_VERSION = 1
 
 
+# Settings an adapter keeps only since some release: a fit recorded before has none to compare.
+_KEPT_SINCE = frozenset({"dataset_size"})
+
+
 @dataclass
 class FrameworkGrowthState:
     """What a checkpoint keeps of the batch (the callback's ``state_dict``).
@@ -173,6 +177,8 @@ class FrameworkGrowth:
         # Every fit before ranks, or the interval, were kept ran on one rank, growing per epoch.
         restored.settings = {"world_size": 1, "batch_increase_interval": "epoch", **restored.settings}
         for key, value in settings.items():
+            if key in _KEPT_SINCE and key not in restored.settings:  # a fit from before it was kept
+                continue
             if not same_setting_recorded(key, restored.settings.get(key), value):
                 raise ConfigError(
                     f"{key}={value!r}, but the checkpoint's fit ran with {key}={restored.settings.get(key)!r}: its "

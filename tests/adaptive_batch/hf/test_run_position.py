@@ -428,3 +428,20 @@ def test_growth_over_a_stream_is_one_line_before_the_trainers_own(tmp_path):
 
     with pytest.raises(ConfigError, match=r"batch_increase_function with an IterableDataset: .* a dataset with a length"):
         _trainer(tmp_path, samples=Stream())
+
+
+def test_a_resume_on_other_data_is_refused_and_one_recorded_before_its_size_was_kept_resumes(whole, tmp_path):
+    """The position and the schedule count this data's samples: resumed on 40 samples where it
+    trained 32, the run went on with another epoch's length and schedule, silently."""
+    checkpoint = f"{whole.args.output_dir}/checkpoint-10"
+    with pytest.raises(ConfigError, match=r"it trained dataset_size=32, this Trainer asks for 40; put it back"):
+        _trainer(tmp_path / "other", samples=_samples(40)).train(resume_from_checkpoint=checkpoint)
+    older = tmp_path / "checkpoint-10"
+    shutil.copytree(checkpoint, older)
+    state = json.loads((older / STATE_FILE).read_text())
+    state.pop("dataset_size")
+    state["growth"]["settings"].pop("dataset_size")
+    (older / STATE_FILE).write_text(json.dumps(state))
+    resumed = _trainer(tmp_path / "out")
+    resumed.train(resume_from_checkpoint=str(older))
+    _assert_trains_the_rest_of(whole, resumed, 10)
