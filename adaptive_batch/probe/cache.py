@@ -38,19 +38,23 @@ def library_versions() -> Dict[str, str]:
 
 def step_fields(model: Any, optimizer: Any, batch: Any, functions: Tuple[Callable, ...]) -> Dict[str, str]:
     """What a plain loop's step is made of, as far as it can be seen, for the cache's key, the
-    same in every process: the model's modules and its parameters and buffers (name, shape, dtype,
-    trainable), the optimizer's class and the settings that change its state's size (a number
+    same in every process: the model's modules (class, settings as their ``extra_repr`` shows them:
+    a convolution's stride; and the code of their classes' ``forward``) and its parameters and
+    buffers (name, shape, dtype, trainable), the optimizer's class and the settings that change its state's size (a number
     counts as on or off: an LR sweep probes once), the worst-case batch's tensors (shape, dtype)
     and the step functions' code. A memory change none of them shows (autocast switched by an
     environment variable, an attention kernel chosen by a config) is not seen: ``probe_cache=False``
     there."""
     tensors = [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
                for name, t in [*model.named_parameters(), *model.named_buffers()]]
-    modules = [type(m).__qualname__ for m in model.modules()]
+    # A stride, a pooling size or a forward changed beside the same parameters changes the memory:
+    # a conv net of stride 4 once read back the answer of stride 1, a ninth of what fit.
+    modules = [(type(m).__qualname__, m.extra_repr()) for m in model.modules()]
+    forwards = [code_of(cls.forward) for cls in dict.fromkeys(type(m) for m in model.modules())]
     settings = None if optimizer is None else (type(optimizer).__qualname__, [
         {k: _on_or_off(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    return {"model": f"{type(model).__qualname__}:{digest([modules, tensors])}", "optimizer": digest(settings),
+    return {"model": f"{type(model).__qualname__}:{digest([modules, forwards, tensors])}", "optimizer": digest(settings),
             "batch": digest(shapes), "code": digest([code_of(fn) for fn in functions])}
 
 

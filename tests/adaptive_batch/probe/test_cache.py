@@ -103,3 +103,26 @@ def test_a_plain_loops_key_is_the_same_for_the_same_step_and_an_lr_sweep_and_dif
 
     assert the_same_loop(0.1) == the_same_loop(0.1) == the_same_loop(0.01)
     assert the_same_loop(0.1, momentum=0.9)["optimizer"] != the_same_loop(0.1)["optimizer"]  # a momentum buffer
+
+
+def test_a_plain_loops_key_differs_with_a_modules_settings_and_its_forward():
+    """A conv net of stride 4 read back the answer of the same net at stride 1 (the same
+    parameters): it trained at 39 where 337 fit."""
+    import torch
+
+    from adaptive_batch.probe.cache import step_fields
+
+    def net(forward_body):  # the class a user edited between two runs: its name stays
+        scope = {"torch": torch}
+        exec(compile(f"class Net(torch.nn.Linear):\n    def forward(self, x):\n        return {forward_body}\n",
+                     "model.py", "exec"), scope)
+        return scope["Net"](4, 4)
+
+    def key(model):
+        return step_fields(model, None, torch.zeros(1, 1, 8, 8), ())["model"]
+
+    torch.manual_seed(0)
+    assert key(torch.nn.Conv2d(1, 4, 3, stride=1)) == key(torch.nn.Conv2d(1, 4, 3, stride=1))
+    assert key(torch.nn.Conv2d(1, 4, 3, stride=4)) != key(torch.nn.Conv2d(1, 4, 3, stride=1))
+    assert key(net("super().forward(x)")) == key(net("super().forward(x)"))
+    assert key(net("super().forward(torch.cat([x, x]))")) != key(net("super().forward(x)"))
