@@ -25,7 +25,7 @@ from adaptive_batch.rng import rng_state, set_rng_state
 
 
 class TrainingStateSnapshot:
-    """Saves model (its gradients too), optimizer, LR scheduler and RNG state on entry and
+    """Saves model (its gradients and non-persistent buffers too), optimizer, LR scheduler and RNG state on entry and
     restores it on exit; the steps inside start with no gradients.
 
     Used as a context manager around probe steps; the state is restored whether the block ends
@@ -65,14 +65,18 @@ class TrainingStateSnapshot:
         self._path = f"/proc/self/fd/{fd}" if self._named is None else self._named
         # Gradients a caller holds mid-accumulation go to the file and out of the trials' way.
         grads = {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
-        state = {"model": self.model.state_dict(), "grads": grads}
+        model_state = self.model.state_dict()
+        # Buffers a state_dict leaves out (persistent=False: a step counter, a running average
+        # the forward keeps) are the model's state too.
+        unsaved = {name: b for name, b in self.model.named_buffers() if name not in model_state}
+        state = {"model": model_state, "grads": grads, "buffers": unsaved}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         torch.save(state, self._file)
         self._file.flush()
-        del state, grads
+        del state, grads, model_state, unsaved
         for p in self.model.parameters():
             p.grad = None
         self._rng = rng_state()
@@ -97,6 +101,10 @@ class TrainingStateSnapshot:
             # mapping cannot.
             state = torch.load(self._path, mmap=False, weights_only=True)
         self.model.load_state_dict(state["model"])
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, value in state.get("buffers", {}).items():
+                buffers[name].copy_(value)
         saved_grads = state.get("grads", {})
         for name, p in self.model.named_parameters():
             grad = saved_grads.get(name)  # a CPU one out of the file's mapping; a card's is loaded fresh

@@ -73,6 +73,18 @@ def test_gradients_held_mid_accumulation_come_back_and_the_steps_start_without_t
         assert (p.grad is None) if name not in held else torch.equal(p.grad, held[name]), name
 
 
+def test_buffers_a_state_dict_leaves_out_come_back(tmp_path):
+    """A buffer registered with persistent=False that the forward updates (a step counter, an
+    average) came out of a probe 8 steps on."""
+    model, opt, sched = make()
+    model.register_buffer("seen", torch.ones(3), persistent=False)
+    model.register_buffer("kept", torch.ones(3))
+    with TrainingStateSnapshot(model, opt, sched, directory=str(tmp_path)):
+        model.seen += 8
+        model.kept += 8
+    assert torch.equal(model.seen, torch.ones(3)) and torch.equal(model.kept, torch.ones(3))
+
+
 def test_restored_when_the_block_raises(tmp_path):
     model, opt, sched = make()
     before = model[0].weight.clone()
