@@ -1,6 +1,7 @@
 """find_max_batch_size on a plain nn.Module: in-process under a budget, and in a process under
 a real address-space limit, where the batch above the answer really runs out of memory."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -394,7 +395,8 @@ def test_the_search_from_2_has_what_the_first_search_left_of_the_time_budget(mon
 def test_a_step_that_steps_an_optimizer_over_parameters_the_probe_was_not_given_is_refused_before_it_steps():
     """A GAN's step (a generator's and a discriminator's optimizer) probed with the generator and
     its optimizer: the discriminator and its optimizer came out 10 steps on, without a word. An
-    optimizer over the model's own parameters (a Lookahead's inner one) still steps."""
+    optimizer over the model's own parameters (a Lookahead's inner one, the discriminator's where
+    both are the model) still steps, and its state comes back."""
     torch.manual_seed(0)
     generator, discriminator = nn.Linear(8, 8), nn.Linear(8, 1)
     opt_g, opt_d = torch.optim.Adam(generator.parameters()), torch.optim.Adam(discriminator.parameters())
@@ -431,3 +433,15 @@ def test_a_step_that_steps_an_optimizer_over_parameters_the_probe_was_not_given_
 
     assert find_max_batch_size(step, make_batch=lambda b: torch.randn(b, 8), model=generator, optimizer=outer,
                                max_memory="16MiB", max_batch_size=64) == 64
+
+    # Both in the model, the discriminator's own optimizer beside the one passed: it steps, and
+    # its state comes back (its Adam came out 8 steps on, its moments changed, without a word).
+    gan_step(torch.randn(4, 8))  # a step of training before the probe
+    saved = copy.deepcopy(opt_d.state_dict())
+    both = nn.ModuleDict({"G": generator, "D": discriminator})
+    assert find_max_batch_size(gan_step, make_batch=lambda b: torch.randn(b, 8), model=both, optimizer=opt_g,
+                               max_memory="16MiB", max_batch_size=64) == 64
+    state = opt_d.state_dict()["state"]
+    assert [s["step"].item() for s in state.values()] == [1.0, 1.0]
+    for key, value in saved["state"].items():
+        assert all(torch.equal(value[k], state[key][k]) for k in ("exp_avg", "exp_avg_sq")), key
