@@ -51,7 +51,7 @@ from adaptive_batch.memory.oom import collections_of_new_objects
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
-from adaptive_batch.probe.target import ProbeTarget, check_make_batch, only_its_optimizer_steps
+from adaptive_batch.probe.target import BatchesOfTheirSize, ProbeTarget, check_make_batch, only_its_optimizer_steps
 from adaptive_batch.validation import check_callable, check_safety_margin
 
 
@@ -200,6 +200,7 @@ def _search(train_step: Callable[[Any], None], *, make_batch: Callable[[int], An
         )
         target = ProbeTarget(train_step, make_batch, model, optimizer, device, lr_scheduler).on_its_device()
         check_make_batch(make_batch)
+        target = replace(target, make_batch=BatchesOfTheirSize(make_batch))
         budget, capacity, in_children = step_budget(options, target, build=build)
         if build is not None and not in_children:
             logs.info(f"probe: build= is not used: {_why_build_is_not_used(capacity.source, target.device)}")

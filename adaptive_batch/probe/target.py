@@ -175,6 +175,32 @@ def _shapes(batch: Any) -> List[Tuple[int, ...]]:
     return [tuple(leaf.shape) for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
 
 
+class BatchesOfTheirSize:
+    """``make_batch``, refusing a batch of the same shapes as one it built at another size: a
+    maker that stops growing (``data[:b]`` past the data's end) had the search go on to a "largest
+    fit" of 2**60, through 64 trials of the same batch.
+
+    Raises:
+        ConfigError: (from a call) naming both sizes.
+    """
+
+    def __init__(self, make_batch: Callable[[int], Any]) -> None:
+        self.make_batch = make_batch
+        self._sizes: Dict[Tuple[Tuple[int, ...], ...], int] = {}
+
+    def __call__(self, batch_size: int) -> Any:
+        batch = self.make_batch(batch_size)
+        shapes = tuple(_shapes(batch))
+        other = self._sizes.setdefault(shapes, batch_size) if shapes else batch_size
+        if other != batch_size:
+            raise ConfigError(
+                f"make_batch: make_batch({batch_size}) built tensors of the same shapes as make_batch({other}) "
+                f"({list(shapes[:3])}): it must build a batch of the size it is given (a slice past the data's end "
+                f"stops growing), e.g. make_batch={MAKE_BATCH_EXAMPLE}."
+            )
+        return batch
+
+
 def check_make_batch(make_batch: Callable[[int], Any]) -> None:
     """Refuses a batch maker whose batches of 1 and 2 samples are the same shape: one that
     ignores its size would have every trial measure the same batch and "find" the cap.

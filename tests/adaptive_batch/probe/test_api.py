@@ -445,3 +445,20 @@ def test_a_step_that_steps_an_optimizer_over_parameters_the_probe_was_not_given_
     assert [s["step"].item() for s in state.values()] == [1.0, 1.0]
     for key, value in saved["state"].items():
         assert all(torch.equal(value[k], state[key][k]) for k in ("exp_avg", "exp_avg_sq")), key
+
+
+def test_a_batch_maker_that_stops_growing_is_named_in_one_line():
+    """``data[:b]`` past 100 samples: the search ran 64 trials of the same batch and answered a
+    "largest fit" of 2**60."""
+    data = torch.randn(100, 8)
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with pytest.raises(ConfigError, match=r"make_batch: make_batch\(\d+\) built tensors of the same shapes as "
+                                          r"make_batch\(\d+\) \(\[\(100, 8\)\]\)"):
+        find_max_batch_size(step, make_batch=lambda b: data[:b], model=model, optimizer=optimizer, max_memory="64MiB")
