@@ -64,8 +64,9 @@ def starting_batch(
     ``max_batch_size``) the largest micro-batch.
 
     Raises:
-        ConfigError: for a ``batch_size`` over ``max_batch_size`` where neither the probe nor
-            growth (nor a ``token_budget``, which draws up to it) bounds the batch.
+        ConfigError: for a ``batch_size`` (times the accumulation, under growth) over
+            ``max_batch_size`` where the probe does not run (nor a ``token_budget``, which draws
+            up to it, nor growth by accumulation, which splits it).
     """
     accumulation = gradient_accumulation_steps
     if growth.batch_increase_function is None:
@@ -90,6 +91,13 @@ def starting_batch(
     )
     start = batch_size * accumulation
     with_accumulation = growth.grow_with_accumulation
+    if report is None and start > bound and not with_accumulation and not token_budget:
+        # Nothing was measured: the bound is the user's own, and the LR was set for the batch asked.
+        raise ConfigError(
+            f"batch_size={batch_size} x gradient_accumulation_steps={accumulation} is over "
+            f"max_batch_size={bound}, the bound of growth: set batch_size to at most {bound}, raise max_batch_size, "
+            "or set grow_with_accumulation=True to train it in micro-batches."
+        )
     if start > bound and not with_accumulation:  # said first: the start line below is the one trained
         logs.warning(
             f"batch_size={batch_size} x gradient_accumulation_steps={accumulation} is over "

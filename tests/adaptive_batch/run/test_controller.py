@@ -112,13 +112,21 @@ def test_growth_without_bound_probes_and_bounds_by_the_rounded_maximum(tmp_path)
     assert (batch.batch_size, batch.max_micro_batch_size) == (4, 16)
 
 
-def test_growth_start_over_the_bound_is_clamped_with_a_warning(tmp_path):
+def test_growth_start_over_the_probes_answer_is_clamped_and_over_max_batch_size_alone_refused(tmp_path):
+    """Where nothing was measured the start trained max_batch_size, said as "the largest batch
+    that fits", at an LR scaled down from the batch asked: refused, as without growth."""
     growth = GrowthOptions(batch_increase_function="adaptive_batch.double_every_epoch")
-    ctl = controller(tmp_path, batch_size=10, accumulation=2, growth=growth, probe=ProbeOptions(max_batch_size=8))
-    assert not ctl.options.needs_probe
-    batch = ctl.settle(dataset_size=500)
+    ctl = controller(tmp_path / "probed", batch_size=10, accumulation=2, growth=growth,
+                     probe=ProbeOptions(use_maximum_batch_size=True, max_batch_size=64))
+    batch = ctl.settle(dataset_size=500, probe=ScriptedProbe(8))
     assert (batch.batch_size, batch.max_micro_batch_size) == (8, 8)
     assert any("is over the largest batch that fits, 8: starting at 8" in line for line in ctl.lines)
+    ctl = controller(tmp_path / "capped", batch_size=10, accumulation=2, growth=growth, probe=ProbeOptions(max_batch_size=8))
+    assert not ctl.options.needs_probe
+    with pytest.raises(ConfigError, match=r"batch_size=10 x gradient_accumulation_steps=2 is over max_batch_size=8, the "
+                                          r"bound of growth: set batch_size to at most 8, raise max_batch_size, or set "
+                                          r"grow_with_accumulation=True"):
+        ctl.settle(dataset_size=500)
 
 
 def test_growth_with_accumulation_keeps_the_start(tmp_path):

@@ -448,19 +448,17 @@ def test_a_batch_whose_first_tensor_is_no_row_a_sample_is_one_line_at_its_first_
     assert plain.step(next(iter(plain.batches(0)))).global_step == 1  # None is torch's collate, as a DataLoader takes it
 
 
-def test_a_batch_over_max_batch_size_is_refused_where_nothing_bounds_it_and_the_start_said_once_clamped():
-    """batch_size=8 with max_batch_size=4 trained 8 a step, over the stated bound; with growth the
-    log said it started at 16, then that it started at 4."""
+def test_a_batch_over_max_batch_size_is_refused_where_no_probe_runs():
+    """batch_size=8 with max_batch_size=4 trained 8 a step, over the stated bound; with growth it
+    started at 4, said as "the largest batch that fits" where nothing was measured, at half the LR."""
     data, model, optimizer, loss_fn = _parts()
     with pytest.raises(ConfigError, match=r"batch_size=8 is over max_batch_size=4, the bound of the probe and of "
                                           r"growth, neither of which runs: set batch_size to at most 4"):
         AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=8, max_batch_size=4).batch_size
-    lines = []
-    grown = AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=16, max_batch_size=4,
-                          batch_increase_function=double_every_epoch, log=lines.append)
-    assert grown.batch_size == 4
-    assert [line for line in lines if "starting at" in line][-1].startswith(
-        "batch_increase_function: starting at 4 samples a step")
+    with pytest.raises(ConfigError, match=r"batch_size=16 x gradient_accumulation_steps=1 is over max_batch_size=4, "
+                                          r"the bound of growth: set batch_size to at most 4"):
+        AdaptiveBatch(model, optimizer, data, loss_fn, batch_size=16, max_batch_size=4,
+                      batch_increase_function=double_every_epoch).batch_size
 
 
 def test_a_build_goes_to_the_probe_for_trials_in_fresh_processes(monkeypatch):

@@ -51,8 +51,14 @@ def test_a_batch_over_max_batch_size_is_refused_only_where_nothing_it_bounds_run
         start(probe=capped, batch_size=8)
     assert starting_batch(batch_size=8, gradient_accumulation_steps=1, report=None, probe=capped,
                           growth=GrowthOptions(), token_budget=True) == (8, 8)
-    (got, lines, warnings) = start(probe=capped, growth=GROW, batch_size=16)
-    assert got == (4, 4) and "starting at 4" in warnings[0]
+    # With growth too (it started at 4, said as the largest batch that fits, where none was measured),
+    # unless growth trains it in micro-batches.
+    with pytest.raises(ConfigError, match=r"batch_size=16 x gradient_accumulation_steps=1 is over max_batch_size=4"):
+        start(probe=capped, growth=GROW, batch_size=16)
+    by_accumulation = GrowthOptions(batch_increase_function=GROW.batch_increase_function, grow_with_accumulation=True)
+    assert start(probe=capped, growth=by_accumulation, batch_size=16)[0] == (16, 4)
+    (got, lines, warnings) = start(probed(batch_size=4, max_batch_size=4), ProbeOptions(), GROW, batch_size=16)
+    assert got == (4, 4) and "is over the largest batch that fits, 4: starting at 4" in warnings[0]
     assert [line for line in lines if "starting at" in line] == [
         "batch_increase_function: starting at 4 samples a step, micro-batches of up to 4; growth stops there."]
 
