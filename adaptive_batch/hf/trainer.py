@@ -67,6 +67,7 @@ from adaptive_batch.hf.trial_step import (
     a_batch_maker_of_rows, forward_as_accelerate_runs_it, logged_metrics_kept, worst_case_that_collates,
 )
 from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
+from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.memory.device import address_space_limit, format_bytes, prepare_allocator
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
@@ -165,6 +166,7 @@ class AdaptiveBatchTrainer(Trainer):
         # The batch asked for: each train() probes for it again (a hyperparameter search sets only
         # the arguments it searches, over the ones the last probe applied).
         self._asked_batch = (self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps)
+        self._asked_eval_batch = self.args.per_device_eval_batch_size  # the probe's bound for evaluation
         if global_batch_size is not None:  # each rank's share, in micro-batches the probe sizes
             self._asked_batch = (check_global_batch(global_batch_size, world_size=self.args.world_size,
                                                     gradient_accumulation_steps=self.args.gradient_accumulation_steps), 1)
@@ -269,13 +271,7 @@ class AdaptiveBatchTrainer(Trainer):
         # Evaluation first: the training answer's check is then the last thing run on the heap
         # training gets, and no evaluation trial that runs out of memory comes after it.
         if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
-            eval_batch = worst_case_that_collates(
-                RepeatedSample.longest(*self._as_the_loader_takes(self.eval_dataset, "evaluation")), "evaluation")
-            with self._forward_as_trained:
-                state["per_device_eval_batch_size"] = self._ranks.smallest(lambda: find_max_batch_size(
-                    self._eval_step, make_batch=eval_batch, model=self.model, optimizer=None,
-                    max_memory=self.max_memory, max_batch_size=len(self.eval_dataset),
-                ))
+            state["per_device_eval_batch_size"] = self._evaluation_batch(make_batch)
         build = self._trial_build(make_batch)
         target = self.trial_target(make_batch)
         # The evaluation probe's trials ran here: the in-process margin for the heap they leave.
@@ -306,6 +302,25 @@ class AdaptiveBatchTrainer(Trainer):
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
                      **self._settings())
         return state
+
+    def _evaluation_batch(self, make_batch: Callable[[int], Any]) -> int:
+        """The largest evaluation batch up to the one asked (a larger one changed ``eval_loss``
+        with the budget) that fits beside the optimizer's state, which training holds when it
+        evaluates: probed without it, evaluation in training ran at 15.5 MiB of a 12 MiB budget."""
+        eval_batch = worst_case_that_collates(
+            RepeatedSample.longest(*self._as_the_loader_takes(self.eval_dataset, "evaluation")), "evaluation")
+        target = self.trial_target(make_batch)
+        with self._forward_as_trained, logged_metrics_kept(self), target.snapshot():
+            try:  # a step at batch 1 makes the optimizer's state; the snapshot takes it away after
+                target.train_step(make_batch(1))
+            except Exception as e:  # noqa: BLE001 - not even batch 1 trains: the training probe says so
+                if not is_oom_error(e):
+                    raise
+            return self._ranks.smallest(lambda: find_max_batch_size(
+                self._eval_step, make_batch=eval_batch, model=self.model, optimizer=target.optimizer,
+                max_memory=self.max_memory,
+                max_batch_size=min(len(self.eval_dataset), self._asked_eval_batch),
+            ))
 
     def _inputs_of_a_step(self, make_batch: Callable[[int], Any], effective: int) -> str:
         """What a step of ``effective`` samples holds of its inputs at a micro-batch of 1, said

@@ -836,3 +836,42 @@ def test_a_trainers_own_compute_loss_that_ignores_the_item_count_is_averaged_ove
     assert any(f"{owner}.compute_loss ignores num_items_in_batch" in line for line in lines), lines
     for a, b in zip(split.model.parameters(), whole.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("asked", [2, 64])
+def test_evaluation_in_training_fits_beside_the_optimizers_state_at_no_more_than_the_batch_asked(tmp_path, asked):
+    """The evaluation batch was probed without the optimizer's state, which training holds when
+    it evaluates (15.5 MiB of a 12 MiB budget), and up to the whole evaluation set, above the
+    batch asked, which moved eval_loss with the budget."""
+    from transformers import TrainerCallback
+
+    from adaptive_batch.memory.tracker import LiveTensorCounter
+
+    class EvaluationPeak(TrainerCallback):
+        """Live tensor bytes from a step's end through the evaluation after it."""
+        counter, peaks = None, []
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+            held = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+                    *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
+            self.counter = LiveTensorCounter(held)
+            self.counter.__enter__()
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.counter.__exit__(None, None, None)
+            self.peaks.append(self.counter.peak_bytes)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=asked,
+                             max_steps=1, eval_strategy="steps", eval_steps=1, report_to=[], use_cpu=True,
+                             disable_tqdm=True, save_strategy="no")
+    peak = EvaluationPeak()
+    trainer = AdaptiveBatchTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=_samples(16),
+                                   eval_dataset=_samples(256, seed=1), data_collator=ByteCollator(),
+                                   max_memory="12MiB", callbacks=[peak])
+    trainer.train()
+    evaluation = trainer.adaptive_batch["per_device_eval_batch_size"]
+    assert 1 <= evaluation <= asked and len(peak.peaks) == 1
+    assert peak.peaks[0] <= 0.99 * 12 * 2**20, (evaluation, peak.peaks)
