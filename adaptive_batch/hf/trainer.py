@@ -69,10 +69,13 @@ from adaptive_batch.hf.trial_step import (
 from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.memory.device import address_space_limit, format_bytes, prepare_allocator
+from adaptive_batch.identity import digest
 from adaptive_batch.probe.api import find_max_batch_size
+from adaptive_batch.probe.cache import step_fields
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
 from adaptive_batch.probe.service import ProbeOptions
 from adaptive_batch.probe.target import ProbeTarget
+from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.framework_growth import FrameworkGrowth, growth_settings
 from adaptive_batch.schedule.global_batch import check_global_batch, micro_batch_sizes, micro_batches_per_trial
 from adaptive_batch.schedule.growth import GrowthDecision, GrowthOptions, same_setting_recorded
@@ -211,7 +214,7 @@ class AdaptiveBatchTrainer(Trainer):
         if saved is None:
             self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps = self._asked_batch
         self._update_rows = []  # a second train()'s trials are not weighted by the last run's step
-        self._settle = (lambda: self._apply(saved, f"from the checkpoint {checkpoint}")) if saved is not None else (
+        self._settle = (lambda: self._resume_batches(saved, checkpoint)) if saved is not None else (
             lambda: self._apply(self._probe(), "probed"))
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -264,10 +267,8 @@ class AdaptiveBatchTrainer(Trainer):
         processes), and the evaluation batch."""
         args = self.args
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        # The worst-case batch first: samples it cannot be made from are refused before any trial.
-        make_batch = a_batch_maker_of_rows(self._make_batch) if self._make_batch else worst_case_that_collates(
-            RepeatedSample.longest(*self._as_the_loader_takes(self.train_dataset)))
-        state: Dict[str, int] = {}
+        make_batch = self._worst_case_batches()
+        state: Dict[str, Any] = {"probed_step": self._probed_step(make_batch)}
         # Evaluation first: the training answer's check is then the last thing run on the heap
         # training gets, and no evaluation trial that runs out of memory comes after it.
         if self._probe_eval and self.eval_dataset is not None and not isinstance(self.eval_dataset, dict):
@@ -275,7 +276,7 @@ class AdaptiveBatchTrainer(Trainer):
         build = self._trial_build(make_batch)
         target = self.trial_target(make_batch)
         # The evaluation probe's trials ran here: the in-process margin for the heap they leave.
-        margin = IN_PROCESS_CPU_MARGIN if state and build is not None else None
+        margin = IN_PROCESS_CPU_MARGIN if "per_device_eval_batch_size" in state and build is not None else None
         # Growing, the effective batch passes the first one: a micro-batch up to the dataset may train.
         largest = len(self.train_dataset) if self._growth.grows else effective
         probe = functools.partial(find_max_batch_size, target.train_step, make_batch=make_batch, model=self.model,
@@ -302,6 +303,53 @@ class AdaptiveBatchTrainer(Trainer):
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
                      **self._settings())
         return state
+
+    def _worst_case_batches(self) -> Callable[[int], Any]:
+        """The batch maker the probe trains: ``make_batch``, or the longest sample collated; samples
+        it cannot be made from are refused before any trial."""
+        if self._make_batch:
+            return a_batch_maker_of_rows(self._make_batch)
+        return worst_case_that_collates(RepeatedSample.longest(*self._as_the_loader_takes(self.train_dataset)))
+
+    def _probed_step(self, make_batch: Callable[[int], Any]) -> Dict[str, str]:
+        """What the probe's answer holds for, each part by its digest: a resume on another step
+        (a collator padding to 128 where it padded to the batch's longest) trained the saved
+        micro-batch at 10.3 MiB of a 6 MiB budget."""
+        rng = rng_state()  # a collator may draw (masking): the run's draws stay its own
+        try:
+            fields = step_fields(self.model, None, make_batch(1), ())
+        finally:
+            set_rng_state(rng)
+        args = self.args
+        return {"the model's modules and parameters": fields["model"], "the longest sample's batch": fields["batch"],
+                "gradient checkpointing and precision": digest([bool(args.gradient_checkpointing), args.bf16, args.fp16])}
+
+    def _resume_batches(self, saved: Dict[str, Any], checkpoint: str) -> None:
+        """The checkpoint's batches; where the step they were probed on has changed since, the same
+        effective batch in micro-batches probed again.
+
+        Raises:
+            ConfigError: for such a change in a run that grows (its bound is the probe's answer).
+        """
+        source = f"from the checkpoint {checkpoint}"
+        was, now = saved.get("probed_step"), self._probed_step(self._worst_case_batches())
+        changed = [part for part in now if was is not None and was.get(part) != now[part]]
+        if not changed:
+            return self._apply(saved, source)
+        if "growth" in saved:
+            raise ConfigError(
+                f"resume_from_checkpoint={checkpoint}: its batches were probed on another step ({', '.join(changed)} "
+                "changed since), and its growth is bounded by that answer; put them back to resume that run, or train "
+                "from the start in another output_dir."
+            )
+        probed = self._probe()
+        per_device, accumulation = split_effective_batch(saved["effective_batch_size"], probed["max_micro_batch_size"],
+                                                         uneven_allowed=uneven_allowed(self))
+        resplit = {key: probed[key] for key in ("probed_step", "max_micro_batch_size", "per_device_eval_batch_size")
+                   if key in probed}
+        self._apply({**saved, **resplit, "per_device_train_batch_size": per_device,
+                     "gradient_accumulation_steps": accumulation},
+                    f"{source}, its micro-batches probed again: {', '.join(changed)} changed since")
 
     def _evaluation_batch(self, make_batch: Callable[[int], Any]) -> int:
         """The largest evaluation batch up to the one asked (a larger one changed ``eval_loss``

@@ -84,11 +84,8 @@ def starting_batch(
         return micro * accumulation, micro
     # Growth is bounded by the largest batch that ran consecutive steps (not the search's answer,
     # which may have failed them), whatever batch the objective chose.
-    bound = (
-        round_batch_size(report.largest_that_trains, probe.batch_size_rounding)
-        if report is not None
-        else probe.max_batch_size
-    )
+    bound = (probe.max_batch_size if report is None
+             else round_batch_size(report.largest_that_trains, probe.batch_size_rounding))
     start = batch_size * accumulation
     with_accumulation = growth.grow_with_accumulation
     if report is None and start > bound and not with_accumulation and not token_budget:

@@ -445,3 +445,14 @@ def test_a_resume_on_other_data_is_refused_and_one_recorded_before_its_size_was_
     resumed = _trainer(tmp_path / "out")
     resumed.train(resume_from_checkpoint=str(older))
     _assert_trains_the_rest_of(whole, resumed, 10)
+
+
+def test_a_growing_run_resumed_on_another_step_is_refused(whole, tmp_path):
+    """Its growth is bounded by the probe's answer on the step it was probed on."""
+    from tests.adaptive_batch.hf.test_trainer import _padded_to_64
+
+    resumed = _trainer(tmp_path, collator=_padded_to_64)
+    with pytest.raises(ConfigError, match=r"checkpoint-10: its batches were probed on another step \(the longest "
+                                          r"sample's batch changed since\), and its growth is bounded by that answer"):
+        resumed.train(resume_from_checkpoint=f"{whole.args.output_dir}/checkpoint-10")
+    assert resumed.state.global_step == 0

@@ -109,6 +109,27 @@ def test_a_resumed_run_takes_the_checkpoints_batches_without_probing(tmp_path, m
         assert other.state.global_step == 0
 
 
+def _padded_to_64(samples):
+    batch = ByteCollator()(samples + [{"input_ids": [1] * 64}])
+    return {key: value[:-1] for key, value in batch.items()}
+
+
+def test_a_resume_on_another_step_probes_its_micro_batches_again(tmp_path):
+    """Resumed with a collator padding every batch to 128, the checkpoint's micro-batch trained at
+    10.3 MiB of a 6 MiB budget: what it was probed on is kept, and where it changed the same
+    effective batch is split anew."""
+    first = _trainer(tmp_path, max_memory="20MiB", probe_eval=False)
+    first.train()
+    resumed = _trainer(tmp_path, max_memory="20MiB", probe_eval=False, training={"max_steps": 3})
+    resumed.data_collator = _padded_to_64
+    resumed.train(resume_from_checkpoint=True)
+    said = [line for line in resumed.lines if line.startswith("adaptive-batch (from the checkpoint")]
+    assert said and "its micro-batches probed again: the longest sample's batch changed since" in said[0]
+    assert any(line.startswith("probe trial") for line in resumed.lines)
+    assert resumed.adaptive_batch["effective_batch_size"] == 16 and resumed.state.global_step == 3
+    assert resumed.adaptive_batch["probed_step"] != first.adaptive_batch["probed_step"]
+
+
 def test_the_micro_batched_run_trains_what_the_whole_batch_run_trains(tmp_path):
     probed = _trainer(tmp_path / "a", max_memory="20MiB", probe_eval=False)
     probed.train()
