@@ -16,6 +16,8 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from adaptive_batch.batch_tensors import tensors_of
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
@@ -43,7 +45,7 @@ class BatchLayout:
         """
         if self.batch_size_of is not None:
             return int(self.batch_size_of(batch))
-        for leaf in _tensors(batch):
+        for leaf in tensors_of(batch):
             if leaf.dim() > self.batch_dim:
                 return int(leaf.shape[self.batch_dim])
         raise ValueError(
@@ -58,7 +60,7 @@ class BatchLayout:
             ValueError: if no tensor has ``sum(sizes)`` entries along ``batch_dim``.
         """
         rows = sum(sizes)
-        if not any(self._has_rows(leaf, rows) for leaf in _tensors(batch)):
+        if not any(self._has_rows(leaf, rows) for leaf in tensors_of(batch)):
             raise ValueError(
                 f"micro-batch sizes {sizes} add up to {rows}, and no tensor of the batch has {rows} entries "
                 f"along batch_dim={self.batch_dim}."
@@ -75,7 +77,7 @@ class BatchLayout:
         """
         size = self.rows(batch)
         held = []
-        for leaf in _tensors(batch):
+        for leaf in tensors_of(batch):
             if not self._has_rows(leaf, size):
                 continue  # shared by every sample (a scale, a mask of another shape): held once
             left = rows
@@ -107,21 +109,6 @@ class BatchLayout:
             parts = [self._split(item, sizes, rows) for item in value]
             return [type(value)(p[i] for p in parts) for i in range(count)]
         return [value] * count
-
-
-def _tensors(value: Any):
-    """The batch's tensors, depth first in its own order."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from _tensors(getattr(value, f.name))
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
 
 
 def _same_mapping(original: Mapping, items: dict) -> Mapping:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import IterableDataset
 
+from adaptive_batch.batch_tensors import tensors_of
 from adaptive_batch.errors import ConfigError
 
 
@@ -79,7 +79,7 @@ class RepeatedSample:
         """The largest of the first ``scan`` samples by the elements of its collated tensors, with
         the next largest as the smaller one of each batch (any sample structure: no field is cut)."""
         def elements(i: int) -> int:
-            return sum(t.numel() for t in tree_leaves(collate([dataset[i]])) if isinstance(t, torch.Tensor))
+            return sum(t.numel() for t in tensors_of(collate([dataset[i]])))
 
         counts = {i: elements(i) for i in range(min(len(dataset), scan))}
         _refuse_empty(counts)

@@ -27,7 +27,6 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import IterableDataset
 
 from transformers import Trainer, TrainerCallback
@@ -35,6 +34,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, SaveStrategy, get_last_checkpoint, has_length
 from transformers.utils import is_datasets_available
 
+from adaptive_batch.batch_tensors import tensors_of
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.distributed import RankGroup
@@ -377,7 +377,7 @@ class AdaptiveBatchTrainer(Trainer):
         samples = held.at_peak(1)
         if samples <= 1:
             return ""
-        sample = sum(t.numel() * t.element_size() for t in tree_leaves(make_batch(1)) if isinstance(t, torch.Tensor))
+        sample = sum(t.numel() * t.element_size() for t in tensors_of(make_batch(1)))
         return (f" Beside it the Trainer's step holds the inputs of {samples} more samples "
                 f"({format_bytes(samples * sample)}): the rest of the step's {held.step_rows}, the next step's as "
                 "they are fetched, and the one its loader keeps; a smaller effective batch "

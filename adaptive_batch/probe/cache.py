@@ -15,8 +15,8 @@ import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from adaptive_batch.batch_tensors import tensors_of
 from adaptive_batch.identity import code_of, digest
 from adaptive_batch.files import atomic_write
 import adaptive_batch.logs as logs
@@ -53,7 +53,7 @@ def step_fields(model: Any, optimizer: Any, batch: Any, functions: Tuple[Callabl
     forwards = [code_of(cls.forward) for cls in dict.fromkeys(type(m) for m in model.modules())]
     settings = None if optimizer is None else (type(optimizer).__qualname__, [
         {k: _on_or_off(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
-    shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in tensors_of(batch)]
     return {"model": f"{type(model).__qualname__}:{digest([modules, forwards, tensors])}", "optimizer": digest(settings),
             "batch": digest(shapes), "code": digest([code_of(fn) for fn in functions])}
 

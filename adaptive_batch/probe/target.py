@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_leaves
 
+from adaptive_batch.batch_tensors import tensors_of
 from adaptive_batch.errors import ConfigError
 from adaptive_batch.memory.budget import state_tensors
 from adaptive_batch.probe.snapshot import TrainingStateSnapshot
@@ -172,7 +172,7 @@ def step_device(model: nn.Module, device: Optional[Union[str, torch.device]]) ->
 
 
 def _shapes(batch: Any) -> List[Tuple[int, ...]]:
-    return [tuple(leaf.shape) for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+    return [tuple(leaf.shape) for leaf in tensors_of(batch)]
 
 
 class BatchesOfTheirSize:

@@ -13,8 +13,8 @@ from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from adaptive_batch.batch_tensors import tensors_of
 from adaptive_batch.errors import BatchSizeTooLargeError
 from adaptive_batch.faults import fault_point
 from adaptive_batch.memory.device import free_mkl_buffers
@@ -36,7 +36,7 @@ def measure_training_step(target: ProbeTarget, batch: Any) -> StepMemory:
         Whatever the step raises, out-of-memory errors included (its gradients are dropped).
     """
     model, optimizer = target.model, target.optimizer
-    baseline = target.state_tensors() + [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    baseline = target.state_tensors() + list(tensors_of(batch))
     try:
         return measure_phase_peaks(lambda: target.train_step(batch), target.device, baseline, model=model,
                                    optimizer=optimizer)

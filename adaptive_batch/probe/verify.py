@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 import adaptive_batch.logs as logs
+from adaptive_batch.batch_tensors import tensors_of
 from adaptive_batch.memory.device import cuda_index, cuda_memory_fraction
 from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.memory.tracker import measure_peak_bytes
@@ -127,7 +127,7 @@ def runs_consecutive_steps(
                 if not by_tensors:
                     target.train_step(batch)
                     continue
-                baseline = target.state_tensors() + _tensors_of(batch)
+                baseline = target.state_tensors() + list(tensors_of(batch))
                 peak = measure_peak_bytes(lambda: target.train_step(batch), device, baseline)
                 if peak > budget_bytes:
                     return f"step {step + 1}'s live tensors peaked at {peak} bytes, over the budget's {budget_bytes}"
@@ -145,9 +145,6 @@ def runs_consecutive_steps(
         logs.info(f"probe: batch {batch_size} did not run {steps} consecutive steps within the budget ({failure or 'another rank'}).")
     return not failed
 
-
-def _tensors_of(batch: Any) -> list:
-    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 
 def largest_that_trains(batch_size: int, target: ProbeTarget, **check: Any) -> int:

@@ -43,7 +43,7 @@ def _imports(path: Path) -> set:
 
 
 # The layers, each importing only itself and those before it (the package docstring's order).
-LAYERS = ["logs", "memory.device", "errors", "faults", "files", "validation", "rng", "identity", "memory", "distributed", "schedule", "probe", "data", "run", "torchtune", "hf", "lightning", "command"]
+LAYERS = ["logs", "memory.device", "errors", "faults", "files", "validation", "rng", "identity", "batch_tensors", "memory", "distributed", "schedule", "probe", "data", "run", "torchtune", "hf", "lightning", "command"]
 
 
 def _layer(module: str) -> int:

@@ -69,9 +69,9 @@ def test_any_structure_keeps_its_type_and_every_sample_once(make):
 
 
 def _leaves(value):
-    from adaptive_batch.data.layout import _tensors
+    from adaptive_batch.batch_tensors import tensors_of
 
-    return list(_tensors(value))
+    return list(tensors_of(value))
 
 
 def test_batch_dim_and_batch_size_of_name_the_samples():

@@ -462,3 +462,25 @@ def test_a_batch_maker_that_stops_growing_is_named_in_one_line():
     with pytest.raises(ConfigError, match=r"make_batch: make_batch\(\d+\) built tensors of the same shapes as "
                                           r"make_batch\(\d+\) \(\[\(100, 8\)\]\)"):
         find_max_batch_size(step, make_batch=lambda b: data[:b], model=model, optimizer=optimizer, max_memory="64MiB")
+
+
+def test_a_batch_in_a_user_dict_counts_its_tensors_as_a_dicts_do():
+    """Transformers' BatchEncoding and BatchFeature are UserDicts, one leaf to torch's pytree: the
+    trials left the batch's tensors out of the peak (the images of a vision processor's batch), and
+    the Trainer's hint said its inputs were 0 B."""
+    from collections import UserDict
+
+    class Features(UserDict):
+        pass
+
+    model = nn.Linear(64, 1)
+
+    def step(batch):
+        model(batch["pixels"].mean(dim=1)).sum().backward()
+        model.zero_grad()
+
+    def answer(kind):
+        return find_max_batch_size(step, make_batch=lambda b: kind(pixels=torch.randn(b, 64, 64)), model=model,
+                                   max_memory="4MiB", max_batch_size=1024)
+
+    assert answer(Features) == answer(dict) < 1024
