@@ -402,7 +402,9 @@ def _measure_line(
     if not bracket.run(first, "estimate"):
         if first > 1:
             _Search(bracket, None, clock, trust_prediction=False).run()
-        if bracket.lo == 0:  # not even batch 1 (the search from below reached it)
+        # Not even batch 1: the search from below reached it, or its second step (the optimizer's
+        # state beside it) did not fit where the warmup's did, and training's steps are all second.
+        if bracket.lo == 0 or first == 1:
             raise BatchSizeTooLargeError(trials.done[-1].peak_bytes, budget_bytes)
         return None
     if cap == first or not bracket.run(second, "estimate"):

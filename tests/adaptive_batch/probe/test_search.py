@@ -163,6 +163,15 @@ def test_nothing_fits_because_batch_one_runs_out_of_memory():
         search_max_batch_size(step, budget_bytes=5_000, release=no_release)
 
 
+def test_nothing_fits_where_batch_one_fits_only_before_the_optimizers_state_exists():
+    """A Trainer's warmup at batch 1 fitted (no AdamW state yet) and its second step did not:
+    the probe answered 1, which every step of training after the first runs over the budget."""
+    step = LinearStep(fixed=5_000, per_sample=100, first_call_extra=1_000)
+    with pytest.raises(BatchSizeTooLargeError) as info:
+        search_max_batch_size(step, budget_bytes=4_500, release=no_release)
+    assert info.value.bytes_needed == 5_100
+
+
 def test_everything_fits_up_to_the_cap():
     step = LinearStep(fixed=1_000, per_sample=1)
     result = search_max_batch_size(step, budget_bytes=10**9, max_batch_size=48, release=no_release)
