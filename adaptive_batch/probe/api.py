@@ -52,7 +52,7 @@ from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
 from adaptive_batch.probe.target import BatchesOfTheirSize, ProbeTarget, check_make_batch, only_its_optimizer_steps
-from adaptive_batch.validation import check_callable, check_safety_margin
+from adaptive_batch.validation import check_callable, check_positive_number, check_safety_margin
 
 
 def find_max_batch_size(
@@ -114,16 +114,14 @@ def find_max_batch_size(
 
     Raises:
         ConfigError: for a bad ``max_memory``, ``safety_margin``, ``max_batch_size``,
-            ``time_budget``, ``device``, ``lr_scheduler`` or ``build``, a model without parameters (and no ``device``), or a
+            ``time_budget``, ``device``, ``lr_scheduler``, ``log`` or ``build``, a model without parameters (and no ``device``), or a
             ``make_batch`` that ignores its size; before any step runs; for ``max_batch_size=1``
             where the model cannot train a batch of 1 (its BatchNorm needs 2 samples); for a
             ``train_step`` that steps an optimizer over parameters that are not ``model``'s (the
             probe could not put them back), before that step.
         BatchSizeTooLargeError: when batch 1 does not fit (batch 2, where 1 cannot train).
     """
-    if safety_margin is not None:
-        check_safety_margin(safety_margin, key="safety_margin")
-    check_callable("build", build, "my_module.build_target, a top-level f() -> ProbeTarget(...)", allow_none=True)
+    _check_arguments(safety_margin=safety_margin, time_budget=time_budget, log=log, build=build)
     search = functools.partial(
         _search, train_step, make_batch=make_batch, model=model, optimizer=optimizer, max_memory=max_memory,
         safety_margin=safety_margin, max_batch_size=max_batch_size, device=device, lr_scheduler=lr_scheduler,
@@ -154,6 +152,17 @@ def find_max_batch_size(
                           build=None if build is None else NextSizeBuild(build), time_budget=left)
     except BatchSizeTooLargeError as e:
         raise BatchSizeTooLargeError(e.bytes_needed, e.budget_bytes, e.source, e.rank, smallest=2) from None
+
+
+def _check_arguments(*, safety_margin: Optional[float], time_budget: Optional[float], log: Any, build: Any) -> None:
+    """Raises:
+    ConfigError: for a bad one of these, each named as :func:`find_max_batch_size` takes it."""
+    if safety_margin is not None:
+        check_safety_margin(safety_margin, key="safety_margin")
+    if time_budget is not None:  # not as the recipes' key, probe_time_budget, names it
+        check_positive_number("time_budget", time_budget, "seconds, e.g. 600 (the default), or None for no limit")
+    check_callable("log", log, "print, or a logger's info", allow_none=True)
+    check_callable("build", build, "my_module.build_target, a top-level f() -> ProbeTarget(...)", allow_none=True)
 
 
 # The least time a search from 2 is given when the first search spent the budget: its first trial.

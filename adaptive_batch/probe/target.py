@@ -159,6 +159,9 @@ def step_device(model: nn.Module, device: Optional[Union[str, torch.device]]) ->
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ConfigError(f"device={device!r} is not a device ({e}); use e.g. 'cpu' or 'cuda:0'.") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={str(device)!r}: the probe measures memory on 'cpu' and 'cuda' devices only; "
+                          "pass one of those (None: the model's).")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

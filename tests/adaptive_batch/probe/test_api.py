@@ -201,6 +201,10 @@ def test_a_model_that_cannot_train_a_batch_of_one_capped_at_one_or_over_budget_a
         # once an AttributeError after the trials, and a build taken and never used
         (dict(lr_scheduler=42), "lr_scheduler=42 has no state_dict() and load_state_dict() to put it back with"),
         (dict(build=42), "build=42 is not a function"),
+        # once the recipes' key (probe_time_budget), a bare TypeError, and a ValueError naming a recipe key
+        (dict(time_budget=0), "time_budget=0 must be a positive finite number"),
+        (dict(log=42), "log=42 is not a function"),
+        (dict(device="meta"), "device='meta': the probe measures memory on 'cpu' and 'cuda' devices only"),
     ],
 )
 def test_bad_arguments(kwargs, message):
