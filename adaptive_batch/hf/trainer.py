@@ -18,6 +18,7 @@ expandable segments): :func:`adaptive_batch.memory.device.prepare_allocator`.
 """
 
 from contextlib import nullcontext
+import copy
 import functools
 import json
 import math
@@ -164,6 +165,7 @@ class AdaptiveBatchTrainer(Trainer):
         check_bool("probe_eval", probe_eval)  # "false" from a config file is truthy
         if self._growth.grows:  # before the Trainer's own line for a stream, which asks for max_steps
             refuse_a_stream(kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
+        args, kwargs = _own_training_arguments(args, kwargs)
         super().__init__(*args, **kwargs)
         self._optimizer_passed = self.optimizer is not None  # a trial process cannot make that one again
         # The batch asked for: each train() probes for it again (a hyperparameter search sets only
@@ -923,6 +925,17 @@ class AdaptiveBatchTrainer(Trainer):
         evaluation loop sets it; the training trials left it in train mode), ``prediction_step``."""
         self.model.eval()
         self.prediction_step(self.model, batch, prediction_loss_only=bool(self.args.prediction_loss_only))
+
+
+def _own_training_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The Trainer's arguments with a copy of the caller's ``TrainingArguments``: the batches
+    settled go into the Trainer's, not the caller's (a plain Trainer later built with the same
+    object trained 18 samples a step where 16 were asked)."""
+    if len(args) > 1 and args[1] is not None:
+        return (args[0], copy.copy(args[1]), *args[2:]), kwargs
+    if kwargs.get("args") is not None:
+        return args, {**kwargs, "args": copy.copy(kwargs["args"])}
+    return args, kwargs
 
 
 # Causal language-model heads whose loss shifts the labels and whose loss_type the Trainer

@@ -896,3 +896,17 @@ def test_evaluation_in_training_fits_beside_the_optimizers_state_at_no_more_than
     evaluation = trainer.adaptive_batch["per_device_eval_batch_size"]
     assert 1 <= evaluation <= asked and len(peak.peaks) == 1
     assert peak.peaks[0] <= 0.99 * 12 * 2**20, (evaluation, peak.peaks)
+
+
+def test_the_callers_training_arguments_are_left_as_they_were(tmp_path):
+    """The settled batches were written into the caller's TrainingArguments: a plain Trainer built
+    with the same object afterwards trained 18 samples a step where 16 were asked."""
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, max_steps=1, report_to=[],
+                             use_cpu=True, disable_tqdm=True, save_strategy="no")
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    trainer = AdaptiveBatchTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=_samples(32),
+                                   data_collator=ByteCollator(), max_memory="20MiB", probe_eval=False)
+    trainer.train()
+    assert trainer.args.gradient_accumulation_steps > 1  # the micro-batches it settled on
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (16, 1)
