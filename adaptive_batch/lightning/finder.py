@@ -124,6 +124,10 @@ class AdaptiveBatchFinder(Callback):
         self.global_batch_size = check_positive_int("global_batch_size", global_batch_size, allow_none=True)
         check_positive_int("max_batch_size", max_batch_size, allow_none=True)
         check_callable("make_batch", make_batch, MAKE_BATCH_EXAMPLE, allow_none=True)
+        check_callable("log", log, "print, or a logger's info", allow_none=True)
+        if not isinstance(batch_arg_name, str) or not batch_arg_name:
+            raise ConfigError(f"batch_arg_name={batch_arg_name!r} must name the attribute your train_dataloader reads "
+                              "its batch size from, e.g. batch_arg_name='batch_size'.")
         self.max_memory, self.batch_arg_name, self.make_batch = max_memory, batch_arg_name, make_batch
         self.max_batch_size, self.stop_after, self._log = max_batch_size, check_bool("stop_after", stop_after), log
         self.batch = FrameworkGrowth(

@@ -441,6 +441,11 @@ def test_bad_growth_settings_are_one_line_before_any_trial():
         AdaptiveBatchFinder(max_batch_size=0)
     with pytest.raises(ConfigError, match=r"make_batch=3 is not a function"):  # was a TypeError at fit start
         AdaptiveBatchFinder(make_batch=3)
+    with pytest.raises(ConfigError, match=r"log=5 is not a function"):  # a bare TypeError at fit start
+        AdaptiveBatchFinder(log=5)
+    for name in (5, ""):  # Lightning's "attribute name must be string" at fit start; a line naming ``
+        with pytest.raises(ConfigError, match=rf"batch_arg_name={name!r} must name the attribute"):
+            AdaptiveBatchFinder(batch_arg_name=name)
     manual = AppliedLR(manual=True)  # every manual step took twice its gradient under the accumulation
     with pytest.raises(ConfigError, match=r"global_batch_size with manual optimization: .* automatic_optimization=True"):
         _trainer(AdaptiveBatchFinder(max_memory=BUDGET, global_batch_size=16, max_batch_size=4)).fit(manual)

@@ -151,6 +151,14 @@ def test_on_cuda_release_memory_clears_cublas_workspaces_when_asked_before_it_em
     assert calls == []
 
 
+def still_set_aside(count):
+    """The objects set aside stay so: none put back (0) and none added (more), though some may
+    have been freed since (a frozen object whose last reference went, which took 2 in one run)."""
+    import gc
+
+    return 0 < gc.get_freeze_count() <= count
+
+
 def test_collections_of_new_objects_free_the_blocks_cycles_and_what_was_garbage_before_it(unfrozen_heap):
     """A full collection visits every object the process holds (0.3 s where Transformers is
     imported, once per trial); inside the block it visits what the block made, and still frees
@@ -175,12 +183,12 @@ def test_collections_of_new_objects_free_the_blocks_cycles_and_what_was_garbage_
             with collections_of_new_objects():  # nested: the outer block's objects stay set aside
                 inside = cycle_holding_a_tensor()
                 release_memory()
-                assert inside() is None and gc.get_freeze_count() == set_aside
-            assert gc.get_freeze_count() == set_aside
+                assert inside() is None and still_set_aside(set_aside)
+            assert still_set_aside(set_aside)
             with pytest.raises(ValueError):
                 with collections_of_new_objects():
                     raise ValueError
-            assert gc.get_freeze_count() == set_aside
+            assert still_set_aside(set_aside)
     finally:
         gc.enable()
     assert gc.get_freeze_count() == 0  # collected as before once the outermost block ends
