@@ -71,6 +71,23 @@ def fault_point(point: str) -> None:
         os.kill(os.getpid(), sig)
 
 
+_stop_asked: Optional[BaseException] = None
+
+
+def ask_to_stop(error: Optional[BaseException]) -> None:
+    """Has :func:`stop_point` raise ``error`` (``None``: no longer). A signal handler's exception
+    is lost where the signal lands in a weakref callback or a ``__del__``, which Python cannot
+    raise from: a SIGTERM during the probe was dropped there, and the run trained to its end."""
+    global _stop_asked
+    _stop_asked = error
+
+
+def stop_point() -> None:
+    """Raises the stop asked for with :func:`ask_to_stop`, if any (between a probe's steps)."""
+    if _stop_asked is not None:
+        raise _stop_asked
+
+
 def reset() -> None:
     """Forgets how often each point was reached (a new run in the same process counts anew)."""
     _reached.clear()

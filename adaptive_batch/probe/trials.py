@@ -16,7 +16,7 @@ import torch
 
 from adaptive_batch.batch_tensors import tensors_of
 from adaptive_batch.errors import BatchSizeTooLargeError
-from adaptive_batch.faults import fault_point
+from adaptive_batch.faults import fault_point, stop_point
 from adaptive_batch.memory.device import free_mkl_buffers
 from adaptive_batch.memory.oom import collections_of_new_objects, release_memory
 from adaptive_batch.memory.tracker import StepMemory, measure_phase_peaks
@@ -66,9 +66,8 @@ def probe_max_batch_size(
 ) -> SearchResult:
     """Finds the largest batch whose full training step fits in ``budget_bytes``.
 
-    Each trial runs ``target.train_step(target.make_batch(b))``, measuring each phase's peak and,
-    on CPU, the memory after each operator (:func:`measure_training_step`), said in a line; state
-    and RNG are put back after the last trial, also when one raises.
+    Each trial runs ``target.train_step(target.make_batch(b))``, measuring each phase's peak and, on
+    CPU, each operator's (:func:`measure_training_step`); state and RNG come back after the last.
 
     Args:
         target: what the trials train, on its resolved device.
@@ -92,6 +91,7 @@ def probe_max_batch_size(
     def run_trial(batch_size: int) -> StepMemory:
         measured = measure_training_step(target, target.make_batch(batch_size))
         fault_point("probe_trial")
+        stop_point()
         return measured
 
     with (target.snapshot(snapshot_dir) if restore_state else nullcontext()), (trial_limit() if trial_limit is not None else nullcontext()):

@@ -24,6 +24,7 @@ import torch
 
 import adaptive_batch.logs as logs
 from adaptive_batch.batch_tensors import tensors_of
+from adaptive_batch.faults import stop_point
 from adaptive_batch.memory.device import cuda_index, cuda_memory_fraction
 from adaptive_batch.memory.oom import catch_oom, release_memory
 from adaptive_batch.memory.tracker import measure_peak_bytes
@@ -123,6 +124,7 @@ def runs_consecutive_steps(
     def run() -> Optional[str]:
         with heap_reserve(device, reserve_bytes):
             for step in range(steps):
+                stop_point()
                 batch = target.make_batch(batch_size)
                 if not by_tensors:
                     target.train_step(batch)

@@ -17,6 +17,7 @@ import torch
 
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import RunStopped
+import adaptive_batch.faults as faults
 import adaptive_batch.logs as logs
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -84,6 +85,21 @@ class StopAtOnce(_HandledSignals):
 
     def __init__(self, during: str, then: str) -> None:
         self.during, self.then = during, then
+        self.received: Optional[int] = None
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        raise RunStopped(f"{signal.Signals(signum).name} during {self.during}: {self.then}.", signum)
+        # Raised here, and again between the probe's steps and at the block's end: where the
+        # signal lands in a weakref callback (the probe's tensor counter) Python drops it.
+        self.received = signum
+        faults.ask_to_stop(self._stopped())
+        raise self._stopped()
+
+    def _stopped(self) -> RunStopped:
+        assert self.received is not None
+        return RunStopped(f"{signal.Signals(self.received).name} during {self.during}: {self.then}.", self.received)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        super().__exit__(exc_type, exc, tb)
+        faults.ask_to_stop(None)
+        if self.received is not None and not isinstance(exc, RunStopped):
+            raise self._stopped() from exc

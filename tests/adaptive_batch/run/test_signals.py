@@ -3,6 +3,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from adaptive_batch.run.signals import StopSignals
 
 
@@ -44,3 +46,36 @@ def test_a_signal_during_setup_stops_it_at_once_in_one_line_and_the_handlers_are
                 pass
             raise AssertionError("the signal did not stop the work")
     assert stopped.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the drop it recovers from
+def test_a_stop_that_lands_in_a_weakref_callback_is_raised_between_the_probes_steps_or_at_the_end():
+    """The probe's tensor counter frees its entries in weakref callbacks, where Python drops an
+    exception: a SIGTERM during the probe was lost there, and the run trained to its end."""
+    import weakref
+
+    from adaptive_batch import faults
+    from adaptive_batch.errors import RunStopped
+    from adaptive_batch.run.signals import StopAtOnce
+
+    class Holder:
+        pass
+
+    def signalled_in_a_callback():
+        holder = Holder()
+        # the handler runs inside the callback's loop, which is where its exception is dropped
+        ref = weakref.ref(holder, lambda r: (os.kill(os.getpid(), signal.SIGTERM), [i for i in range(1000)]))
+        del holder
+        return ref
+
+    for between_steps in (True, False):
+        went_on = []
+        with pytest.raises(RunStopped, match="SIGTERM during the probe: nothing was saved"):
+            with StopAtOnce("the probe", "nothing was saved"):
+                signalled_in_a_callback()
+                went_on.append(True)
+                if between_steps:
+                    faults.stop_point()
+                    went_on.append(False)
+        assert went_on == [True]
+    faults.stop_point()  # a block that ended asks for nothing more
