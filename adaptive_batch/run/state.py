@@ -23,9 +23,11 @@ from adaptive_batch.run.session import BatchSession
 from adaptive_batch.schedule.growth import same_setting_recorded
 
 RUN_STATE_KEY = "adaptive_batch_run"
-# The memory budget: with a fixed global batch it sets only how each step is split into
-# micro-batches, so a resumed run may change it and probe again.
-BUDGET_KEYS = frozenset({"max_memory", "memory_safety_margin"})
+# What sets what fits, not what a step trains: the memory budget, and the recipes' activation
+# checkpointing and offloading. With a fixed global batch they set only how each step is split
+# into micro-batches, so a resumed run may change them and probe again.
+BUDGET_KEYS = frozenset({"max_memory", "memory_safety_margin", "enable_activation_checkpointing",
+                         "enable_activation_offloading"})
 RNG_KEY = "rng_state"
 VERSION = 1
 
@@ -165,7 +167,7 @@ class RunState:
             key = changed[0]
             more = f" (and {', '.join(changed[1:])})" if len(changed) > 1 else ""
             budget = (
-                " (with a global_batch_size the memory budget may change: it sets the micro-batch alone)"
+                " (the batch probed under it; with a global_batch_size it may change: it sets the micro-batch alone)"
                 if set(changed) <= BUDGET_KEYS else ""
             )
             raise ConfigError(

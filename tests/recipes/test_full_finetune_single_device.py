@@ -303,8 +303,8 @@ def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     )
     assert refused.returncode == 1 and "Traceback" not in refused.stderr and "Model is initialized" not in refused.stderr
     assert ('error: resume_from_checkpoint=True: max_memory was "128MiB" in the run that wrote the checkpoint and is '
-            '"96MiB" now; it changes what is trained (with a global_batch_size the memory budget may change: it sets '
-            'the micro-batch alone): put it back to resume, or start a new output_dir.') in refused.stderr
+            '"96MiB" now; it changes what is trained (the batch probed under it; with a global_batch_size it may '
+            'change: it sets the micro-batch alone): put it back to resume, or start a new output_dir.') in refused.stderr
     # The same settings resume with the recipe state's batch, no probing.
     resumed = run_tune(
         tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=128MiB", "epochs=2", "max_steps_per_epoch=1", *resume

@@ -115,7 +115,7 @@ def test_a_resume_that_would_train_something_else_is_refused_in_one_line(tmp_pat
     older.check_resume()  # recorded nothing to compare with
 
 
-def _global_batch_run(tmp_path, max_memory, found):
+def _global_batch_run(tmp_path, max_memory, found, **settings):
     options = AdaptiveBatchOptions.from_flat(
         {"use_maximum_batch_size": True, "global_batch_size": 12, "max_memory": max_memory}
     )
@@ -127,7 +127,7 @@ def _global_batch_run(tmp_path, max_memory, found):
         probes.append(options.max_memory)
         return ProbeReport(max_batch_size=found, batch_size=found, budget_bytes=2**30)
 
-    state = RunState(controller.session, settings={"global_batch_size": 12, "max_memory": max_memory})
+    state = RunState(controller.session, settings={"global_batch_size": 12, "max_memory": max_memory, **settings})
     return controller, state, probe, probes
 
 
@@ -150,7 +150,7 @@ def test_a_changed_budget_without_a_global_batch_is_refused(tmp_path):
     resumed = run_state(tmp_path, max_memory="128MiB")
     resumed.load_state_dict(saved)
     with pytest.raises(ConfigError, match=r'max_memory was "256MiB" .* is "128MiB" now; it changes what is trained '
-                                          r"\(with a global_batch_size the memory budget may change"):
+                                          r"\(the batch probed under it; with a global_batch_size it may change"):
         resumed.check_resume()
 
 
@@ -198,3 +198,24 @@ def test_the_controller_stands_for_its_session_and_anything_else_is_refused_when
     assert state.session is controller.session and state.state_dict()[RUN_STATE_KEY]["dataset_size"] == 100
     with pytest.raises(TypeError, match="RunState takes a BatchSession or its controller, not dict"):
         RunState({}, settings={})
+
+
+
+def test_activation_checkpointing_changed_on_resume_is_taken_as_a_budget_is(tmp_path):
+    """Resumed with checkpointing off, the saved answer trained at 2.4 times the budget: with a
+    global batch the micro-batch is probed again; without one the resume is refused."""
+    first, state, probe, _ = _global_batch_run(tmp_path, "256MiB", found=6, enable_activation_checkpointing=True)
+    first.settle(dataset_size=100, probe=probe)
+    saved = state.state_dict()
+    resumed, resumed_state, probe, probes = _global_batch_run(tmp_path, "256MiB", found=2,
+                                                              enable_activation_checkpointing=False)
+    resumed_state.load_state_dict(saved)
+    resumed_state.check_resume()
+    resumed.settle(dataset_size=100, probe=probe)
+    assert probes == ["256MiB"] and resumed.batch.max_micro_batch_size == 2
+    saved = run_state(tmp_path, enable_activation_checkpointing=True).state_dict()
+    alone = run_state(tmp_path, enable_activation_checkpointing=False)
+    alone.load_state_dict(saved)
+    with pytest.raises(ConfigError, match=r"enable_activation_checkpointing was true .* is false now; it changes what "
+                                          r"is trained \(the batch probed under it"):
+        alone.check_resume()

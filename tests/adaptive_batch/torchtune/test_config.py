@@ -115,3 +115,15 @@ def _allocates_too_much():
     raise MemoryError()
 
 
+
+
+def test_what_fits_is_a_trained_setting_only_where_the_probes_answer_is_trained():
+    """Resumed with checkpointing off, the probe's saved answer trained at 2.4 times the budget;
+    without the probe the same change trains the same rows."""
+    from omegaconf import OmegaConf
+
+    from adaptive_batch.torchtune.config import trained_settings
+
+    probed = trained_settings(OmegaConf.create({"use_maximum_batch_size": True, "enable_activation_checkpointing": True}))
+    assert probed["enable_activation_checkpointing"] is True and "enable_activation_offloading" in probed
+    assert "enable_activation_checkpointing" not in trained_settings(OmegaConf.create({"enable_activation_checkpointing": True}))
