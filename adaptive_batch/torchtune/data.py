@@ -1,5 +1,7 @@
 """Real English text that ships with CPython, as a torchtune dataset: no download needed."""
 
+import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -37,7 +39,10 @@ def write_pydoc_jsonl(data_dir: str, min_chars: int = 64) -> str:
     """Writes the paragraphs as JSON lines (``{"text": ...}``) once, atomically; returns the path.
 
     The file name carries a hash of the content, so a change of ``min_chars`` or of CPython's
-    topics writes a new file instead of reusing a stale one.
+    topics writes a new file instead of reusing a stale one; the other such files go, so the
+    folder holds what this run reads. A resume's fingerprint covers the folder: a refused resume
+    with another ``min_chars`` once left its file there, and the resume with the key put back was
+    refused too.
     """
     lines = [json.dumps({"text": p}) for p in pydoc_paragraphs(min_chars)]
     content = "\n".join(lines) + "\n"
@@ -45,6 +50,10 @@ def write_pydoc_jsonl(data_dir: str, min_chars: int = 64) -> str:
     path = os.path.join(data_dir, f"{DATA_FILENAME[:-6]}_{digest}.jsonl")
     if not os.path.exists(path):
         atomic_write(path, lambda f: f.write(content), text=True)
+    for other in glob.glob(os.path.join(glob.escape(data_dir), f"{DATA_FILENAME[:-6]}_*.jsonl")):
+        if os.path.basename(other) != os.path.basename(path):
+            with contextlib.suppress(FileNotFoundError):  # another rank removed it first
+                os.remove(other)
     return path
 
 

@@ -21,6 +21,18 @@ def test_jsonl_is_written_once_and_keyed_by_content(tmp_path):
     assert write_pydoc_jsonl(str(tmp_path), 200) != a
 
 
+def test_the_folder_holds_the_file_this_run_reads_alone(tmp_path):
+    """A resume refused for dataset.min_chars=32 left its file beside the run's: the folder's
+    fingerprint changed, and the resume with the key put back was refused too."""
+    from adaptive_batch.files import content_digest
+
+    first = write_pydoc_jsonl(str(tmp_path), 64)
+    before = content_digest(str(tmp_path))
+    other = write_pydoc_jsonl(str(tmp_path), 32)
+    assert os.listdir(tmp_path) == [os.path.basename(other)]
+    assert write_pydoc_jsonl(str(tmp_path), 64) == first and content_digest(str(tmp_path)) == before
+
+
 def test_dataset_through_torchtune_text_completion(tmp_path):
     ds = pydoc_text_dataset(ByteTokenizer(max_seq_len=128), data_dir=str(tmp_path), min_chars=64)
     assert len(ds) == len(pydoc_paragraphs(64))
