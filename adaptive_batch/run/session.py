@@ -239,6 +239,7 @@ class BatchSession:
             start, micro, self.global_batch_split = first_batch(
                 options, batch_size=self._batch_size, gradient_accumulation_steps=self._accumulation,
                 world_size=self.ranks.world_size, dataset_size=dataset_size, report=report,
+                resuming=self._batch_state is not None,
             )
             split = self.global_batch_split
             configured = split.per_rank if split is not None else self._batch_size * self._accumulation

@@ -25,6 +25,7 @@ def first_batch(
     world_size: int,
     dataset_size: int,
     report: Optional[ProbeReport],
+    resuming: bool = False,
 ) -> Tuple[int, int, Optional[GlobalBatchSplit]]:
     """The first step's samples per rank, the largest micro-batch, and the plan of a fixed
     ``global_batch_size`` (``None`` without one).
@@ -37,6 +38,7 @@ def first_batch(
         start, micro = starting_batch(
             batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps, report=report,
             probe=options.probe, growth=options.growth, token_budget=options.tokens.max_tokens is not None,
+            resuming=resuming,
         )
         return start, micro, None
     plan = global_batch_plan(
@@ -55,13 +57,13 @@ def starting_batch(
     probe: ProbeOptions,
     growth: GrowthOptions,
     token_budget: bool = False,
+    resuming: bool = False,
 ) -> Tuple[int, int]:
     """The first step's samples (per rank) and the largest micro-batch.
 
-    Without growth the micro-batch is the probed batch when probing, else ``batch_size``, and
-    a step ``gradient_accumulation_steps`` of them. With growth ``batch_size`` x
-    ``gradient_accumulation_steps`` is the first step, and the largest batch that fits (or
-    ``max_batch_size``) the largest micro-batch.
+    Without growth the micro-batch is the probed batch when probing, else ``batch_size``, a step
+    ``gradient_accumulation_steps`` of them. With growth ``batch_size`` x ``gradient_accumulation_steps``
+    is the first step, the largest batch that fits (or ``max_batch_size``) the largest micro-batch.
 
     Raises:
         ConfigError: for a ``batch_size`` (times the accumulation, under growth) over
@@ -88,7 +90,8 @@ def starting_batch(
              else round_batch_size(report.largest_that_trains, probe.batch_size_rounding))
     start = batch_size * accumulation
     with_accumulation = growth.grow_with_accumulation
-    if report is None and start > bound and not with_accumulation and not token_budget:
+    # A resumed run's start is its checkpoint's (one from before this check started there).
+    if report is None and start > bound and not (with_accumulation or token_budget or resuming):
         # Nothing was measured: the bound is the user's own, and the LR was set for the batch asked.
         raise ConfigError(
             f"batch_size={batch_size} x gradient_accumulation_steps={accumulation} is over "

@@ -28,6 +28,8 @@ RUN_STATE_KEY = "adaptive_batch_run"
 # into micro-batches, so a resumed run may change them and probe again.
 BUDGET_KEYS = frozenset({"max_memory", "memory_safety_margin", "enable_activation_checkpointing",
                          "enable_activation_offloading"})
+# Settings fingerprinted only since some release: a checkpoint without them is not checked for them.
+RECORDED_SINCE = frozenset({"enable_activation_checkpointing", "enable_activation_offloading"})
 RNG_KEY = "rng_state"
 VERSION = 1
 
@@ -133,9 +135,12 @@ class RunState:
 
     def _newer_key_at_default(self, key: str, before: Mapping[str, str], defaults: Mapping[str, Any]) -> bool:
         """A setting the checkpoint's version did not have, left unset or at its default now:
-        that run trained as its default does."""
+        that run trained as its default does. One recorded only since (what fits beside the
+        budget) is not compared: what that run had is not known."""
         if key in before or key not in self.fingerprint:
             return False
+        if key in RECORDED_SINCE:
+            return True
         return self.fingerprint[key] in (fingerprint({key: None})[key], fingerprint({key: defaults.get(key)})[key])
 
     def check_resume(self) -> None:

@@ -58,13 +58,14 @@ def trained_settings(cfg: DictConfig) -> Dict[str, Any]:
     """The config's settings that change what is trained, as plain values, for
     :class:`~adaptive_batch.run.state.RunState`'s fingerprint."""
     keys = list(TRAINED_KEYS) + sorted(AdaptiveBatchOptions.keys() - UNTRAINED_KEYS)
+    fits = ("enable_activation_checkpointing", "enable_activation_offloading")
     if cfg.get("use_maximum_batch_size", False):
         # What fits, where the probe's answer is trained: resumed with checkpointing off, the saved
         # answer trained at 2.4 times the budget.
-        keys += ["enable_activation_checkpointing", "enable_activation_offloading"]
+        keys += fits
     settings = {}
     for key in keys:
-        value = cfg.get(key, None)
+        value = cfg.get(key, False if key in fits else None)  # unset is off, as the recipes read it
         settings[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     return settings
 

@@ -55,6 +55,9 @@ def test_a_batch_over_max_batch_size_is_refused_only_where_nothing_it_bounds_run
     # unless growth trains it in micro-batches.
     with pytest.raises(ConfigError, match=r"batch_size=16 x gradient_accumulation_steps=1 is over max_batch_size=4"):
         start(probe=capped, growth=GROW, batch_size=16)
+    # a checkpoint of a version that started there resumes (its batch state replaces the start)
+    assert starting_batch(batch_size=16, gradient_accumulation_steps=1, report=None, probe=capped, growth=GROW,
+                          resuming=True) == (4, 4)
     by_accumulation = GrowthOptions(batch_increase_function=GROW.batch_increase_function, grow_with_accumulation=True)
     assert start(probe=capped, growth=by_accumulation, batch_size=16)[0] == (16, 4)
     (got, lines, warnings) = start(probed(batch_size=4, max_batch_size=4), ProbeOptions(), GROW, batch_size=16)

@@ -219,3 +219,12 @@ def test_activation_checkpointing_changed_on_resume_is_taken_as_a_budget_is(tmp_
     with pytest.raises(ConfigError, match=r"enable_activation_checkpointing was true .* is false now; it changes what "
                                           r"is trained \(the batch probed under it"):
         alone.check_resume()
+
+
+def test_a_checkpoint_from_before_what_fits_was_recorded_resumes(tmp_path):
+    """Its config set enable_activation_checkpointing, which that version did not record: the
+    resume was refused as 'unset ... is true now'."""
+    saved = run_state(tmp_path).state_dict()
+    resumed = run_state(tmp_path, enable_activation_checkpointing=True)
+    resumed.load_state_dict(saved)
+    assert resumed.changed_settings() == []
