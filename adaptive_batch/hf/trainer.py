@@ -71,7 +71,7 @@ from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
 from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.memory.device import address_space_limit, format_bytes, prepare_allocator
 from adaptive_batch.identity import digest
-from adaptive_batch.probe.api import find_max_batch_size
+from adaptive_batch.probe.api import find_max_batch_size, needs_two_samples
 from adaptive_batch.probe.cache import step_fields
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
 from adaptive_batch.probe.service import ProbeOptions
@@ -344,6 +344,8 @@ class AdaptiveBatchTrainer(Trainer):
                 "changed since), and its growth is bounded by that answer; put them back to resume that run, or train "
                 "from the start in another output_dir."
             )
+        # The probe trains the step asked for, as a run from the start does (not the last split).
+        self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps = self._asked_batch
         probed = self._probe()
         per_device, accumulation = split_effective_batch(saved["effective_batch_size"], probed["max_micro_batch_size"],
                                                          uneven_allowed=uneven_allowed(self))
@@ -361,9 +363,14 @@ class AdaptiveBatchTrainer(Trainer):
             RepeatedSample.longest(*self._as_the_loader_takes(self.eval_dataset, "evaluation")), "evaluation")
         target = self.trial_target(make_batch)
         with self._forward_as_trained, logged_metrics_kept(self), target.snapshot():
-            try:  # a step at batch 1 makes the optimizer's state; the snapshot takes it away after
-                target.train_step(make_batch(1))
-            except Exception as e:  # noqa: BLE001 - not even batch 1 trains: the training probe says so
+            try:  # a step makes the optimizer's state; the snapshot takes it away after
+                try:
+                    target.train_step(make_batch(1))
+                except ValueError as e:  # BatchNorm trains no batch of 1
+                    if not needs_two_samples(e):
+                        raise
+                    target.train_step(make_batch(2))
+            except Exception as e:  # noqa: BLE001 - it does not fit: the training probe says so
                 if not is_oom_error(e):
                     raise
             return self._ranks.smallest(lambda: find_max_batch_size(
@@ -699,8 +706,8 @@ class AdaptiveBatchTrainer(Trainer):
         if self._growth.grows and self._growth.within_epochs:  # a step is one batch of the loader
             per_device, accumulation = min(effective, state["max_micro_batch_size"]), 1
         self._take_micro_batches(per_device, accumulation)
-        if "per_device_eval_batch_size" in state:
-            args.per_device_eval_batch_size = state["per_device_eval_batch_size"]
+        if "per_device_eval_batch_size" in state:  # a checkpoint's from before its bound: at most the one asked
+            args.per_device_eval_batch_size = min(state["per_device_eval_batch_size"], self._asked_eval_batch)
         self.adaptive_batch = {k: v for k, v in state.items() if k not in ("growth", "position")}
         self._start_growth(state)
         if state["gradient_accumulation_steps"] > 1 or self._growth.grows:

@@ -101,10 +101,7 @@ class TrainingStateSnapshot:
             # mapping cannot.
             state = torch.load(self._path, mmap=False, weights_only=True)
         self.model.load_state_dict(state["model"])
-        buffers = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for name, value in state.get("buffers", {}).items():
-                buffers[name].copy_(value)
+        _put_back_buffers(self.model, state.get("buffers", {}))
         saved_grads = state.get("grads", {})
         for name, p in self.model.named_parameters():
             grad = saved_grads.get(name)  # a CPU one out of the file's mapping; a card's is loaded fresh
@@ -139,6 +136,20 @@ class TrainingStateSnapshot:
         tb: Optional[TracebackType],
     ) -> None:
         self.restore()
+
+
+def _put_back_buffers(model: nn.Module, saved: Dict[str, torch.Tensor]) -> None:
+    """The saved buffers back: into the live ones where they still fit, else as they were (a
+    buffer the steps replaced with another shape, an expanded view, one set to ``None``)."""
+    with torch.no_grad():
+        for name, value in saved.items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            live = owner._buffers.get(attr)
+            if live is not None and live.shape == value.shape and live.dtype == value.dtype and live.is_contiguous():
+                live.copy_(value)
+            else:
+                owner._buffers[attr] = value.clone()
 
 
 SNAPSHOT_PREFIX = ".probe_snapshot_"

@@ -66,7 +66,11 @@ class ProbeTarget:
                 callable(getattr(self.lr_scheduler, name, None)) for name in ("state_dict", "load_state_dict")):
             raise ConfigError(f"lr_scheduler={self.lr_scheduler!r} has no state_dict() and load_state_dict() to put it "
                               "back with: pass the torch LR scheduler the step advances, or None.")
-        return replace(self, device=step_device(self.model, self.device))
+        device = step_device(self.model, self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device={str(device)!r}: the probe measures memory on 'cpu' and 'cuda' devices only; "
+                              "probe on one of those.")
+        return replace(self, device=device)
 
     def snapshot(self, directory: Optional[str] = None) -> TrainingStateSnapshot:
         """A context that saves the model, optimizer, scheduler and RNG and puts them back."""
@@ -123,7 +127,8 @@ def only_its_optimizer_steps(target: ProbeTarget) -> Iterator[None]:
     finally:
         handle.remove()
         for optimizer, state in saved.values():
-            optimizer.load_state_dict(torch.load(io.BytesIO(state), weights_only=True))
+            # This process's own bytes: any state an optimizer holds (an LR as a numpy float) loads.
+            optimizer.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
 
 
 def _fake(optimizer: torch.optim.Optimizer) -> bool:
@@ -159,9 +164,6 @@ def step_device(model: nn.Module, device: Optional[Union[str, torch.device]]) ->
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ConfigError(f"device={device!r} is not a device ({e}); use e.g. 'cpu' or 'cuda:0'.") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device={str(device)!r}: the probe measures memory on 'cpu' and 'cuda' devices only; "
-                          "pass one of those (None: the model's).")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -449,6 +450,10 @@ def test_a_step_that_steps_an_optimizer_over_parameters_the_probe_was_not_given_
     assert [s["step"].item() for s in state.values()] == [1.0, 1.0]
     for key, value in saved["state"].items():
         assert all(torch.equal(value[k], state[key][k]) for k in ("exp_avg", "exp_avg_sq")), key
+    opt_d.param_groups[0]["lr"] = np.float64(1e-3)  # state torch.load(weights_only=True) refuses
+    find_max_batch_size(gan_step, make_batch=lambda b: torch.randn(b, 8), model=both, optimizer=opt_g,
+                        max_memory="16MiB", max_batch_size=8)
+    assert opt_d.param_groups[0]["lr"] == 1e-3
 
 
 def test_a_batch_maker_that_stops_growing_is_named_in_one_line():

@@ -83,6 +83,12 @@ def test_buffers_a_state_dict_leaves_out_come_back(tmp_path):
         model.seen += 8
         model.kept += 8
     assert torch.equal(model.seen, torch.ones(3)) and torch.equal(model.kept, torch.ones(3))
+    # one the steps replaced with another shape (a cache rebuilt for longer inputs), or removed
+    model.register_buffer("cache", torch.zeros(2), persistent=False)
+    with TrainingStateSnapshot(model, opt, sched, directory=str(tmp_path)):
+        model.cache = torch.zeros(5)
+        model.seen = None
+    assert torch.equal(model.cache, torch.zeros(2)) and torch.equal(model.seen, torch.ones(3))
 
 
 def test_restored_when_the_block_raises(tmp_path):
