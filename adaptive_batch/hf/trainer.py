@@ -323,7 +323,7 @@ class AdaptiveBatchTrainer(Trainer):
         finally:
             set_rng_state(rng)
         args = self.args
-        return {"the model's modules and parameters": fields["model"], "the longest sample's batch": fields["batch"],
+        return {"the model's modules, parameters or code (a library's upgrade too)": fields["model"], "the longest sample's batch": fields["batch"],
                 "gradient checkpointing and precision": digest([bool(args.gradient_checkpointing), args.bf16, args.fp16])}
 
     def _resume_batches(self, saved: Dict[str, Any], checkpoint: str) -> None:

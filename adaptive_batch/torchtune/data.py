@@ -40,7 +40,7 @@ def write_pydoc_jsonl(data_dir: str, min_chars: int = 64) -> str:
 
     The file name carries a hash of the content, so a change of ``min_chars`` or of CPython's
     topics writes a new file instead of reusing a stale one; the other such files go, so the
-    folder holds what this run reads. A resume's fingerprint covers the folder: a refused resume
+    folder (a run's own: the configs put it under ``output_dir``) holds what this run reads. A resume's fingerprint covers the folder: a refused resume
     with another ``min_chars`` once left its file there, and the resume with the key put back was
     refused too.
     """
