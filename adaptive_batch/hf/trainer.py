@@ -32,7 +32,9 @@ from torch.utils.data import IterableDataset
 
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import LengthGroupedSampler
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, SaveStrategy, get_last_checkpoint, has_length
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR, IntervalStrategy, SaveStrategy, get_last_checkpoint, has_length,
+)
 from transformers.utils import is_datasets_available
 
 from adaptive_batch.batch_tensors import tensors_of
@@ -67,10 +69,10 @@ from adaptive_batch.hf.trainer_build import TrainerTrialBuild, stop_at_the_loop,
 from adaptive_batch.hf.trial_step import (
     a_batch_maker_of_rows, forward_as_accelerate_runs_it, logged_metrics_kept, worst_case_that_collates,
 )
-from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
-from adaptive_batch.memory.oom import is_oom_error
-from adaptive_batch.memory.device import address_space_limit, format_bytes, prepare_allocator
 from adaptive_batch.identity import digest
+from adaptive_batch.memory.budget import IN_PROCESS_CPU_MARGIN
+from adaptive_batch.memory.device import address_space_limit, format_bytes, prepare_allocator
+from adaptive_batch.memory.oom import is_oom_error
 from adaptive_batch.probe.api import find_max_batch_size, needs_two_samples
 from adaptive_batch.probe.cache import step_fields
 from adaptive_batch.probe.child import TrialBuildError, TrialProcessNotStartedError
@@ -263,13 +265,14 @@ class AdaptiveBatchTrainer(Trainer):
             logs = {**logs, "batch_size": samples * self.args.world_size, "micro_batch_size": micro_batch}
         super().log(logs, *args, **kwargs)
 
-    def _probe(self) -> Dict[str, int]:
+    def _probe(self, make_batch: Optional[Callable[[int], Any]] = None) -> Dict[str, Any]:
         """The per-device batches: the largest training micro-batch that fits, the effective
         batch split into the fewest micro-batches no larger (equal ones under several
-        processes), and the evaluation batch."""
+        processes), and the evaluation batch; on ``make_batch``'s worst case where the caller
+        has made it (:meth:`_worst_case_batches`, which scans the data)."""
         args = self.args
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        make_batch = self._worst_case_batches()
+        make_batch = make_batch or self._worst_case_batches()
         state: Dict[str, Any] = {"probed_step": self._probed_step(make_batch)}
         # Evaluation first: the training answer's check is then the last thing run on the heap
         # training gets, and no evaluation trial that runs out of memory comes after it.
@@ -323,8 +326,11 @@ class AdaptiveBatchTrainer(Trainer):
         finally:
             set_rng_state(rng)
         args = self.args
-        return {"the model's modules, parameters or code (a library's upgrade too)": fields["model"], "the longest sample's batch": fields["batch"],
-                "gradient checkpointing and precision": digest([bool(args.gradient_checkpointing), args.bf16, args.fp16])}
+        return {
+            "the model's modules, parameters or code (a library's upgrade too)": fields["model"],
+            "the longest sample's batch": fields["batch"],
+            "gradient checkpointing and precision": digest([bool(args.gradient_checkpointing), args.bf16, args.fp16]),
+        }
 
     def _resume_batches(self, saved: Dict[str, Any], checkpoint: str) -> None:
         """The checkpoint's batches; where the step they were probed on has changed since, the same
@@ -334,7 +340,8 @@ class AdaptiveBatchTrainer(Trainer):
             ConfigError: for such a change in a run that grows (its bound is the probe's answer).
         """
         source = f"from the checkpoint {checkpoint}"
-        was, now = saved.get("probed_step"), self._probed_step(self._worst_case_batches())
+        make_batch = self._worst_case_batches()  # scans the data once: the probe below takes it
+        was, now = saved.get("probed_step"), self._probed_step(make_batch)
         changed = [part for part in now if was is not None and was.get(part) != now[part]]
         if not changed:
             return self._apply(saved, source)
@@ -346,7 +353,7 @@ class AdaptiveBatchTrainer(Trainer):
             )
         # The probe trains the step asked for, as a run from the start does (not the last split).
         self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps = self._asked_batch
-        probed = self._probe()
+        probed = self._probe(make_batch)
         per_device, accumulation = split_effective_batch(saved["effective_batch_size"], probed["max_micro_batch_size"],
                                                          uneven_allowed=uneven_allowed(self))
         resplit = {key: probed[key] for key in ("probed_step", "max_micro_batch_size", "per_device_eval_batch_size")

@@ -51,7 +51,7 @@ from adaptive_batch.memory.oom import collections_of_new_objects
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
 )
-from adaptive_batch.probe.target import BatchesOfTheirSize, ProbeTarget, check_make_batch, only_its_optimizer_steps
+from adaptive_batch.probe.target import ProbeTarget, check_make_batch, other_optimizers_put_back
 from adaptive_batch.validation import check_callable, check_positive_number, check_safety_margin
 
 
@@ -208,8 +208,7 @@ def _search(train_step: Callable[[Any], None], *, make_batch: Callable[[int], An
             probe_time_budget=time_budget, probe_cache=False,
         )
         target = ProbeTarget(train_step, make_batch, model, optimizer, device, lr_scheduler).on_its_device()
-        check_make_batch(make_batch)
-        target = replace(target, make_batch=BatchesOfTheirSize(make_batch))
+        target = replace(target, make_batch=check_make_batch(make_batch))
         budget, capacity, in_children = step_budget(options, target, build=build)
         if build is not None and not in_children:
             logs.info(f"probe: build= is not used: {_why_build_is_not_used(capacity.source, target.device)}")
@@ -223,7 +222,7 @@ def _search(train_step: Callable[[Any], None], *, make_batch: Callable[[int], An
                           "leaves worse than a fresh one's (find_max_batch_size(build=f) with f() -> ProbeTarget runs "
                           "them in fresh processes).")
         # The recipes' probe without their cache, ranks and report: each rank answers for itself.
-        with only_its_optimizer_steps(target):
+        with other_optimizers_put_back(target):
             report = search_and_check(
                 options, target, budget, capacity, TrialLimits.read(budget, capacity, target),
                 rank_budgets=[budget.budget_bytes],

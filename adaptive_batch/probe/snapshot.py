@@ -25,8 +25,8 @@ from adaptive_batch.rng import rng_state, set_rng_state
 
 
 class TrainingStateSnapshot:
-    """Saves model (its gradients and non-persistent buffers too), optimizer, LR scheduler and RNG state on entry and
-    restores it on exit; the steps inside start with no gradients.
+    """Saves model (its gradients and non-persistent buffers too), optimizer, LR scheduler and RNG
+    state on entry and restores it on exit; the steps inside start with no gradients.
 
     Used as a context manager around probe steps; the state is restored whether the block ends
     normally or with an error, and the snapshot file is removed.

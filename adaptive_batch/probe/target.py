@@ -90,7 +90,7 @@ def check_model_and_optimizer(model: Any, optimizer: Any, *, trained_by: str, op
 
 
 @contextmanager
-def only_its_optimizer_steps(target: ProbeTarget) -> Iterator[None]:
+def other_optimizers_put_back(target: ProbeTarget) -> Iterator[None]:
     """Inside the block, an optimizer ``train_step`` steps over parameters that are not
     ``target.model``'s is refused before it steps: the probe puts back only the model, so the
     trials would leave those parameters changed (a GAN's discriminator came out 10 steps on).
@@ -181,9 +181,9 @@ def _shapes(batch: Any) -> List[Tuple[int, ...]]:
 
 
 class BatchesOfTheirSize:
-    """``make_batch``, refusing a batch of the same shapes as one it built at another size: a
-    maker that stops growing (``data[:b]`` past the data's end) had the search go on to a "largest
-    fit" of 2**60, through 64 trials of the same batch.
+    """``make_batch``, refusing a batch of the same shapes as one it built at another size: one
+    that ignores its size had every trial measure the same batch and "find" the cap, and one that
+    stops growing (``data[:b]`` past the data's end) a "largest fit" of 2**60, after 64 trials.
 
     Raises:
         ConfigError: (from a call) naming both sizes.
@@ -198,28 +198,29 @@ class BatchesOfTheirSize:
         shapes = tuple(_shapes(batch))
         other = self._sizes.setdefault(shapes, batch_size) if shapes else batch_size
         if other != batch_size:
+            smaller, larger = sorted((other, batch_size))
             raise ConfigError(
-                f"make_batch: make_batch({batch_size}) built tensors of the same shapes as make_batch({other}) "
+                f"make_batch: make_batch({smaller}) and make_batch({larger}) built tensors of the same shapes "
                 f"({list(shapes[:3])}): it must build a batch of the size it is given (a slice past the data's end "
                 f"stops growing), e.g. make_batch={MAKE_BATCH_EXAMPLE}."
             )
         return batch
 
 
-def check_make_batch(make_batch: Callable[[int], Any]) -> None:
-    """Refuses a batch maker whose batches of 1 and 2 samples are the same shape: one that
-    ignores its size would have every trial measure the same batch and "find" the cap.
+def check_make_batch(make_batch: Callable[[int], Any]) -> BatchesOfTheirSize:
+    """Refuses a batch maker whose batches of 1 and 2 samples are the same shape, before any step.
+
+    Returns:
+        The maker, refusing the same at any later size (:class:`BatchesOfTheirSize`).
 
     Raises:
         ConfigError: when they are.
     """
+    sized = BatchesOfTheirSize(make_batch)
     rng = rng_state()  # a batch maker may draw random numbers; the run's draws stay its own
     try:
-        one, two = _shapes(make_batch(1)), _shapes(make_batch(2))
+        sized(1)
+        sized(2)
     finally:
         set_rng_state(rng)
-    if one and one == two:
-        raise ConfigError(
-            f"make_batch: make_batch(1) and make_batch(2) built tensors of the same shapes ({one[:3]}): it must "
-            f"build a batch of the size it is given, e.g. make_batch={MAKE_BATCH_EXAMPLE}."
-        )
+    return sized

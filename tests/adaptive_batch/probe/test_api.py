@@ -468,8 +468,8 @@ def test_a_batch_maker_that_stops_growing_is_named_in_one_line():
         optimizer.step()
         optimizer.zero_grad()
 
-    with pytest.raises(ConfigError, match=r"make_batch: make_batch\(\d+\) built tensors of the same shapes as "
-                                          r"make_batch\(\d+\) \(\[\(100, 8\)\]\)"):
+    with pytest.raises(ConfigError, match=r"make_batch: make_batch\(\d+\) and make_batch\(\d+\) built tensors of the "
+                                          r"same shapes \(\[\(100, 8\)\]\)"):
         find_max_batch_size(step, make_batch=lambda b: data[:b], model=model, optimizer=optimizer, max_memory="64MiB")
 
 
