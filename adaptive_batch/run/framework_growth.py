@@ -18,15 +18,12 @@ from adaptive_batch.errors import ConfigError
 import adaptive_batch.logs as logs
 from adaptive_batch.run.grower import per_rank_increase
 from adaptive_batch.schedule.growth import (
-    GrowthDecision, GrowthOptions, function_identity, function_name, grow_batch_size, same_setting_recorded,
+    RECORDED_SINCE, GrowthDecision, GrowthOptions, function_identity, function_name, grow_batch_size,
+    same_setting_recorded,
 )
 from adaptive_batch.schedule.lr_scaling import BatchLRScaler, LRScalingOptions
 
 STATE_VERSION = 1
-
-
-# Settings an adapter keeps only since some release: a fit recorded before has none to compare.
-_KEPT_SINCE = frozenset({"dataset_size"})
 
 
 @dataclass
@@ -177,7 +174,7 @@ class FrameworkGrowth:
         # Every fit before ranks, or the interval, were kept ran on one rank, growing per epoch.
         restored.settings = {"world_size": 1, "batch_increase_interval": "epoch", **restored.settings}
         for key, value in settings.items():
-            if key in _KEPT_SINCE and key not in restored.settings:  # a fit from before it was kept
+            if key in RECORDED_SINCE and key not in restored.settings:  # a fit from before it was kept
                 continue
             if not same_setting_recorded(key, restored.settings.get(key), value):
                 raise ConfigError(

@@ -20,7 +20,7 @@ import adaptive_batch.logs as logs
 from adaptive_batch.rng import rng_state, set_rng_state
 from adaptive_batch.run.options import AdaptiveBatchOptions
 from adaptive_batch.run.session import BatchSession
-from adaptive_batch.schedule.growth import same_setting_recorded
+from adaptive_batch.schedule.growth import RECORDED_SINCE, same_setting_recorded
 
 RUN_STATE_KEY = "adaptive_batch_run"
 # What sets what fits, not what a step trains: the memory budget, and the recipes' activation
@@ -28,8 +28,6 @@ RUN_STATE_KEY = "adaptive_batch_run"
 # into micro-batches, so a resumed run may change them and probe again.
 BUDGET_KEYS = frozenset({"max_memory", "memory_safety_margin", "enable_activation_checkpointing",
                          "enable_activation_offloading"})
-# Settings fingerprinted only since some release: a checkpoint without them is not checked for them.
-RECORDED_SINCE = frozenset({"enable_activation_checkpointing", "enable_activation_offloading"})
 RNG_KEY = "rng_state"
 VERSION = 1
 

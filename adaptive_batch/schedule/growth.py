@@ -208,6 +208,11 @@ def function_identity(fn: Callable) -> str:
     return function_name(fn)
 
 
+# Settings kept in checkpoints only since some release: a record without one is not compared
+# (what that run had is not known), wherever records are compared.
+RECORDED_SINCE = frozenset({"dataset_size", "enable_activation_checkpointing", "enable_activation_offloading"})
+
+
 def same_setting_recorded(key: str, saved: Any, now: Any) -> bool:
     """Whether a checkpoint's record of setting ``key`` is ``now``'s; for the growth function
     (:func:`function_identity`), a record written before identities said more than the name (its
