@@ -910,3 +910,29 @@ def test_the_callers_training_arguments_are_left_as_they_were(tmp_path):
     trainer.train()
     assert trainer.args.gradient_accumulation_steps > 1  # the micro-batches it settled on
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (16, 1)
+
+
+def test_the_evaluation_probes_first_step_trains_2_where_batch_1_cannot(tmp_path, monkeypatch):
+    """The step that makes the optimizer's state before the evaluation trials ran at batch 1, which
+    a model with BatchNorm refuses: train() failed before the training probe ran."""
+    from dataclasses import replace
+
+    from adaptive_batch.data.layout import BatchLayout
+
+    trainer = _trainer(tmp_path, max_memory="20MiB")
+    real, rows = trainer.trial_target, []
+
+    def a_target_refusing_1(make_batch):
+        target = real(make_batch)
+
+        def step(batch):
+            rows.append(BatchLayout().rows(batch))
+            if rows == [1]:
+                raise ValueError("Expected more than 1 value per channel when training, got input size [1, 8]")
+            target.train_step(batch)
+
+        return replace(target, train_step=step)
+
+    monkeypatch.setattr(trainer, "trial_target", a_target_refusing_1)
+    trainer.train()
+    assert rows[:2] == [1, 2] and trainer.adaptive_batch["per_device_eval_batch_size"] >= 1
