@@ -214,7 +214,7 @@ class AdaptiveBatchTrainer(Trainer):
         # trains the saved batch on the same allocator as the run that probed it. Its warnings
         # are Python warnings, as Trainer's own.
         with logs.lines_to(self._log, warnings.warn):
-            prepare_allocator(self.args.device, probing=saved is None)
+            prepare_allocator(self.args.device, probing=saved is None, max_memory=self.max_memory)
         if saved is None:
             self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps = self._asked_batch
         self._update_rows = []  # a second train()'s trials are not weighted by the last run's step

@@ -51,7 +51,7 @@ class AdaptiveBatchController:
         self.lr: Optional[LRCoupling] = None
         self._sampler: Any = None
         with logs.lines_to(self.log, self.warn):
-            prepare_allocator(self.device, probing=options.needs_probe)
+            prepare_allocator(self.device, probing=options.needs_probe, max_memory=options.probe.max_memory)
 
     # What the recipes read of the session's decisions.
     options = property(lambda self: self.session.options)

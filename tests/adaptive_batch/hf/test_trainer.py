@@ -77,10 +77,9 @@ def test_the_effective_batch_trains_in_the_micro_batches_that_fit(tmp_path):
     assert all(h["micro_batch_size"] == state["per_device_train_batch_size"] for h in steps)
     assert state["per_device_eval_batch_size"] >= found  # forward passes alone take less
     assert any(line.startswith("probe trial") for line in trainer.lines)
-    # its trials ran on the probe's allocator; judged by tensor bytes with no limit over the
-    # process, it trains on glibc's fast thresholds (steps took 1.5x as long on the probe's), and says so
-    assert any(line.startswith("CPU allocator: glibc M_MMAP_THRESHOLD") for line in trainer.lines)
-    assert any(line.startswith("CPU allocator: glibc's thresholds back to 32 MiB") for line in trainer.lines)
+    # judged by tensor bytes, far below the machine, with no limit over the process: the probe sets
+    # no allocator option (steps took 1.5x as long on them)
+    assert not any(line.startswith("CPU allocator: glibc M_MMAP_THRESHOLD") for line in trainer.lines)
     assert "adaptive-batch (probed): the effective batch of 16 trains as" in trainer.lines[-1]
     saved = json.loads((Path(tmp_path) / "checkpoint-2" / STATE_FILE).read_text())
     assert saved == state

@@ -292,3 +292,30 @@ def test_cuda_capacity_is_what_the_card_and_the_process_memory_fraction_both_all
     assert (capacity.headroom_bytes, capacity.source, capacity.hard_limit) == (headroom, source, True)
     # what max_memory is checked against: all the process can hold there, its own 5 GiB included
     assert capacity.held_bytes == 5 * GiB and capacity.device_bytes == headroom + 5 * GiB
+
+
+@pytest.mark.parametrize("max_memory, limit, settings", [
+    ("1GiB", None, False),  # a size under half the machine's 8 GiB: the guard is far above the budget
+    (4 * GiB, None, False),  # exactly half
+    ("5GiB", None, True),  # near the guard: glibc's kept blocks could reach it first
+    (0.1, None, True),  # a fraction: the budget is the machine's own
+    (None, None, True),  # the whole machine
+    ("2GiB,1GiB", None, True),  # several ranks' budgets, read per rank elsewhere
+    ("1GiB", 8 * GiB, True),  # an address-space limit holds the process
+])
+def test_a_soft_budget_far_below_the_machine_probes_on_glibcs_defaults(monkeypatch, max_memory, limit, settings):
+    """Judged by live tensor bytes, a probe needs address space to follow live memory only where
+    its guard (the machine's headroom) is near the budget: the settings map every block over
+    256 KiB afresh, and every soft probe's steps paid for them."""
+    import adaptive_batch.memory.device as device
+
+    libc = _FakeLibc()
+    monkeypatch.setattr(device, "_glibc", lambda: libc)
+    monkeypatch.setattr(device, "_mmap_threshold_set", None)
+    monkeypatch.setattr(device, "address_space_limit", lambda: limit)
+    monkeypatch.setattr(device, "cpu_capacity", lambda: DeviceCapacity("cpu", 8 * GiB, "MemAvailable", hard_limit=False))
+    lines = []
+    with lines_to(lines.append):
+        device.prepare_allocator(torch.device("cpu"), probing=True, max_memory=max_memory)
+    assert (libc.calls == [(-3, 256 * 1024), (-8, 1)]) is settings and (libc.calls == []) is not settings
+    assert len(lines) == int(settings) and device.glibc_mmap_threshold_set() == (256 * 1024 if settings else None)
