@@ -639,7 +639,7 @@ if __name__ == "__main__":  # the probe's trial processes import this script
                                     and not any("the trials run in this process" in line for line in lines),
                                     "oom_trials": sum("out of memory" in line for line in trials)}))
     else:
-        # what the probed run trains: the effective batch of 16 in accumulated micro-batches
+        # what the probed run trains: its effective batch in accumulated micro-batches
         args.gradient_accumulation_steps = 2
         trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=samples)
         return_freed_memory_to_os()  # the allocator the probed run trains with, set where it sets it
@@ -656,7 +656,7 @@ if __name__ == "__main__":  # the probe's trial processes import this script
 def test_under_a_real_limit_it_finds_the_true_maximum(tmp_path):
     """Under 256 MiB of address space over the process (as ``prlimit --as`` gives), trials in
     fresh processes find the micro-batch that trains 3 accumulated steps (as the effective batch
-    of 16 is trained) in the process that probed, and one more does not train in a fresh process,
+    of 8 is trained) in the process that probed, and one more does not train in a fresh process,
     with at most one out-of-memory trial. The truth was a step of one micro-batch until the trial became
     the Trainer's accumulated step; on a larger model the probing process, its heap grown by the
     probe, once failed in training the answer fresh processes train."""
@@ -673,10 +673,10 @@ def test_under_a_real_limit_it_finds_the_true_maximum(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
-    probed = run("probe", 16)
+    probed = run("probe", 8)
     found = probed["found"]
     assert probed["in_fresh_processes"], probed
-    assert 1 < found < 16 and probed["oom_trials"] <= 1, probed
+    assert 1 < found < 8 and probed["oom_trials"] <= 1, probed
     # the probing process trained the answer (its heap is the probe's, not a fresh one's); one more
     # does not train in a fresh process
     assert not run("fresh", found + 1)["trains"], found
