@@ -18,8 +18,10 @@ COSINE = [
     "lr_scheduler._component_=torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
     "lr_scheduler.num_warmup_steps=1",
 ]
-# 2 ranks of 2 samples; growth doubles the global batch from epoch 1 and stops on request.
+# 2 ranks of 2 samples; growth doubles the global batch from epoch 1 and stops on request. Rows
+# of 64 tokens: what these runs check is which steps they train, not how long their rows are.
 GROWTH = [
+    "tokenizer.max_seq_len=64",
     "batch_increase_function=my_growth.double_or_stop", "grow_with_accumulation=True", "epochs=3",
     "max_steps_per_epoch=3", "lr_scaling=linear", *COSINE,
 ]
