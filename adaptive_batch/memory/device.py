@@ -503,8 +503,7 @@ def prepare_allocator(device: torch.device, *, probing: bool, max_memory: Memory
     """
     # Probing on CPU runs its trials under an address-space limit of its own (see
     # adaptive_batch.probe.service.trial_address_space); near the budget it needs the same settings.
-    needed = address_space_limit() is not None or (probing and not probe_guard_needs_no_allocator_setting(max_memory))
-    if device.type == "cpu" and needed and return_freed_memory_to_os():
+    if device.type == "cpu" and _cpu_needs_allocator_settings(probing, max_memory) and return_freed_memory_to_os():
         logs.info(
             "CPU allocator: glibc M_MMAP_THRESHOLD=256KiB and M_ARENA_MAX=1 for this run, so address space follows "
             "live memory under a memory limit and the probed batch holds from step to step."
@@ -513,11 +512,17 @@ def prepare_allocator(device: torch.device, *, probing: bool, max_memory: Memory
         use_expandable_segments()
 
 
+def _cpu_needs_allocator_settings(probing: bool, max_memory: MemorySpec) -> bool:
+    return address_space_limit() is not None or (probing and not probe_guard_needs_no_allocator_setting(max_memory))
+
+
 def probe_guard_needs_no_allocator_setting(max_memory: MemorySpec) -> bool:
     """Whether a CPU probe under the soft budget ``max_memory`` (a size, no limit over the
     process) runs its trials on glibc's defaults: its steps are judged by live tensor bytes, and
     its guard (the machine's headroom in address space, past which a trial fails to allocate)
-    is at least twice the budget, beyond what glibc's kept blocks add to a step's live memory.
+    is at least twice the budget, beyond what glibc's kept blocks add to a step's live memory
+    (read when the run sets up; a budget the loaded model leaves over the headroom is hard, and
+    the probe then sets them: :func:`~adaptive_batch.probe.service.probe_batch_size`).
     The recipes' settings map every block over 256 KiB afresh (12 steps of the tiny config at
     batch 8 took 10.0 s against 6.5 s, with 13x the page faults). A fraction of the
     device, or none, puts the budget at the guard itself: the settings stay."""

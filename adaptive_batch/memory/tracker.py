@@ -8,8 +8,9 @@ keeps the failed step's tensors, and every later trial then fails).
 """
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
+import functools
+import threading
 from typing import Callable, Dict, Iterable, Iterator, List, Optional
 import weakref
 
@@ -50,6 +51,44 @@ def live_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
+# ``UntypedStorage.resize_`` is no operator, so no dispatch mode sees it: while any counter is
+# entered one wrapper stands in for it (process-wide, as the method is) and tells the counters
+# entered on the calling thread, as a dispatch mode covers its own thread.
+_resize_lock = threading.Lock()
+_resize_original: List[Callable[..., object]] = []  # the method the wrapper replaced, while installed
+_resize_users = 0
+_counters_here = threading.local()
+
+
+def _counted_resize(storage: torch.UntypedStorage, size: int) -> object:
+    out = _resize_original[0](storage, size)
+    for counter in getattr(_counters_here, "entered", ()):
+        counter._resized(storage)
+    return out
+
+
+def _follow_resizes(counter: "LiveTensorCounter") -> None:
+    global _resize_users
+    with _resize_lock:
+        if _resize_users == 0:
+            _resize_original.append(torch.UntypedStorage.resize_)
+            torch.UntypedStorage.resize_ = functools.wraps(_resize_original[0])(_counted_resize)
+        _resize_users += 1
+    _counters_here.entered = [*getattr(_counters_here, "entered", ()), counter]
+
+
+def _unfollow_resizes(counter: "LiveTensorCounter") -> None:
+    global _resize_users
+    entered = list(getattr(_counters_here, "entered", ()))
+    if counter in entered:
+        entered.remove(counter)
+    _counters_here.entered = entered
+    with _resize_lock:
+        _resize_users -= 1
+        if _resize_users == 0:
+            torch.UntypedStorage.resize_ = _resize_original.pop()
+
+
 class LiveTensorCounter(TorchDispatchMode):
     """Counts live tensor bytes on one device type and keeps the peak.
 
@@ -77,29 +116,23 @@ class LiveTensorCounter(TorchDispatchMode):
         self.operators: List[object] = []
         self._refs: Dict[int, weakref.ref] = {}
         self._sizes: Dict[int, int] = {}  # the bytes each tracked storage counts for now
-        self._resize_before: List[Callable[[torch.UntypedStorage, int], object]] = []
         for t in baseline:
             self._track(t)
         self.start_phase(self.phase)
 
     def __enter__(self) -> "LiveTensorCounter":
-        resize = torch.UntypedStorage.resize_
-        self._resize_before.append(resize)
-
-        @functools.wraps(resize)
-        def counted_resize(storage: torch.UntypedStorage, size: int) -> object:
-            out = resize(storage, size)
-            self._resized(storage)
-            return out
-
-        torch.UntypedStorage.resize_ = counted_resize
-        return super().__enter__()
+        _follow_resizes(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _unfollow_resizes(self)
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
         try:
             super().__exit__(*exc_info)
         finally:
-            torch.UntypedStorage.resize_ = self._resize_before.pop()
+            _unfollow_resizes(self)
 
     def start_phase(self, phase: str) -> None:
         """From now on the bytes count towards ``phase``'s peak; what is alive counts at once."""

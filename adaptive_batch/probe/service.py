@@ -28,8 +28,10 @@ from adaptive_batch.memory.device import (
     device_capacity,
     device_name,
     format_bytes,
+    glibc_mmap_threshold_set,
     memory_fraction,
     parse_memory,
+    prepare_allocator,
     proc_status_bytes,
 )
 from adaptive_batch.memory.oom import collections_of_new_objects, first_line
@@ -279,6 +281,9 @@ def probe_batch_size(
         target = replace(target, held=(*target.held, *held)).on_its_device()
         ranks = ranks or RankGroup(target.device)
         budget, capacity, in_children = step_budget(options, target, build=build, distributed=ranks.distributed)
+        if target.device.type == "cpu" and not budget.is_soft and glibc_mmap_threshold_set() is None:
+            # a size far below the machine when the run set up (no settings), over it once the model loaded
+            prepare_allocator(target.device, probing=True)
         # Every rank searches against the smallest budget; each measures against its own.
         rank_budgets = ranks.gather(budget.budget_bytes)
         caps = [c for c in (dataset_size, options.max_batch_size) if c is not None]

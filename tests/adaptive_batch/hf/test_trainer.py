@@ -85,6 +85,22 @@ def test_the_effective_batch_trains_in_the_micro_batches_that_fit(tmp_path):
     assert saved == state
 
 
+def test_a_soft_budget_near_the_machine_probes_on_the_settings_and_trains_on_glibcs_thresholds(tmp_path, monkeypatch):
+    """Where the guard is near the budget (a fraction of the machine, or a size over half its
+    headroom) the trials run on the probe's allocator; judged by tensor bytes with no limit over
+    the process, training then goes back to glibc's fast thresholds (steps took 1.5x as long on
+    the probe's), and each is said in one line."""
+    monkeypatch.setattr(device, "probe_guard_needs_no_allocator_setting", lambda max_memory: False)
+    monkeypatch.setattr(device, "_mmap_threshold_set", None)
+    trainer = _trainer(tmp_path, max_memory="20MiB", probe_eval=False)
+    trainer.train()
+    settings = [i for i, line in enumerate(trainer.lines) if line.startswith("CPU allocator: glibc M_MMAP_THRESHOLD")]
+    relaxed = [i for i, line in enumerate(trainer.lines) if line.startswith("CPU allocator: glibc's thresholds back to 32 MiB")]
+    probed = [i for i, line in enumerate(trainer.lines) if line.startswith("probe trial")]
+    assert len(settings) == len(relaxed) == 1 and settings[0] < probed[0] < probed[-1] < relaxed[0]
+    assert device.glibc_mmap_threshold_set() is None
+
+
 def test_a_resumed_run_takes_the_checkpoints_batches_without_probing(tmp_path, monkeypatch):
     first = _trainer(tmp_path, max_memory="20MiB")
     first.train()

@@ -119,6 +119,7 @@ def test_a_dtensor_counts_its_local_shard_not_its_global_size():
 
 def test_a_storage_resized_in_place_counts_at_its_new_size():
     # ``UntypedStorage.resize_`` is no operator: no dispatch mode sees it.
+    original = torch.UntypedStorage.resize_
     counter = LiveTensorCounter()
     with counter:
         held = torch.ones(1024, 1024)  # 4 MiB
@@ -130,7 +131,38 @@ def test_a_storage_resized_in_place_counts_at_its_new_size():
         del other
         gc.collect()
     assert counter.peak_bytes == 8 * 1024**2 and counter.live_bytes == 4 * 1024**2
-    assert torch.UntypedStorage.resize_ is not None and "counted" not in torch.UntypedStorage.resize_.__qualname__
+    assert torch.UntypedStorage.resize_ is original
+
+
+def test_resizes_reach_the_counters_of_their_own_thread_and_the_method_comes_back():
+    import threading
+
+    original = torch.UntypedStorage.resize_
+    outer, inner = LiveTensorCounter(), LiveTensorCounter()
+    with pytest.raises(RuntimeError, match="a step that failed"):
+        with outer, inner:  # nested, and left by an exception
+            torch.ones(256).untyped_storage().resize_(4096)
+            raise RuntimeError("a step that failed")
+    assert outer.peak_bytes == inner.peak_bytes == 4096 and torch.UntypedStorage.resize_ is original
+
+    # a counter on another thread, entered first and left last, sees none of this thread's resizes
+    entered, leave = threading.Event(), threading.Event()
+    elsewhere = LiveTensorCounter()
+
+    def other_thread():
+        with elsewhere:
+            entered.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    entered.wait(30)
+    with LiveTensorCounter() as here:
+        torch.ones(256).untyped_storage().resize_(8192)
+    leave.set()
+    thread.join(30)
+    assert here.peak_bytes == 8192 and elsewhere.peak_bytes == 0
+    assert torch.UntypedStorage.resize_ is original
 
 
 class _EveryStorageReRead(LiveTensorCounter):

@@ -294,3 +294,29 @@ def test_a_max_memory_of_the_whole_share_a_card_gives_the_process_is_not_refused
     assert budget.limit_bytes <= 2**31
     with pytest.raises(ConfigError, match="larger than the device can hold"):
         service.step_budget(ProbeOptions(max_memory="3GiB"), target)
+
+
+@pytest.mark.parametrize("max_memory, settings", [(None, True), (4 * 2**20, False)])
+def test_a_hard_cpu_budget_probes_on_the_allocator_settings_whoever_called(tmp_path, monkeypatch, max_memory, settings):
+    """The run decides its allocator when it sets up, from max_memory and the machine's headroom
+    then; a budget that is hard by the time the probe reads it (the whole machine, or a size the
+    loaded model left over the headroom) gets the settings a hard budget's trials need."""
+    import adaptive_batch.memory.device as device
+
+    class FakeLibc:
+        calls = []
+
+        def mallopt(self, option, value):
+            self.calls.append((option, value))
+            return 1
+
+    libc = FakeLibc()
+    monkeypatch.setattr(device, "_glibc", lambda: libc)
+    monkeypatch.setattr(device, "_mmap_threshold_set", None)
+    lines = []
+    opts = ProbeOptions(use_maximum_batch_size=True, max_memory=max_memory, max_batch_size=2, probe_cache=False)
+    report = probe_batch_size(opts, _mlp_parts(), seq_len=256, dataset_size=10_000, output_dir=str(tmp_path),
+                              log=lines.append)
+    assert report.budget.is_soft is not settings and report.batch_size == 2
+    assert (libc.calls[:2] == [(-3, 256 * 1024), (-8, 1)]) is settings and (libc.calls == []) is not settings
+    assert any(line.startswith("CPU allocator: glibc M_MMAP_THRESHOLD") for line in lines) is settings
