@@ -512,6 +512,16 @@ def prepare_allocator(device: torch.device, *, probing: bool, max_memory: Memory
         use_expandable_segments()
 
 
+def prepare_allocator_for_a_hard_budget(device: torch.device, *, soft_budget: bool) -> None:
+    """Under a hard CPU budget, :func:`prepare_allocator`'s settings where nobody set them yet
+    (its caller trains on the answer: under glibc's defaults a step's peak moved by 100 MiB from
+    process to process). They are missing where the library is called alone, or where a size far
+    below the machine when the run set up became hard once the model loaded; the recipes, the
+    Trainer and :class:`~adaptive_batch.AdaptiveBatch` have set and said them otherwise."""
+    if device.type == "cpu" and not soft_budget and glibc_mmap_threshold_set() is None:
+        prepare_allocator(device, probing=True)
+
+
 def _cpu_needs_allocator_settings(probing: bool, max_memory: MemorySpec) -> bool:
     return address_space_limit() is not None or (probing and not probe_guard_needs_no_allocator_setting(max_memory))
 
@@ -522,7 +532,7 @@ def probe_guard_needs_no_allocator_setting(max_memory: MemorySpec) -> bool:
     its guard (the machine's headroom in address space, past which a trial fails to allocate)
     is at least twice the budget, beyond what glibc's kept blocks add to a step's live memory
     (read when the run sets up; a budget the loaded model leaves over the headroom is hard, and
-    the probe then sets them: :func:`~adaptive_batch.probe.service.probe_batch_size`).
+    the probe then sets them: :func:`prepare_allocator_for_a_hard_budget`).
     The recipes' settings map every block over 256 KiB afresh (12 steps of the tiny config at
     batch 8 took 10.0 s against 6.5 s, with 13x the page faults). A fraction of the
     device, or none, puts the budget at the guard itself: the settings stay."""

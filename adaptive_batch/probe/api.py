@@ -45,7 +45,7 @@ from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 import adaptive_batch.logs as logs
 from adaptive_batch.memory.device import (
-    ADDRESS_SPACE_SOURCE, glibc_mmap_threshold_set, prepare_allocator, relax_allocator_for_training,
+    ADDRESS_SPACE_SOURCE, prepare_allocator_for_a_hard_budget, relax_allocator_for_training,
 )
 from adaptive_batch.memory.oom import collections_of_new_objects
 from adaptive_batch.probe.service import (
@@ -212,11 +212,9 @@ def _search(train_step: Callable[[Any], None], *, make_batch: Callable[[int], An
         budget, capacity, in_children = step_budget(options, target, build=build)
         if build is not None and not in_children:
             logs.info(f"probe: build= is not used: {_why_build_is_not_used(capacity.source, target.device)}")
+        # The caller trains on the answer: on glibc's defaults BERT's failed in a fresh process.
+        prepare_allocator_for_a_hard_budget(target.device, soft_budget=budget.is_soft)
         if target.device.type == "cpu" and not budget.is_soft:
-            # The caller trains on the answer: under glibc's defaults its peak moved by 100 MiB from
-            # process to process (BERT's answer trained in one fresh process and failed in the next).
-            if glibc_mmap_threshold_set() is None:  # the Trainer and AdaptiveBatch have set and said it
-                prepare_allocator(target.device, probing=True)
             if not in_children and build is None:
                 logs.info(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
                           "leaves worse than a fresh one's (find_max_batch_size(build=f) with f() -> ProbeTarget runs "

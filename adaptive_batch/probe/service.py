@@ -28,10 +28,9 @@ from adaptive_batch.memory.device import (
     device_capacity,
     device_name,
     format_bytes,
-    glibc_mmap_threshold_set,
     memory_fraction,
     parse_memory,
-    prepare_allocator,
+    prepare_allocator_for_a_hard_budget,
     proc_status_bytes,
 )
 from adaptive_batch.memory.oom import collections_of_new_objects, first_line
@@ -164,7 +163,8 @@ def step_budget(
         ConfigError: for a ``max_memory`` the device cannot give.
     """
     # No allocator settings here: whoever trains on the answer sets them (prepare_allocator) and
-    # says so: the recipes, AdaptiveBatch, the Trainer, find_max_batch_size under a hard budget.
+    # says so: the recipes, AdaptiveBatch, the Trainer; a hard budget's callers once it is read
+    # (prepare_allocator_for_a_hard_budget).
     device = target.device
     capacity = device_capacity(device)
     max_memory = options.max_memory_bytes(capacity.device_bytes)
@@ -281,9 +281,7 @@ def probe_batch_size(
         target = replace(target, held=(*target.held, *held)).on_its_device()
         ranks = ranks or RankGroup(target.device)
         budget, capacity, in_children = step_budget(options, target, build=build, distributed=ranks.distributed)
-        if target.device.type == "cpu" and not budget.is_soft and glibc_mmap_threshold_set() is None:
-            # a size far below the machine when the run set up (no settings), over it once the model loaded
-            prepare_allocator(target.device, probing=True)
+        prepare_allocator_for_a_hard_budget(target.device, soft_budget=budget.is_soft)
         # Every rank searches against the smallest budget; each measures against its own.
         rank_budgets = ranks.gather(budget.budget_bytes)
         caps = [c for c in (dataset_size, options.max_batch_size) if c is not None]
