@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.conftest import FIXED, read_metric_log, run_tune, run_tune_until_killed
+from tests.recipes.conftest import FIXED, SMALL_MODEL, read_metric_log, run_tune, run_tune_until_killed
 
 LR = 1e-3  # the tiny config's optimizer.lr
 COSINE = [
@@ -22,7 +22,7 @@ COSINE = [
 def test_growth_every_n_steps_samples_or_tokens_clamped_with_the_lr_following(tmp_path, schedules, interval, progress):
     every = int(interval.split()[0])
     proc = run_tune(
-        tmp_path, "batch_increase_function=my_growth.double_after_first", f"batch_increase_interval={interval}",
+        tmp_path, *SMALL_MODEL, "batch_increase_function=my_growth.double_after_first", f"batch_increase_interval={interval}",
         "batch_size=2", "max_batch_size=6", "max_steps_per_epoch=15", "lr_scaling=linear", extra_path=schedules,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,9 +43,9 @@ def test_growth_every_n_steps_samples_or_tokens_clamped_with_the_lr_following(tm
 
 
 def test_fixed_global_batch_with_the_probed_micro_batch_equals_accumulation_set_by_hand(tmp_path):
-    common = [FIXED, "max_steps_per_epoch=2", "lr_scaling=linear"]
+    common = [*SMALL_MODEL, FIXED, "max_steps_per_epoch=2", "lr_scaling=linear"]
     auto = run_tune(
-        tmp_path / "auto", *common, "global_batch_size=12", "use_maximum_batch_size=True", "max_memory=128MiB",
+        tmp_path / "auto", *common, "global_batch_size=12", "use_maximum_batch_size=True", "max_memory=24MiB",
         "batch_size_rounding=power_of_two",
     )
     assert auto.returncode == 0, auto.stderr[-3000:]
@@ -99,7 +99,7 @@ def _resume_and_compare(tmp_path, common, *, kill_after, nproc=None, extra_path=
 # Growth by steps killed and resumed: tests/recipes/test_kill_sweep.py (the "steps" mode).
 @pytest.mark.slow
 def test_killed_mid_epoch_and_resumed_equals_the_uninterrupted_run_with_token_batches(tmp_path):
-    common = [FIXED, "max_tokens=768", "epochs=2", "max_steps_per_epoch=4", "save_every_n_steps=1",
+    common = [*SMALL_MODEL, FIXED, "max_tokens=768", "epochs=2", "max_steps_per_epoch=4", "save_every_n_steps=1",
               "keep_last_n_checkpoints=2", *COSINE]
     _resume_and_compare(tmp_path, common, kill_after="step_5.pt")
 
@@ -117,7 +117,7 @@ def test_resume_with_nothing_saved_is_one_line(tmp_path):
     (["noise_scale_estimator=norm_layers"], 1),  # each sample's norm-layer gradients, on one micro-batch
 ], ids=["accumulated_micro_batches", "norm_layers_one_micro_batch"])
 def test_noise_scale_is_logged_every_step(tmp_path, overrides, micro_batches):
-    proc = run_tune(tmp_path, FIXED, "batch_size=4", "measure_noise_scale=True", "max_steps_per_epoch=6", *overrides)
+    proc = run_tune(tmp_path, *SMALL_MODEL, FIXED, "batch_size=4", "measure_noise_scale=True", "max_steps_per_epoch=6", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metric_log(tmp_path)
     assert len(rows) == 6 and all(r["grad_accum_steps"] == micro_batches for r in rows)
@@ -127,7 +127,7 @@ def test_noise_scale_is_logged_every_step(tmp_path, overrides, micro_batches):
 
 def test_lora_stopped_mid_epoch_resumes_from_its_adapter_step_checkpoint(tmp_path, schedules):
     common = [
-        "batch_increase_function=my_growth.double_or_stop", "batch_increase_interval=2 steps", "batch_size=2",
+        *SMALL_MODEL, "batch_increase_function=my_growth.double_or_stop", "batch_increase_interval=2 steps", "batch_size=2",
         "max_batch_size=4", "max_steps_per_epoch=8", "save_every_n_steps=1", *COSINE,
     ]
     kw = dict(recipe="recipes/lora_finetune_single_device.py", config="configs/tiny/lora_single_device.yaml",
@@ -165,7 +165,7 @@ def test_noise_scale_growth_follows_the_logged_noise_scale_on_split_steps(tmp_pa
     """One micro-batch a step on one device: split in two to measure, and at each boundary the
     batch moves toward the logged B_noise, at most doubling, never past the bound."""
     proc = run_tune(
-        tmp_path, "batch_increase_function={_component_: adaptive_batch.noise_scale_growth, max_factor: 2}",
+        tmp_path, *SMALL_MODEL, "batch_increase_function={_component_: adaptive_batch.noise_scale_growth, max_factor: 2}",
         "batch_increase_interval=2 steps", "measure_noise_scale=True", "noise_scale_split_step=True",
         "batch_size=2", "max_batch_size=12", "max_steps_per_epoch=14",
         "lr_scaling=sqrt", "weight_decay_scaling=timescale", "optimizer.weight_decay=0.01",

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.recipes.conftest import FIXED, read_metric_log, run_tune, run_tune_until_killed
+from tests.recipes.conftest import FIXED, SMALL_MODEL, read_metric_log, run_tune, run_tune_until_killed
 
 # Each test launches torchrun with 2 worker processes.
 pytestmark = pytest.mark.slow
@@ -19,9 +19,10 @@ COSINE = [
     "lr_scheduler.num_warmup_steps=1",
 ]
 # 2 ranks of 2 samples; growth doubles the global batch from epoch 1 and stops on request. Rows
-# of 64 tokens: what these runs check is which steps they train, not how long their rows are.
+# of 64 tokens on a 2-layer model 64 wide: what these runs check is which steps they train, not
+# the size of the model or of its rows.
 GROWTH = [
-    "tokenizer.max_seq_len=64",
+    "tokenizer.max_seq_len=64", *SMALL_MODEL,
     "batch_increase_function=my_growth.double_or_stop", "grow_with_accumulation=True", "epochs=3",
     "max_steps_per_epoch=3", "lr_scaling=linear", *COSINE,
 ]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adaptive_batch.memory.budget import FRESH_PROCESS_MARGIN
-from tests.recipes.conftest import FIXED, read_metric_log, run_tune
+from tests.recipes.conftest import FIXED, SMALL_MODEL, read_metric_log, run_tune
 
 BAD_INPUTS = [
     (["use_maximum_batch_size=maybe"], "use_maximum_batch_size='maybe' must be true or false"),
@@ -283,7 +283,7 @@ def test_a_step_past_a_real_limit_is_split_and_trains_what_the_whole_batch_train
 
 def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     first = run_tune(
-        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=128MiB", "epochs=2", "max_steps_per_epoch=1"
+        tmp_path, *SMALL_MODEL, FIXED, "use_maximum_batch_size=True", "max_memory=16MiB", "epochs=2", "max_steps_per_epoch=1"
     )
     assert first.returncode == 0, first.stderr[-3000:]
     found = json.loads((tmp_path / "batch_probe.json").read_text())["batch_size"]
@@ -295,21 +295,21 @@ def test_resumed_run_keeps_the_probed_batch_size(tmp_path):
     (recipe_state,) = tmp_path.glob("**/recipe_state.pt")
     run = torch.load(recipe_state, weights_only=True)["adaptive_batch_run"]
     assert run["world_size"] == 1 and run["seq_len"] == 256 and run["dataset_size"] > 0
-    assert run["fingerprint"]["max_memory"] == '"128MiB"' and "probe_cache_dir" not in run["fingerprint"]
+    assert run["fingerprint"]["max_memory"] == '"16MiB"' and "probe_cache_dir" not in run["fingerprint"]
     # torchtune 0.6.1 resumes from files named relative to output_dir
     resume = ["resume_from_checkpoint=True", "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]"]
     # A smaller budget would find a smaller batch and train something else than the checkpoint's
     # run: refused in one line, before the model is built.
     refused = run_tune(
-        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=96MiB", "epochs=2", "max_steps_per_epoch=1", *resume
+        tmp_path, *SMALL_MODEL, FIXED, "use_maximum_batch_size=True", "max_memory=12MiB", "epochs=2", "max_steps_per_epoch=1", *resume
     )
     assert refused.returncode == 1 and "Traceback" not in refused.stderr and "Model is initialized" not in refused.stderr
-    assert ('error: resume_from_checkpoint=True: max_memory was "128MiB" in the run that wrote the checkpoint and is '
-            '"96MiB" now; it changes what is trained (the batch probed under it; with a global_batch_size it may '
+    assert ('error: resume_from_checkpoint=True: max_memory was "16MiB" in the run that wrote the checkpoint and is '
+            '"12MiB" now; it changes what is trained (the batch probed under it; with a global_batch_size it may '
             'change: it sets the micro-batch alone): put it back to resume, or start a new output_dir.') in refused.stderr
     # The same settings resume with the recipe state's batch, no probing.
     resumed = run_tune(
-        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=128MiB", "epochs=2", "max_steps_per_epoch=1", *resume
+        tmp_path, *SMALL_MODEL, FIXED, "use_maximum_batch_size=True", "max_memory=16MiB", "epochs=2", "max_steps_per_epoch=1", *resume
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"using the probed batch_size={found} from the recipe state" in resumed.stderr

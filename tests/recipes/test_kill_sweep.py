@@ -16,10 +16,11 @@ import signal
 import pytest
 
 from adaptive_batch.faults import ENV
-from tests.recipes.conftest import FIXED, only_whole_files, read_metric_log, run_tune
+from tests.recipes.conftest import FIXED, SMALL_MODEL, only_whole_files, read_metric_log, run_tune
 
 KEYS = ["step", "batch_size", "micro_batch_size", "samples_seen", "tokens_seen", "lr", "loss"]
-SHORT = "tokenizer.max_seq_len=64"  # rows of 64 tokens: the steps are what is checked, not their size
+# rows of 64 tokens on a 2-layer model 64 wide: the steps are what is checked, not their size
+SHORT = ["tokenizer.max_seq_len=64", *SMALL_MODEL]
 COSINE = [
     "lr_scheduler._component_=torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
     "lr_scheduler.num_warmup_steps=1",
@@ -27,17 +28,17 @@ COSINE = [
 # Each mode trains 2 epochs; "epoch_end" checkpoints on the last step of epoch 0.
 MODES = {
     # growth by epoch: 3 steps of 4 samples, then 2 of 8 (the last one short)
-    "epoch": [SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "lr_scaling=linear"],
+    "epoch": [*SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "lr_scaling=linear"],
     # the same, with the probe bounding the growth: it finds 8 or more, and leaves the model,
     # optimizer, RNG and data as they were, so the run trains what "epoch" trains
-    "probe": [SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "lr_scaling=linear",
+    "probe": [*SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "lr_scaling=linear",
               "use_maximum_batch_size=True"],
     # the batch doubles every 2 steps, up to 8, under a cosine LR schedule counted in samples, with
     # attention dropout: a resumed run draws its masks where the uninterrupted one did
-    "steps": [SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "batch_increase_interval=2 steps",
+    "steps": [*SHORT, "epochs=2", "max_steps_per_epoch=3", "max_batch_size=8", "batch_increase_interval=2 steps",
               *COSINE, "model.attn_dropout=0.3"],
     # token budgets of 256 padded tokens, shortest first, under a cosine LR schedule in steps
-    "tokens": [SHORT, "epochs=2", "max_steps_per_epoch=3", FIXED, "max_tokens=256", "sequence_picking_order=seqlen",
+    "tokens": [*SHORT, "epochs=2", "max_steps_per_epoch=3", FIXED, "max_tokens=256", "sequence_picking_order=seqlen",
                *COSINE],
 }
 CHECKPOINTS = {"every": "save_every_n_steps=1", "epoch_end": "save_every_n_steps=3", "off": "save_every_n_steps=null"}

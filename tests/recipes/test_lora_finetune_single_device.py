@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from tests.recipes.conftest import read_metric_log, run_tune
+from tests.recipes.conftest import SMALL_MODEL, read_metric_log, run_tune
 
 RECIPE = "recipes/lora_finetune_single_device.py"
 CONFIG = "configs/tiny/lora_single_device.yaml"
@@ -12,7 +12,7 @@ CONFIG = "configs/tiny/lora_single_device.yaml"
 
 def test_probe_bounds_growth_and_only_adapters_train(tmp_path):
     proc = run_tune(
-        tmp_path, "use_maximum_batch_size=True", "max_memory=256MiB", "epochs=2", "max_steps_per_epoch=2",
+        tmp_path, *SMALL_MODEL, "use_maximum_batch_size=True", "max_memory=32MiB", "epochs=2", "max_steps_per_epoch=2",
         recipe=RECIPE, config=CONFIG,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from tests.recipes.conftest import FIXED, read_metric_log, run_tune
+from tests.recipes.conftest import FIXED, SMALL_MODEL, read_metric_log, run_tune
 
 LR = 1e-3  # the tiny config's optimizer.lr
 COSINE = [
@@ -32,7 +32,7 @@ def epochs_of(rows, samples_per_epoch):
 
 def test_user_function_grows_each_epoch_with_linear_lr_on_a_sample_counted_cosine(tmp_path, schedules):
     proc = run_tune(
-        tmp_path, "batch_increase_function=my_growth.table", "batch_size=2", "max_batch_size=16", "epochs=3",
+        tmp_path, *SMALL_MODEL, "batch_increase_function=my_growth.table", "batch_size=2", "max_batch_size=16", "epochs=3",
         "max_steps_per_epoch=4", "lr_scaling=linear", *COSINE, extra_path=schedules,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -53,7 +53,7 @@ def test_user_function_grows_each_epoch_with_linear_lr_on_a_sample_counted_cosin
 
 def test_without_a_bound_the_probe_runs_and_growth_is_clamped_to_it(tmp_path):
     proc = run_tune(
-        tmp_path, "batch_size=2", "max_memory=128MiB", "epochs=3", "max_steps_per_epoch=4", "lr_scaling=sqrt",
+        tmp_path, *SMALL_MODEL, "batch_size=2", "max_memory=20MiB", "epochs=3", "max_steps_per_epoch=4", "lr_scaling=sqrt",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "probing for the largest batch that fits, as the bound of the growth" in proc.stderr
@@ -71,10 +71,10 @@ def test_without_a_bound_the_probe_runs_and_growth_is_clamped_to_it(tmp_path):
 
 def test_growth_past_the_memory_maximum_by_accumulation_matches_one_big_batch(tmp_path, schedules):
     # clip_grad_norm far above the norm: nothing is clipped, and each step logs its gradient norm
-    big = run_tune(tmp_path / "big", FIXED, "batch_size=6", "max_steps_per_epoch=3", "clip_grad_norm=1000.0")
+    big = run_tune(tmp_path / "big", *SMALL_MODEL, FIXED, "batch_size=6", "max_steps_per_epoch=3", "clip_grad_norm=1000.0")
     assert big.returncode == 0, big.stderr[-3000:]
     acc = run_tune(
-        tmp_path / "acc", "batch_increase_function=my_growth.add_three_first", "batch_size=3", "max_batch_size=3",
+        tmp_path / "acc", *SMALL_MODEL, "batch_increase_function=my_growth.add_three_first", "batch_size=3", "max_batch_size=3",
         "grow_with_accumulation=True", "max_steps_per_epoch=6", "clip_grad_norm=1000.0", extra_path=schedules,
     )
     assert acc.returncode == 0, acc.stderr[-3000:]
@@ -98,7 +98,7 @@ def test_growth_past_the_memory_maximum_by_accumulation_matches_one_big_batch(tm
 ], ids=["full", "lora"])
 def test_stopped_and_resumed_run_matches_the_uninterrupted_one(tmp_path, schedules, recipe, config):
     common = [
-        "batch_increase_function=my_growth.double_or_stop", "batch_size=2", "max_batch_size=3",
+        *SMALL_MODEL, "batch_increase_function=my_growth.double_or_stop", "batch_size=2", "max_batch_size=3",
         "grow_with_accumulation=True", "epochs=3", "max_steps_per_epoch=3", "lr_scaling=linear", *COSINE,
     ]
     kw = dict(recipe=recipe, config=config, extra_path=schedules)

@@ -13,11 +13,11 @@ import torch
 
 from adaptive_batch.faults import ENV
 from adaptive_batch.files import OutputDirLock
-from tests.recipes.conftest import only_whole_files, read_metric_log, run_tune
+from tests.recipes.conftest import SMALL_MODEL, only_whole_files, read_metric_log, run_tune
 
 # Epoch 0: 4 steps of 4 samples; epoch 1: 2 steps of 8 (the batch doubles); step checkpoints
 # after steps 3 and 6.
-COMMON = ["epochs=2", "max_steps_per_epoch=4", "max_batch_size=8", "save_every_n_steps=3"]
+COMMON = [*SMALL_MODEL, "epochs=2", "max_steps_per_epoch=4", "max_batch_size=8", "save_every_n_steps=3"]
 KEYS = ["step", "batch_size", "micro_batch_size", "samples_seen", "tokens_seen", "lr", "loss"]
 
 

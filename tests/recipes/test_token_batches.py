@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from tests.recipes.conftest import FIXED, read_metric_log, run_tune
+from tests.recipes.conftest import FIXED, SMALL_MODEL, read_metric_log, run_tune
 
 LR = 1e-3  # the tiny config's optimizer.lr, set for batch_size=4
 
 
 def test_batches_packed_to_the_budget_with_linear_lr(tmp_path):
     proc = run_tune(
-        tmp_path, FIXED, "max_tokens=2048", "sequence_picking_order=seqlen", "lr_scaling=linear",
+        tmp_path, *SMALL_MODEL, FIXED, "max_tokens=2048", "sequence_picking_order=seqlen", "lr_scaling=linear",
         "max_steps_per_epoch=4",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -29,7 +29,7 @@ def test_batches_packed_to_the_budget_with_linear_lr(tmp_path):
 
 def test_probe_finds_max_tokens_and_sqrt_scaling_follows_the_found_batch(tmp_path):
     proc = run_tune(
-        tmp_path, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "max_tokens=4096",
+        tmp_path, *SMALL_MODEL, FIXED, "use_maximum_batch_size=True", "max_memory=32MiB", "max_tokens=4096",
         "lr_scaling=sqrt", "max_steps_per_epoch=2",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -40,7 +40,7 @@ def test_probe_finds_max_tokens_and_sqrt_scaling_follows_the_found_batch(tmp_pat
         assert r["lr"] == pytest.approx(LR * (r["batch_size"] / 4) ** 0.5)
     # From the probe cache (stored before max_tokens was known), the same budget follows.
     again = run_tune(
-        tmp_path / "again", FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "max_tokens=4096",
+        tmp_path / "again", *SMALL_MODEL, FIXED, "use_maximum_batch_size=True", "max_memory=32MiB", "max_tokens=4096",
         "lr_scaling=sqrt", "max_steps_per_epoch=2", f"probe_cache_dir={tmp_path}/probe_cache",
     )
     assert again.returncode == 0, again.stderr[-3000:]

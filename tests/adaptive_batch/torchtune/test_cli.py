@@ -10,13 +10,14 @@ import textwrap
 import pytest
 
 from adaptive_batch.torchtune.cli import main
-from tests.recipes.conftest import REPO, run_in_process, tune_env
+from tests.recipes.conftest import REPO, SMALL_MODEL, run_in_process, tune_env
 
 TINY = "configs/tiny/full_single_device.yaml"
-# The throughput, plot, cache and install probes test the command, not the search: short sequences and a small
-# budget make the same decisions with a fraction of the trial compute (about 6 MiB a sample over
-# 53 MiB of state). The plan's agreement with the probe is tested at the config's 256 tokens.
-SHORT = "tokenizer.max_seq_len=64"
+# The throughput, plot, cache and install probes test the command, not the search: short sequences on a
+# small model and a small budget make the same decisions with a fraction of the trial compute (about
+# 0.75 MiB a sample over 1.2 MiB of state). The plan's agreement with the probe is tested at the
+# config's own model and 256 tokens.
+SMALL = ["tokenizer.max_seq_len=64", *SMALL_MODEL]
 
 
 def cli(*args):
@@ -136,32 +137,32 @@ def test_unknown_option_is_a_usage_error():
 
 
 def test_cache_hit_miss_and_invalidation(tmp_path):
-    # short sequences: the cache's decisions are the same at any length, its probes cheaper
-    first = cli("probe", "--config", TINY, f"output_dir={tmp_path}", SHORT, "max_memory=96MiB")
+    # a small model: the cache's decisions are the same at any size, its probes cheaper
+    first = cli("probe", "--config", TINY, f"output_dir={tmp_path}", *SMALL, "max_memory=8MiB")
     assert first.returncode == 0, first.stderr[-3000:]
     report = json.loads((tmp_path / "batch_probe.json").read_text())
     assert report["cache"]["hit"] is False and "probe trial 1" in first.stderr
-    again = cli("probe", "--config", TINY, f"output_dir={tmp_path}", SHORT, "max_memory=96MiB")
+    again = cli("probe", "--config", TINY, f"output_dir={tmp_path}", *SMALL, "max_memory=8MiB")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "probe cache hit" in again.stderr and "probe trial" not in again.stderr
     assert "from the probe cache" in again.stdout
     cached = json.loads((tmp_path / "batch_probe.json").read_text())
     assert cached["cache"]["hit"] is True and cached["max_batch_size"] == report["max_batch_size"]
     # --no-cache, a different budget: probe again
-    forced = cli("probe", "--config", TINY, f"output_dir={tmp_path}", "--no-cache", SHORT, "max_memory=96MiB")  # any order
+    forced = cli("probe", "--config", TINY, f"output_dir={tmp_path}", "--no-cache", *SMALL, "max_memory=8MiB")  # any order
     assert "probe trial 1" in forced.stderr and "probe cache hit" not in forced.stderr
-    other = cli("probe", "--config", TINY, f"output_dir={tmp_path}", SHORT, "max_memory=80MiB")
+    other = cli("probe", "--config", TINY, f"output_dir={tmp_path}", *SMALL, "max_memory=7MiB")
     assert "probe trial 1" in other.stderr
     # a corrupt entry is never trusted
     Path(report["cache"]["path"]).write_text("{not json")
-    broken = cli("probe", "--config", TINY, f"output_dir={tmp_path}", SHORT, "max_memory=96MiB")
+    broken = cli("probe", "--config", TINY, f"output_dir={tmp_path}", *SMALL, "max_memory=8MiB")
     assert broken.returncode == 0 and "ignoring unreadable entry" in broken.stderr and "probe trial 1" in broken.stderr
 
 
 def test_throughput_objective_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     proc = cli(
-        "probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=96MiB", SHORT, "batch_size_objective=throughput",
+        "probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=8MiB", *SMALL, "batch_size_objective=throughput",
         "throughput_tolerance=0.5", "--plot", str(tmp_path / "cli.png"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -177,7 +178,7 @@ def test_throughput_objective_and_plot(tmp_path):
 
 def test_recipe_plot_key_writes_the_png(tmp_path):
     pytest.importorskip("matplotlib")
-    proc = cli("probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=80MiB", SHORT, "plot=True")
+    proc = cli("probe", "--config", TINY, f"output_dir={tmp_path}", "max_memory=7MiB", *SMALL, "plot=True")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "batch_probe.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -226,9 +227,9 @@ def test_an_ordinary_install_plans_and_probes_from_another_directory(tmp_path):
         import contextlib, io, runpy, sys
         import adaptive_batch, adaptive_batch_recipes
         print("from", adaptive_batch.__file__, adaptive_batch_recipes.__file__)
-        for argv in (["plan", "--config", {config!r}, "--device-memory", "1GiB", "--json", {SHORT!r}],
-                     ["probe", "--config", {config!r}, "output_dir={work / 'out'}", "max_memory=64MiB", "--no-cache",
-                      {SHORT!r}]):
+        for argv in (["plan", "--config", {config!r}, "--device-memory", "1GiB", "--json", *{SMALL!r}],
+                     ["probe", "--config", {config!r}, "output_dir={work / 'out'}", "max_memory=8MiB", "--no-cache",
+                      *{SMALL!r}]):
             sys.argv = ["adaptive-batch", *argv]
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
