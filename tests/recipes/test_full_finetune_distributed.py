@@ -13,7 +13,7 @@ from tests.recipes.conftest import FIXED, SMALL_MODEL, read_metric_log, run_tune
 pytestmark = pytest.mark.slow
 
 DIST = dict(recipe="recipes/full_finetune_distributed.py", config="configs/tiny/full_distributed.yaml", nproc=2)
-PROBE = ["use_maximum_batch_size=True", "max_batch_size=12", FIXED, "max_steps_per_epoch=1"]
+PROBE = [*SMALL_MODEL, "use_maximum_batch_size=True", "max_batch_size=12", FIXED, "max_steps_per_epoch=1"]
 COSINE = [
     "lr_scheduler._component_=torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
     "lr_scheduler.num_warmup_steps=1",
@@ -47,7 +47,7 @@ def test_each_rank_probes_its_own_budget_and_the_smallest_sets_the_batch(tmp_pat
     # One launch, two budgets. Rank 0 fits a larger batch than rank 1; lockstep trials make the
     # run take what fits on rank 1, as if every rank had rank 1's budget.
     # The user's own launch, `tune run --nproc_per_node 2` (the other tests launch through torchrun).
-    proc = run_tune(tmp_path, *PROBE, "global_batch_size=24", env={"ADAPTIVE_BATCH_MAX_MEMORY": "192MiB,144MiB"},
+    proc = run_tune(tmp_path, *PROBE, "global_batch_size=24", env={"ADAPTIVE_BATCH_MAX_MEMORY": "32MiB,24MiB"},
                     via_tune=True, **DIST)
     # A rank that fails first is the one to read: the tail is the other rank's "connection closed".
     assert proc.returncode == 0, "\n".join(_first_failure_lines(proc.stderr)) + "\n...\n" + proc.stderr[-2000:]
@@ -89,7 +89,8 @@ def test_each_rank_probes_its_own_budget_and_the_smallest_sets_the_batch(tmp_pat
 
     # the plan of the same step: with global_batch_size=24 two micro-batches before the optimizer step
     plan = run_in_process(main, ["adaptive-batch", "plan", "--config", DIST["config"], "--world-size", "2", "--json",
-                                 "--device-memory", "144MiB", "--safety-margin", "0.01", "global_batch_size=24"])
+                                 "--device-memory", "24MiB", "--safety-margin", "0.01", "global_batch_size=24",
+                                 *SMALL_MODEL])
     assert plan.returncode == 0, plan.stderr[-3000:]
     planned = json.loads(plan.stdout)
     # the same answer: both count what a rank holds (a rank's count once held every layer unsharded)
