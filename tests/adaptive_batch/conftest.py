@@ -28,9 +28,13 @@ def limited_address_space():
 
 
 @pytest.fixture
-def unfrozen_heap():
+def unfrozen_heap(monkeypatch):
     """The process as a user's is, no object set aside from the garbage collector (tests/conftest.py
-    freezes the imports' objects), for the test's block; frozen again after it."""
+    freezes the imports' objects) and none seen set aside by an earlier probe, for the test's
+    block; frozen again after it."""
+    from adaptive_batch.memory import oom
+
+    monkeypatch.setattr(oom, "_process_froze", False)
     gc.unfreeze()
     try:
         yield
