@@ -7,12 +7,13 @@ import pytest
 
 from adaptive_batch.logs import lines_to
 from adaptive_batch.torchtune.planning import ConfigFirstGuess
+from tests.recipes.conftest import SMALL_MODEL
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _config(name, **overrides):
-    cfg = OmegaConf.load(REPO / "configs" / "tiny" / name)
+def _config(name, *dotlist, **overrides):
+    cfg = OmegaConf.merge(OmegaConf.load(REPO / "configs" / "tiny" / name), OmegaConf.from_dotlist(list(dotlist)))
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     return cfg
@@ -21,13 +22,13 @@ def _config(name, **overrides):
 def test_a_lora_configs_guess_trains_the_adapters_alone_and_a_global_batch_counts_two_micro_batches():
     """Only the adapters have gradients and optimizer state, so LoRA's guess is above the full
     model's at the same budget; a trial of two micro-batches (a global batch) holds more."""
-    budget = 512 * 2**20
-    full = ConfigFirstGuess(_config("full_single_device.yaml"))(budget, None)
-    lora = ConfigFirstGuess(_config("lora_single_device.yaml"))(budget, None)
-    two = ConfigFirstGuess(_config("full_single_device.yaml"), micro_batches=lambda b: 2)(budget, None)
+    budget = 64 * 2**20
+    full = ConfigFirstGuess(_config("full_single_device.yaml", *SMALL_MODEL))(budget, None)
+    lora = ConfigFirstGuess(_config("lora_single_device.yaml", *SMALL_MODEL))(budget, None)
+    two = ConfigFirstGuess(_config("full_single_device.yaml", *SMALL_MODEL), micro_batches=lambda b: 2)(budget, None)
     assert full is not None and lora is not None and two is not None
     assert lora.batch_size > full.batch_size >= two.batch_size > 1
-    capped = ConfigFirstGuess(_config("full_single_device.yaml"))(budget, 5)
+    capped = ConfigFirstGuess(_config("full_single_device.yaml", *SMALL_MODEL))(budget, 5)
     assert capped.batch_size == 5
 
 
@@ -55,7 +56,7 @@ def test_a_cuda_plan_holds_the_steps_two_cublas_workspaces_and_a_cpu_plan_none(m
     from adaptive_batch.torchtune.planning import plan_from_config
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # 128 KiB each, as torch reads it
-    cfg = _config("full_single_device.yaml")
+    cfg = _config("full_single_device.yaml", *SMALL_MODEL)
     cpu = plan_from_config(cfg, device_memory_bytes=None, safety_margin=0.0)
     cuda = plan_from_config(cfg, device_memory_bytes=None, safety_margin=0.0, device_type="cuda")
     assert cuda.row_at(4).peak_bytes - cpu.row_at(4).peak_bytes == 2 * 128 * 1024
@@ -66,14 +67,15 @@ def test_a_cuda_plan_holds_the_steps_two_cublas_workspaces_and_a_cpu_plan_none(m
 @pytest.mark.parametrize("name, trainable", [("full_single_device.yaml", None), ("lora_single_device.yaml", "adapters")])
 def test_the_noise_scales_copy_of_the_trainable_gradients_is_planned(name, trainable):
     """The probe counts the micro-batch estimator's fp32 copy of the gradients; the plan answered
-    one more than the probe (17 where 16 trained)."""
+    one more than the probe (17 where 16 trained). On the small model: a fake step costs what its
+    operators do, and the copy's size is the model's trainable parameters at any size."""
     import torch
 
     from adaptive_batch.torchtune.planning import _RecipeStep, plan_from_config
     from torchtune import config
 
-    plain = plan_from_config(_config(name), device_memory_bytes=None, safety_margin=0.0)
-    cfg = _config(name, measure_noise_scale=True)
+    plain = plan_from_config(_config(name, *SMALL_MODEL), device_memory_bytes=None, safety_margin=0.0)
+    cfg = _config(name, *SMALL_MODEL, measure_noise_scale=True)
     noisy = plan_from_config(cfg, device_memory_bytes=None, safety_margin=0.0)
     step = _RecipeStep(cfg, cfg.model, torch.float32, config.instantiate(cfg.loss), lambda params: None)
     with torch.device("meta"):
@@ -83,7 +85,7 @@ def test_the_noise_scales_copy_of_the_trainable_gradients_is_planned(name, train
     assert noisy.row_at(4).peak_bytes - plain.row_at(4).peak_bytes == 4 * counted
     assert any("fp32 copy of the trainable gradients" in a for a in noisy.assumptions)
     if trainable is None:  # no copy where it reads each example's norm-layer gradients
-        layers = _config(name, measure_noise_scale=True, noise_scale_estimator="norm_layers")
+        layers = _config(name, *SMALL_MODEL, measure_noise_scale=True, noise_scale_estimator="norm_layers")
         assert plan_from_config(layers, device_memory_bytes=None, safety_margin=0.0).row_at(4).peak_bytes == (
             plain.row_at(4).peak_bytes)
 
