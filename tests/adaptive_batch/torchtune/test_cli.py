@@ -62,7 +62,7 @@ def test_plan_agrees_with_the_probes_measured_peaks(probed):
 def test_plan_table_and_plot_for_the_lora_config(tmp_path):
     pytest.importorskip("matplotlib")
     proc = cli("plan", "--config", "configs/tiny/lora_single_device.yaml", "--device-memory", "1GiB", "--plot", str(tmp_path / "plan.png"),
-               "tokenizer.max_seq_len=null")
+               "tokenizer.max_seq_len=null", *SMALL_MODEL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "optimizer_state" in proc.stdout and "largest batch under 1.00 GiB" in proc.stdout
     # left open, the sequence length is said, and no longer than the model's max_seq_len (a
@@ -123,7 +123,8 @@ def test_json_errors_are_a_json_object_on_stdout():
 
 
 def test_the_plan_splits_a_global_batch_among_the_ranks():
-    proc = cli("plan", "--config", TINY, "--json", "--world-size", "2", "--device-memory", "2GiB", "global_batch_size=4096")
+    proc = cli("plan", "--config", TINY, "--json", "--world-size", "2", "--device-memory", "256MiB", "global_batch_size=4096",
+               *SMALL)
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads(proc.stdout)
     split = plan["global_batch"]
