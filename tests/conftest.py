@@ -21,6 +21,12 @@ import torch  # noqa: E402  (after the variable: torch reads it when its thread 
 torch.set_num_threads(1)
 
 
+# Files of 10 s or more on two cores with no test of a process of its own (docs/development.md's
+# census): in-process training runs. Ranked with the files of one such test, so that they do not
+# end a worker's share.
+LONG_IN_PROCESS = {"test_docs.py", "test_run_position.py", "test_plan.py", "test_kill_sweep.py", "test_gpu_check.py"}
+
+
 def pytest_collection_modifyitems(config, items):
     """Files with the most tests that need processes of their own (``slow``) first, each file's
     tests in their order: `make test` hands a worker a file at a time in this order, so the long
@@ -29,6 +35,9 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(items):
         first_seen.setdefault(item.fspath, i)
         slow[item.fspath] = slow.get(item.fspath, 0) + (item.get_closest_marker("slow") is not None)
+    for path in slow:
+        if path.basename in LONG_IN_PROCESS:
+            slow[path] = max(slow[path], 1)
     items.sort(key=lambda item: (-slow[item.fspath], first_seen[item.fspath]))
 
 
