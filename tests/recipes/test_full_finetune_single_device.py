@@ -170,7 +170,8 @@ def test_bad_input_through_the_real_cli_exits_nonzero_with_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def probed_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("probed")
-    proc = run_tune(out, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "max_steps_per_epoch=3")
+    # two steps: the second is Adam's first with moments, which a probe that touched them changes
+    proc = run_tune(out, FIXED, "use_maximum_batch_size=True", "max_memory=256MiB", "max_steps_per_epoch=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -206,7 +207,7 @@ def test_probe_result_is_logged_written_and_used(probed_run):
     # an earlier run puts glibc's thresholds back for training
     assert "M_MMAP_THRESHOLD=256KiB" not in proc.stderr + proc.stdout
     rows = read_metric_log(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["batch_size"] == found
         assert {"loss", "lr", "tokens_per_second_per_gpu", "peak_memory_rss"} <= set(r)
@@ -217,7 +218,7 @@ def test_probe_result_is_logged_written_and_used(probed_run):
 def test_probing_leaves_training_identical(probed_run, tmp_path):
     out, _ = probed_run
     found = json.loads((out / "batch_probe.json").read_text())["batch_size"]
-    proc = run_tune(tmp_path, FIXED, f"batch_size={found}", "max_steps_per_epoch=3")
+    proc = run_tune(tmp_path, FIXED, f"batch_size={found}", "max_steps_per_epoch=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     probed = [r["loss"] for r in read_metric_log(out)]
     plain = [r["loss"] for r in read_metric_log(tmp_path)]
