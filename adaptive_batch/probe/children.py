@@ -18,7 +18,7 @@ from adaptive_batch.errors import BatchSizeTooLargeError
 import adaptive_batch.logs as logs
 from adaptive_batch.memory.budget import MemoryBudget, after_margin
 from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, DeviceCapacity, format_bytes
-from adaptive_batch.probe.child import ChildOutOfMemoryError, child_trial, run_in_child
+from adaptive_batch.probe.child import ChildOutOfMemoryError, child_trial, run_in_child, trial_processes
 from adaptive_batch.probe.search import SearchResult, search_max_batch_size
 from adaptive_batch.probe.target import ProbeTarget
 from adaptive_batch.probe.trials import probe_max_batch_size
@@ -54,6 +54,12 @@ def search_in_children(
     Raises:
         BatchSizeTooLargeError: when batch 1 does not run in a fresh process.
     """
+    with trial_processes():  # their fork server ends with the search
+        return _search(build, budget, capacity, max_batch_size=max_batch_size, time_budget=time_budget)
+
+
+def _search(build: Callable[[], ProbeTarget], budget: MemoryBudget, capacity: DeviceCapacity, *,
+            max_batch_size: Optional[int], time_budget: Optional[float]) -> SearchResult:
     headroom = capacity.headroom_bytes
     steps = verify_steps(torch.device("cpu"))
     logs.info(f"probe: {budget.describe()}; each trial runs {steps} steps in a fresh process held to this process's "

@@ -1,6 +1,9 @@
 """Hard-limit trials in fresh child processes: a crash or an allocation failure there is a trial
 that did not fit, and the caller's process goes on untouched."""
 
+from multiprocessing import forkserver
+import os
+
 import pytest
 import torch
 
@@ -17,6 +20,7 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
     from adaptive_batch.memory import device
 
     monkeypatch.setattr(device, "_mmap_threshold_set", None)  # glibc's defaults, whatever ran here before
+    forkserver._forkserver._stop()  # none left by an earlier test: the probe starts its own
     target = crashing_step.build()
     before = [p.detach().clone() for p in target.model.parameters()]
     lines, sizes_here = [], []
@@ -39,6 +43,20 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
     # the first guess's steps ran in a fresh process too: here only the answer's check (two guess
     # steps here once left a Trainer's heap 11 MiB larger than a fresh process's)
     assert set(sizes_here) == {found}, sizes_here
+    # the trials' fork server ended with them: it held 220-300 MiB of its own through training
+    assert forkserver._forkserver._forkserver_pid is None
+
+
+def test_a_fork_server_running_before_the_trials_is_the_callers_and_stays():
+    from adaptive_batch.probe.child import trial_processes
+
+    run = child_trial(crashing_step.build, headroom_bytes=2**30, steps=1)
+    run(1)  # the caller's own use of the server, before the probe
+    pid = forkserver._forkserver._forkserver_pid
+    with trial_processes():
+        run(1)
+    assert forkserver._forkserver._forkserver_pid == pid
+    os.kill(pid, 0)  # alive
 
 
 def test_without_an_address_space_limit_build_runs_the_trials_here_and_says_so(monkeypatch):
