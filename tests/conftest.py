@@ -21,10 +21,11 @@ import torch  # noqa: E402  (after the variable: torch reads it when its thread 
 torch.set_num_threads(1)
 
 
-# Files of 10 s or more on two cores with no test of a process of its own (docs/development.md's
-# census): in-process training runs. Ranked with the files of one such test, so that they do not
-# end a worker's share.
-LONG_IN_PROCESS = {"test_docs.py", "test_run_position.py", "test_plan.py", "test_kill_sweep.py", "test_gpu_check.py"}
+# Files of 10 s or more on two cores with no test marked slow (docs/development.md's census):
+# training runs and plans in the test process, a few short processes. Ranked with the files of
+# one slow test, so that they do not end a worker's share.
+LONG_UNMARKED = {"tests/test_docs.py", "tests/adaptive_batch/hf/test_run_position.py",
+                 "tests/adaptive_batch/probe/test_plan.py", "tests/recipes/test_kill_sweep.py", "tests/test_gpu_check.py"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,12 +34,12 @@ def pytest_collection_modifyitems(config, items):
     files start early and the short ones even out the end."""
     slow, first_seen = {}, {}
     for i, item in enumerate(items):
-        first_seen.setdefault(item.fspath, i)
-        slow[item.fspath] = slow.get(item.fspath, 0) + (item.get_closest_marker("slow") is not None)
+        first_seen.setdefault(item.path, i)
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
     for path in slow:
-        if path.basename in LONG_IN_PROCESS:
+        if path.relative_to(config.rootpath).as_posix() in LONG_UNMARKED:
             slow[path] = max(slow[path], 1)
-    items.sort(key=lambda item: (-slow[item.fspath], first_seen[item.fspath]))
+    items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
 
 
 def pytest_collection_finish(session):

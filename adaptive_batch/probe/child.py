@@ -21,6 +21,7 @@ from multiprocessing import util as mp_util
 import os
 import resource
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -28,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 
+import adaptive_batch.logs as logs
 from adaptive_batch.memory.device import glibc_mmap_threshold_set, proc_status_bytes, return_freed_memory_to_os
 from adaptive_batch.memory.oom import first_line, is_oom_error
 from adaptive_batch.probe.target import ProbeTarget  # what build() returns; importable from here as before
@@ -164,17 +166,32 @@ def trial_processes() -> Iterator[None]:
     """Stops the fork server the block's trial processes started, when the block ends: left to
     multiprocessing, it lived as long as the caller, holding 220-300 MiB of its own beside the
     training that followed (torch and the build's modules imported). A server that was running
-    before the block is the caller's, and stays."""
+    before the block is the caller's, and stays (one another thread starts during the block is
+    taken for the trials')."""
     server = forkserver._forkserver
     running_before = getattr(server, "_forkserver_pid", None) is not None
     try:
         yield
     finally:
-        # _stop (Python 3.7 and later: what multiprocessing's own tests call) closes the server's
-        # alive pipe and waits for it to exit.
-        stop = getattr(server, "_stop", None)
-        if not running_before and stop is not None and getattr(server, "_forkserver_pid", None) is not None:
-            stop()
+        if not running_before:
+            _stop_fork_server(server)
+
+
+def _stop_fork_server(server: Any) -> None:
+    """Ends ``server`` (multiprocessing's fork server) and forgets it, so the next trial starts a
+    new one. SIGTERM first: the server stops at the end of its pipe from this process, which a
+    process forked from here meanwhile would hold open, and ``_stop`` (what multiprocessing's own
+    tests call) then waits for it. A server that cannot be stopped is left as multiprocessing
+    leaves it."""
+    pid = getattr(server, "_forkserver_pid", None)
+    stop = getattr(server, "_stop", None)
+    if pid is None or stop is None:
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+        stop()
+    except OSError as e:  # already gone or reaped, its socket removed: nothing of it to free
+        logs.LOGGER.debug(f"probe: the trials' fork server (pid {pid}) was not stopped: {e}")
 
 
 def run_in_child(

@@ -80,69 +80,10 @@ def test_the_answer_is_memtrackers_on_the_same_step_and_the_fit_trains_it():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    # Batches of their own (a slice of the dataset would be its whole storage to MemTracker), and
-    # the next one, which the fit loop's fetcher holds through the step.
-    def batch_and_the_next(b):
-        return torch.randn(b, FEATURES), torch.randn(b, 1), torch.randn(b, FEATURES), torch.randn(b, 1)
-
-    truth = memtracker_max_batch_size(step, batch_and_the_next, model=net, optimizer=optimizer,
-                                      budget_bytes=int(parse_memory(BUDGET) * 0.99), upper=ROWS)
+    # Batches of their own (a slice of the dataset would be its whole storage to MemTracker).
+    truth = memtracker_max_batch_size(step, lambda b: (torch.randn(b, FEATURES), torch.randn(b, 1)), model=net,
+                                      optimizer=optimizer, budget_bytes=int(parse_memory(BUDGET) * 0.99), upper=ROWS)
     assert 1 < truth < ROWS and truth * 0.99 <= found <= truth
-
-
-class Wide(pl.LightningModule):
-    """A step that holds little beside its inputs: a linear map of 4096 features."""
-
-    def __init__(self, batch_size=2):
-        super().__init__()
-        self.batch_size = batch_size
-        self.net = nn.Linear(WIDE, 1)
-
-    def training_step(self, batch, batch_idx):
-        return F.mse_loss(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self):
-        return DataLoader(WideRows(), batch_size=self.batch_size)
-
-
-class WideRows(torch.utils.data.Dataset):
-    """Each row made when it is read: a row of a dataset's tensor is a view of its whole storage,
-    which the fit's count would take for the step's."""
-
-    def __len__(self):
-        return WIDE_ROWS
-
-    def __getitem__(self, i):
-        generator = torch.Generator().manual_seed(i)
-        return torch.randn(WIDE, generator=generator), torch.randn(1, generator=generator)
-
-
-WIDE, WIDE_ROWS = 4096, 1024
-
-
-def test_the_fits_own_peak_at_the_answer_holds_the_batch_its_loop_prefetched():
-    """The fit loop's fetcher fetches the next batch before the step runs; on the CPU it is in the
-    step's memory. A trial of the step's batch alone answered about twice what a fit of this
-    model holds within the budget. The truth is the fit's own peak, counted over its steps."""
-    from adaptive_batch.memory.device import parse_memory
-    from adaptive_batch.memory.tracker import LiveTensorCounter
-
-    budget = int(parse_memory("4MiB") * 0.99)  # less the CPU's 1% margin
-    finder = AdaptiveBatchFinder(max_memory="4MiB")
-    _trainer(finder).fit(Wide())
-    found = finder.optimal_batch_size
-
-    def fit_peak(batch_size):
-        module = Wide(batch_size)
-        with LiveTensorCounter(baseline=list(module.parameters())) as counter:
-            _trainer(steps=3).fit(module)
-        return counter.peak_bytes
-
-    assert 1 < found < WIDE_ROWS // 2
-    assert fit_peak(found) <= budget < fit_peak(int(found * 1.03) + 1)
 
 
 def test_the_fit_after_the_probe_is_the_fit_at_that_batch_without_it():

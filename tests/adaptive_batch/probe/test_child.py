@@ -47,16 +47,39 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
     assert forkserver._forkserver._forkserver_pid is None
 
 
-def test_a_fork_server_running_before_the_trials_is_the_callers_and_stays():
+def test_a_fork_server_running_before_the_trials_stays_and_theirs_ends_though_a_fork_holds_its_pipe():
+    """The server ends at the end of its pipe from the caller, which a process forked from the
+    caller holds open too: stopping it once waited for that process."""
+    import time
+
     from adaptive_batch.probe.child import trial_processes
 
+    server = forkserver._forkserver
     run = child_trial(crashing_step.build, headroom_bytes=2**30, steps=1)
     run(1)  # the caller's own use of the server, before the probe
-    pid = forkserver._forkserver._forkserver_pid
+    pid = server._forkserver_pid
+    try:
+        with trial_processes():
+            run(1)
+        assert server._forkserver_pid == pid
+        os.kill(pid, 0)  # alive
+    finally:
+        server._stop()
     with trial_processes():
         run(1)
-    assert forkserver._forkserver._forkserver_pid == pid
-    os.kill(pid, 0)  # alive
+        pid = server._forkserver_pid
+        holder = os.fork()
+        if holder == 0:  # holds every descriptor of the caller's, the server's pipe included
+            time.sleep(60)
+            os._exit(0)
+        start = time.monotonic()
+    try:
+        assert time.monotonic() - start < 10 and server._forkserver_pid is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        os.kill(holder, 9)
+        os.waitpid(holder, 0)
 
 
 def test_without_an_address_space_limit_build_runs_the_trials_here_and_says_so(monkeypatch):
