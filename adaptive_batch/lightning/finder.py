@@ -27,7 +27,9 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from adaptive_batch.data.worst_case import RepeatedSample
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import ConfigError
-from adaptive_batch.lightning.fit_trials import training_step_of, trials_leave_no_trace, trials_on_this_rank_alone
+from adaptive_batch.lightning.fit_trials import (
+    batches_the_loop_prefetches, training_step_of, trials_leave_no_trace, trials_on_this_rank_alone,
+)
 import adaptive_batch.logs as logs
 from adaptive_batch.probe.api import find_max_batch_size
 from adaptive_batch.probe.service import ProbeOptions
@@ -204,7 +206,8 @@ class AdaptiveBatchFinder(Callback):
             find_max_batch_size,
             training_step_of(trainer, pl_module, optimizer, share,
                              grow_with_accumulation=(self.batch.grows and self.batch.accumulates)
-                             or _a_scheduler_accumulates(trainer)),
+                             or _a_scheduler_accumulates(trainer),
+                             prefetched=batches_the_loop_prefetches(pl_module, loader)),
             # As the loop hands a batch over: the precision's input dtype, then the device.
             make_batch=lambda b: trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(make_batch(b))),
             model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,

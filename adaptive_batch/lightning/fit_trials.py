@@ -14,11 +14,14 @@ from typing import Any, Callable, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.strategies import ddp
 from lightning.pytorch.trainer.call import _call_strategy_hook
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
+from adaptive_batch.batch_tensors import tensors_of
 from adaptive_batch.data.layout import BatchLayout
 from adaptive_batch.schedule.global_batch import micro_batches_per_trial
 
@@ -79,21 +82,36 @@ def trials_leave_no_trace(trainer: Trainer) -> Iterator[None]:
         trainer.precision_plugin.load_state_dict(precision)
 
 
+def batches_the_loop_prefetches(module: LightningModule, loader: Any) -> int:
+    """The batches Lightning's fit loop holds in the step's memory beside the step's own. Its
+    fetcher reads one ahead where the loader has no length, to know the last batch (a streamed
+    ``IterableDataset``); a loader with one is not read ahead, and a ``training_step`` that takes
+    the ``dataloader_iter`` fetches for itself. On the CPU that is the step's memory; on a card
+    the next batch waits on the host until its own step."""
+    if (module.device.type != "cpu" or sized_len(loader) is not None
+            or is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)):
+        return 0
+    return 1  # _PrefetchDataFetcher's, which the fit loop makes with its default
+
+
 def training_step_of(trainer: Trainer, module: LightningModule, optimizer: Optional[torch.optim.Optimizer],
                      global_batch_size: Optional[int] = None, *,
-                     grow_with_accumulation: bool = False) -> Callable[[Any], None]:
+                     grow_with_accumulation: bool = False, prefetched: int = 0) -> Callable[[Any], None]:
     """One optimizer step as the fit loop runs it: the trainer's precision context around the
     module's ``training_step``, its ``backward`` through the strategy, clipping, the step and
     ``zero_grad``; two micro-batches first where the trainer accumulates (or the global batch,
     or growth, will be accumulated). Under manual optimization the module's ``training_step`` is
-    the whole step."""
+    the whole step. Copies of every tensor of the batch stand for the ``prefetched`` batches the
+    loop holds through it (:func:`batches_the_loop_prefetches`)."""
     accumulate = int(trainer.accumulate_grad_batches)
 
     def step(batch: Any) -> None:
+        fetched = [tensor.clone() for _ in range(prefetched) for tensor in tensors_of(batch)]
         # Through the strategy, as the fit loop calls it: the precision context, and the hook's
         # name set so that the module's self.log() works.
         if not module.automatic_optimization:
             _call_strategy_hook(trainer, "training_step", batch, 0)
+            del fetched
             return
         pieces = micro_batches_per_trial(BatchLayout().rows(batch), gradient_accumulation_steps=accumulate,
                                          global_batch_size=global_batch_size,
@@ -108,5 +126,6 @@ def training_step_of(trainer: Trainer, module: LightningModule, optimizer: Optio
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        del fetched
 
     return step

@@ -610,3 +610,59 @@ def test_a_checkpoint_of_another_number_of_devices_is_refused_and_one_from_befor
     before.load_state_dict({**state, "settings": {k: v for k, v in state["settings"].items() if k != "world_size"}})
     _growth_trainer(before, epochs=2, enable_checkpointing=False).fit(Regression())
     assert any(line.startswith("adaptive-batch: resumed at the checkpoint's batch") for line in lines)
+
+
+class Streamed(pl.LightningModule):
+    """Rows read from a stream (an ``IterableDataset``: no length), whose step holds about three
+    times its inputs in activations."""
+
+    def __init__(self, batch_size=2):
+        super().__init__()
+        self.batch_size = batch_size
+        self.net = nn.Sequential(nn.Linear(STREAM_FEATURES, STREAM_HIDDEN), nn.ReLU(), nn.Linear(STREAM_HIDDEN, 1))
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(StreamedRows(), batch_size=self.batch_size)
+
+
+class StreamedRows(torch.utils.data.IterableDataset):
+    """Each row made as it is read: a dataset tensor's row is a view of its whole storage, which
+    the fit's count would take for the step's."""
+
+    def __iter__(self):
+        for i in range(STREAM_ROWS):
+            generator = torch.Generator().manual_seed(i)
+            yield torch.randn(STREAM_FEATURES, generator=generator), torch.randn(1, generator=generator)
+
+
+STREAM_FEATURES, STREAM_HIDDEN, STREAM_ROWS = 512, 768, 4096
+
+
+def test_from_a_stream_the_fits_peak_at_the_answer_holds_the_batch_its_loop_read_ahead():
+    """Lightning's fetcher reads one batch ahead of a loader with no length, to know the last one:
+    on the CPU the next batch is in the step's memory. A trial of the step's batch alone answered
+    a batch whose fit took 1.13 times the budget. The truth is the fit's own peak, counted over
+    its steps; a loader with a length is not read ahead (the tests above)."""
+    from adaptive_batch.memory.device import parse_memory
+    from adaptive_batch.memory.tracker import LiveTensorCounter
+
+    budget = int(parse_memory("16MiB") * 0.99)  # less the CPU's 1% margin
+    finder = AdaptiveBatchFinder(max_memory="16MiB",
+                                 make_batch=lambda b: (torch.randn(b, STREAM_FEATURES), torch.randn(b, 1)))
+    _trainer(finder).fit(Streamed())
+    found = finder.optimal_batch_size
+
+    def fit_peak(batch_size):
+        module = Streamed(batch_size)
+        with LiveTensorCounter(baseline=list(module.parameters())) as counter:
+            _trainer(steps=3).fit(module)
+        return counter.peak_bytes
+
+    assert 1 < found < STREAM_ROWS // 4
+    assert fit_peak(found) <= budget < fit_peak(int(found * 1.03) + 1)
