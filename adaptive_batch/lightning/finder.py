@@ -207,7 +207,7 @@ class AdaptiveBatchFinder(Callback):
             training_step_of(trainer, pl_module, optimizer, share,
                              grow_with_accumulation=(self.batch.grows and self.batch.accumulates)
                              or _a_scheduler_accumulates(trainer),
-                             prefetched=batches_the_loop_prefetches(pl_module, loader)),
+                             prefetched=batches_the_loop_prefetches(trainer, pl_module)),
             # As the loop hands a batch over: the precision's input dtype, then the device.
             make_batch=lambda b: trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(make_batch(b))),
             model=pl_module, optimizer=optimizer, max_memory=self.max_memory, device=pl_module.device,

@@ -14,12 +14,11 @@ from typing import Any, Callable, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.strategies import ddp
 from lightning.pytorch.trainer.call import _call_strategy_hook
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from adaptive_batch.batch_tensors import tensors_of
 from adaptive_batch.data.layout import BatchLayout
@@ -82,16 +81,17 @@ def trials_leave_no_trace(trainer: Trainer) -> Iterator[None]:
         trainer.precision_plugin.load_state_dict(precision)
 
 
-def batches_the_loop_prefetches(module: LightningModule, loader: Any) -> int:
-    """The batches Lightning's fit loop holds in the step's memory beside the step's own. Its
-    fetcher reads one ahead where the loader has no length, to know the last batch (a streamed
-    ``IterableDataset``); a loader with one is not read ahead, and a ``training_step`` that takes
-    the ``dataloader_iter`` fetches for itself. On the CPU that is the step's memory; on a card
-    the next batch waits on the host until its own step."""
-    if (module.device.type != "cpu" or sized_len(loader) is not None
-            or is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)):
+def batches_the_loop_prefetches(trainer: Trainer, module: LightningModule) -> int:
+    """The batches Lightning's fit loop holds in the step's memory beside the step's own, once
+    the loop has set up its data. Its fetcher reads ahead where the loader has no length (a
+    streamed ``IterableDataset`` with no integer ``limit_train_batches``), to know the last
+    batch; a loader with one is not read ahead, and a ``training_step`` that takes the
+    ``dataloader_iter`` fetches for itself. On the CPU that is the step's memory; on a card the
+    next batch waits on the host until its own step."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if module.device.type != "cpu" or not isinstance(fetcher, _PrefetchDataFetcher) or fetcher.length is not None:
         return 0
-    return 1  # _PrefetchDataFetcher's, which the fit loop makes with its default
+    return fetcher.prefetch_batches
 
 
 def training_step_of(trainer: Trainer, module: LightningModule, optimizer: Optional[torch.optim.Optimizer],
@@ -102,7 +102,8 @@ def training_step_of(trainer: Trainer, module: LightningModule, optimizer: Optio
     ``zero_grad``; two micro-batches first where the trainer accumulates (or the global batch,
     or growth, will be accumulated). Under manual optimization the module's ``training_step`` is
     the whole step. Copies of every tensor of the batch stand for the ``prefetched`` batches the
-    loop holds through it (:func:`batches_the_loop_prefetches`)."""
+    loop holds through it (:func:`batches_the_loop_prefetches`), in the precision's input dtype
+    (the loop's are as the loader made them)."""
     accumulate = int(trainer.accumulate_grad_batches)
 
     def step(batch: Any) -> None:

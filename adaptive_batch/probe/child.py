@@ -189,9 +189,28 @@ def _stop_fork_server(server: Any) -> None:
         return
     try:
         os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # gone already: _stop reaps it and removes its socket
+    try:
         stop()
-    except OSError as e:  # already gone or reaped, its socket removed: nothing of it to free
-        logs.LOGGER.debug(f"probe: the trials' fork server (pid {pid}) was not stopped: {e}")
+    except OSError as e:  # reaped elsewhere (SIGCHLD ignored), its socket removed
+        _forget(server)
+        logs.LOGGER.debug(f"probe: the trials' fork server (pid {pid}) ended; its cleanup failed: {e}")
+
+
+def _forget(server: Any) -> None:
+    """What ``_stop`` does after its wait, where the wait failed: without it the next trial's
+    start asked after the old server's pid and failed."""
+    with server._lock:
+        for close, name in ((os.close, "_forkserver_alive_fd"), (os.unlink, "_forkserver_address")):
+            value = getattr(server, name, None)
+            if isinstance(value, (int, str)):
+                try:
+                    close(value)
+                except OSError:
+                    pass  # closed or removed already
+            setattr(server, name, None)
+        server._forkserver_pid = None
 
 
 def run_in_child(

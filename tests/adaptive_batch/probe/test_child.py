@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adaptive_batch import find_max_batch_size
-from adaptive_batch.probe.child import ChildOutOfMemoryError, TrialBuildError, child_trial
+from adaptive_batch.probe.child import ChildOutOfMemoryError, TrialBuildError, _stop_fork_server, child_trial
 from adaptive_batch.probe.target import ProbeTarget
 from tests.adaptive_batch.probe import crashing_step
 
@@ -20,7 +20,7 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
     from adaptive_batch.memory import device
 
     monkeypatch.setattr(device, "_mmap_threshold_set", None)  # glibc's defaults, whatever ran here before
-    forkserver._forkserver._stop()  # none left by an earlier test: the probe starts its own
+    _stop_fork_server(forkserver._forkserver)  # none left by an earlier test: the probe starts its own
     target = crashing_step.build()
     before = [p.detach().clone() for p in target.model.parameters()]
     lines, sizes_here = [], []
@@ -50,6 +50,7 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
 def test_a_fork_server_running_before_the_trials_stays_and_theirs_ends_though_a_fork_holds_its_pipe():
     """The server ends at the end of its pipe from the caller, which a process forked from the
     caller holds open too: stopping it once waited for that process."""
+    import subprocess
     import time
 
     from adaptive_batch.probe.child import trial_processes
@@ -64,22 +65,44 @@ def test_a_fork_server_running_before_the_trials_stays_and_theirs_ends_though_a_
         assert server._forkserver_pid == pid
         os.kill(pid, 0)  # alive
     finally:
-        server._stop()
-    with trial_processes():
-        run(1)
-        pid = server._forkserver_pid
-        holder = os.fork()
-        if holder == 0:  # holds every descriptor of the caller's, the server's pipe included
-            time.sleep(60)
-            os._exit(0)
-        start = time.monotonic()
+        _stop_fork_server(server)
+    holder = None
     try:
+        with trial_processes():
+            run(1)
+            pid = server._forkserver_pid
+            # what a process forked from the caller holds: the server's pipe among its descriptors
+            holder = subprocess.Popen(["sleep", "60"], pass_fds=[server._forkserver_alive_fd])
+            start = time.monotonic()
         assert time.monotonic() - start < 10 and server._forkserver_pid is None
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+        run(1)  # the next trial starts a server of its own
+        assert server._forkserver_pid not in (None, pid)
     finally:
-        os.kill(holder, 9)
-        os.waitpid(holder, 0)
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        _stop_fork_server(server)
+
+
+def test_a_fork_server_reaped_elsewhere_is_forgotten_and_the_next_trial_starts_another(monkeypatch):
+    """With SIGCHLD ignored the kernel reaps the server and the stop's wait fails: its pid, left
+    behind, failed every later trial's start."""
+    from adaptive_batch.probe.child import trial_processes
+
+    server = forkserver._forkserver
+    _stop_fork_server(server)
+    run = child_trial(crashing_step.build, headroom_bytes=2**30, steps=1)
+    monkeypatch.setattr(os, "waitpid", lambda pid, options: (_ for _ in ()).throw(ChildProcessError(10, "No child")))
+    with trial_processes():
+        run(1)
+        pid = server._forkserver_pid
+    monkeypatch.undo()
+    assert (server._forkserver_pid, server._forkserver_alive_fd, server._forkserver_address) == (None, None, None)
+    os.waitpid(pid, 0)  # the test's own reap of the server its stop killed
+    run(1)
+    _stop_fork_server(server)
 
 
 def test_without_an_address_space_limit_build_runs_the_trials_here_and_says_so(monkeypatch):
