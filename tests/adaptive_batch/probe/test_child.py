@@ -47,9 +47,11 @@ def test_a_crash_in_a_trial_is_a_failed_trial_and_the_caller_lives(limited_addre
     assert forkserver._forkserver._forkserver_pid is None
 
 
-def test_a_fork_server_running_before_the_trials_stays_and_theirs_ends_though_a_fork_holds_its_pipe():
+def test_a_fork_server_running_before_the_trials_stays_and_theirs_ends_though_a_fork_holds_its_pipe(monkeypatch):
     """The server ends at the end of its pipe from the caller, which a process forked from the
-    caller holds open too: stopping it once waited for that process."""
+    caller holds open too: stopping it once waited for that process. With SIGCHLD ignored the
+    kernel reaps the server and the stop's wait fails: its pid, left behind, failed every later
+    trial's start."""
     import subprocess
     import time
 
@@ -77,33 +79,23 @@ def test_a_fork_server_running_before_the_trials_stays_and_theirs_ends_though_a_
         assert time.monotonic() - start < 10 and server._forkserver_pid is None
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-        run(1)  # the next trial starts a server of its own
-        assert server._forkserver_pid not in (None, pid)
     finally:
         if holder is not None:
             holder.kill()
             holder.wait()
         _stop_fork_server(server)
-
-
-def test_a_fork_server_reaped_elsewhere_is_forgotten_and_the_next_trial_starts_another(monkeypatch):
-    """With SIGCHLD ignored the kernel reaps the server and the stop's wait fails: its pid, left
-    behind, failed every later trial's start."""
-    from adaptive_batch.probe.child import trial_processes
-
-    server = forkserver._forkserver
-    _stop_fork_server(server)
-    run = child_trial(crashing_step.build, headroom_bytes=2**30, steps=1)
-    monkeypatch.setattr(os, "waitpid", lambda pid, options: (_ for _ in ()).throw(ChildProcessError(10, "No child")))
-    with trial_processes():
-        run(1)
-        pid = server._forkserver_pid
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "waitpid", lambda pid, options: (_ for _ in ()).throw(ChildProcessError(10, "No child")))
+        with trial_processes():
+            run(1)
+            pid = server._forkserver_pid
     assert (server._forkserver_pid, server._forkserver_alive_fd, server._forkserver_address) == (None, None, None)
     os.waitpid(pid, 0)  # the test's own reap of the server its stop killed
-    run(1)
-    _stop_fork_server(server)
-
+    try:
+        run(1)  # the next trial starts a server of its own
+        assert server._forkserver_pid not in (None, pid)
+    finally:
+        _stop_fork_server(server)
 
 def test_without_an_address_space_limit_build_runs_the_trials_here_and_says_so(monkeypatch):
     """Under a cgroup or the machine's RAM, limits every process shares, a child's copy of the
