@@ -181,8 +181,8 @@ def _stop_fork_server(server: Any) -> None:
     """Ends ``server`` (multiprocessing's fork server) and forgets it, so the next trial starts a
     new one. SIGTERM first: the server stops at the end of its pipe from this process, which a
     process forked from here meanwhile would hold open, and ``_stop`` (what multiprocessing's own
-    tests call) then waits for it. A server that cannot be stopped is left as multiprocessing
-    leaves it."""
+    tests call) then waits for it and removes its socket. Where that wait fails (the server reaped
+    elsewhere), the server is forgotten all the same."""
     pid = getattr(server, "_forkserver_pid", None)
     stop = getattr(server, "_stop", None)
     if pid is None or stop is None:
