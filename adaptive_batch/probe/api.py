@@ -44,9 +44,7 @@ from torch import nn
 from adaptive_batch.distributed import RankGroup
 from adaptive_batch.errors import BatchSizeTooLargeError, ConfigError
 import adaptive_batch.logs as logs
-from adaptive_batch.memory.device import (
-    ADDRESS_SPACE_SOURCE, prepare_allocator_for_a_hard_budget, relax_allocator_for_training,
-)
+from adaptive_batch.memory.device import ADDRESS_SPACE_SOURCE, relax_allocator_for_training
 from adaptive_batch.memory.oom import collections_of_new_objects
 from adaptive_batch.probe.service import (
     DEFAULT_PROBE_TIME_BUDGET_S, MemorySpec, ProbeOptions, TrialLimits, search_and_check, step_budget,
@@ -212,13 +210,10 @@ def _search(train_step: Callable[[Any], None], *, make_batch: Callable[[int], An
         budget, capacity, in_children = step_budget(options, target, build=build)
         if build is not None and not in_children:
             logs.info(f"probe: build= is not used: {_why_build_is_not_used(capacity.source, target.device)}")
-        # The caller trains on the answer: on glibc's defaults BERT's failed in a fresh process.
-        prepare_allocator_for_a_hard_budget(target.device, soft_budget=budget.is_soft)
-        if target.device.type == "cpu" and not budget.is_soft:
-            if not in_children and build is None:
-                logs.info(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
-                          "leaves worse than a fresh one's (find_max_batch_size(build=f) with f() -> ProbeTarget runs "
-                          "them in fresh processes).")
+        if target.device.type == "cpu" and not budget.is_soft and build is None:
+            logs.info(f"probe: {budget.describe()}; its trials run in this process, whose heap an out-of-memory trial "
+                      "leaves worse than a fresh one's (find_max_batch_size(build=f) with f() -> ProbeTarget runs "
+                      "them in fresh processes).")
         # The recipes' probe without their cache, ranks and report: each rank answers for itself.
         with other_optimizers_put_back(target):
             report = search_and_check(

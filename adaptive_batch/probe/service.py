@@ -158,13 +158,14 @@ def step_budget(
     """The budget for a step's peak on ``target.device`` (``max_memory`` or the device, less the
     margin), the capacity it was read from, and whether the trials run in fresh processes
     (:func:`~adaptive_batch.probe.children.trials_in_children`: then the default margin is theirs).
+    A hard CPU budget gets the allocator settings its caller trains the answer on, where nobody
+    set them yet (:func:`~adaptive_batch.memory.device.prepare_allocator_for_a_hard_budget`).
 
     Raises:
         ConfigError: for a ``max_memory`` the device cannot give.
     """
-    # No allocator settings here: whoever trains on the answer sets them (prepare_allocator) and
-    # says so: the recipes, AdaptiveBatch, the Trainer; a hard budget's callers once it is read
-    # (prepare_allocator_for_a_hard_budget).
+    # The recipes, AdaptiveBatch and the Trainer set and say the allocator's settings before
+    # this (prepare_allocator); a budget is known to be hard only once it is read, here.
     device = target.device
     capacity = device_capacity(device)
     max_memory = options.max_memory_bytes(capacity.device_bytes)
@@ -176,7 +177,9 @@ def step_budget(
                              max_memory_fraction=memory_fraction(options.max_memory))
 
     in_children = trials_in_children(build, budget(False), capacity, device=device, distributed=distributed)
-    return budget(in_children), capacity, in_children
+    read = budget(in_children)
+    prepare_allocator_for_a_hard_budget(device, soft_budget=read.is_soft)
+    return read, capacity, in_children
 
 
 @dataclass(frozen=True)
@@ -281,7 +284,6 @@ def probe_batch_size(
         target = replace(target, held=(*target.held, *held)).on_its_device()
         ranks = ranks or RankGroup(target.device)
         budget, capacity, in_children = step_budget(options, target, build=build, distributed=ranks.distributed)
-        prepare_allocator_for_a_hard_budget(target.device, soft_budget=budget.is_soft)
         # Every rank searches against the smallest budget; each measures against its own.
         rank_budgets = ranks.gather(budget.budget_bytes)
         caps = [c for c in (dataset_size, options.max_batch_size) if c is not None]
